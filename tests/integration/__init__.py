@@ -1,0 +1,1 @@
+# Package marker: test modules import as `integration.*`, so their names never clash with tests/sim.

@@ -1,0 +1,57 @@
+"""Fixtures for the real-Envoy integration tests (see harness.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import Client, Stack
+
+_ACTIVE_STACKS: list = []
+
+
+@pytest.fixture(scope="session")
+def stack():
+    """The demo config (envoy/envoy.yaml) with the debug header forced on, shared by the session.
+
+    State in Envoy (prefix index, counters) persists across tests: tests use their own random
+    prefixes and measure metric deltas, so they do not depend on order.
+    """
+    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision"}).start()
+    _ACTIVE_STACKS.append(s)
+    yield s
+    _ACTIVE_STACKS.remove(s)
+    s.close()
+
+
+@pytest.fixture
+def env(stack):
+    """Per test: worker counters reset, delays off; the invariant checks run after the test."""
+    stack.pool.reset()
+    yield stack
+    check_upstream_headers(stack)
+
+
+@pytest.fixture
+def client(stack):
+    c = Client(stack.envoy.listener_port)
+    yield c
+    c.close()
+
+
+def check_upstream_headers(stack):
+    """Every request a worker saw carried exactly one cluster header naming that worker, and no
+    debug header (the filter strips client-sent ones and sets its own)."""
+    bad = []
+    for name, r in stack.pool.all_requests():
+        if r["cluster_header"] != [name] or r["debug_header"]:
+            bad.append((name, r))
+    assert not bad, f"upstream saw wrong routing headers: {bad[:5]}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and _ACTIVE_STACKS:
+        for s in _ACTIVE_STACKS:
+            rep.sections.append((f"envoy log tail ({s.envoy.log_path})", s.envoy.log_tail(120)))

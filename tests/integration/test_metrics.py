@@ -1,0 +1,102 @@
+"""The filter's Prometheus metrics on Envoy's admin /stats/prometheus (names per docs/design.md)."""
+
+from __future__ import annotations
+
+from . import workload as wl
+from .harness import delta, inflight_gauges, reason_counters, wait_inflight_zero
+
+MODEL = "llama"
+REASONS = {"prefix_hit", "hash_affinity", "load_spill", "fallback", "passthrough", "parse_error", "rejected",
+           "round_robin", "random"}
+
+
+def test_request_counters_count_exactly_what_was_sent(env, client):
+    before = env.envoy.stats()
+    r = wl.rng("metrics")
+    prefix = wl.text(r, 2500)
+    inference = []
+    for i in range(6):  # one new prefix, then 5 hits
+        inference.append(client.post("/v1/completions", {"model": MODEL, "prompt": prefix + wl.text(r, 90)}))
+    for i in range(4):  # distinct prefixes via chat
+        inference.append(client.post("/v1/chat/completions",
+                                     {"model": MODEL, "messages": [{"role": "user", "content": wl.text(r, 700)}]}))
+    gets = [client.get("/v1/models") for _ in range(5)]
+    malformed = [client.post("/v1/chat/completions", b'{"messages": [') for _ in range(3)]
+    everything = inference + gets + malformed
+    assert all(rep.status == 200 for rep in everything)
+
+    wait_inflight_zero(env)
+    after = env.envoy.stats()
+    d = delta(after, before)
+    reasons = {k: v for k, v in delta(reason_counters(after), reason_counters(before)).items() if v}
+    info = f"reason deltas={reasons}"
+
+    assert set(reason_counters(after)) <= REASONS, reason_counters(after)
+    assert sum(reasons.values()) == len(everything), info
+    assert reasons.get("passthrough", 0) == len(gets), info
+    assert reasons.get("parse_error", 0) == len(malformed), info
+    # The counters agree with the per-request debug header, reason by reason.
+    from collections import Counter
+
+    assert reasons == dict(Counter(rep.decision["reason"] for rep in everything)), info
+    assert reasons.get("prefix_hit", 0) >= 5, info
+
+    # Blocks: the counters are the sums of the per-request figures the debug header reports.
+    prompt_blocks = sum(rep.decision.get("total", 0) for rep in everything)
+    matched_blocks = sum(rep.decision.get("matched", 0) for rep in everything)
+    assert d["prefix_router_blocks_prompt"] == prompt_blocks > 0
+    assert d["prefix_router_blocks_matched"] == matched_blocks > 0
+    assert matched_blocks <= prompt_blocks
+
+    assert "prefix_router_index_cas_conflicts" in after
+    assert d["prefix_router_index_writes"] > 0
+
+
+def test_inflight_gauges_exist_per_worker_and_return_to_zero(env, client):
+    r = wl.rng("gauges")
+    for _ in range(5):
+        assert client.post("/v1/completions", {"model": MODEL, "prompt": wl.text(r, 1000)}).status == 200
+    gauges = wait_inflight_zero(env)
+    expected = {f"prefix_router_inflight_{kind}_{w}" for kind in ("requests", "tokens") for w in env.names}
+    assert expected <= set(gauges), sorted(gauges)
+    assert all(v == 0 for v in gauges.values()), gauges
+
+
+def test_inflight_gauges_track_requests_in_progress(env):
+    """While slow requests are being served, the gauges show them; afterwards they drain to 0."""
+    import threading
+
+    from .harness import Client
+
+    r = wl.rng("gauges-live")
+    env.pool.set_delay(1.0)
+    prompts = [wl.text(r, 1000) for _ in range(4)]
+    done = []
+
+    def send(p):
+        c = Client(env.envoy.listener_port)
+        try:
+            done.append(c.post("/v1/completions", {"model": MODEL, "prompt": p}).status)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    import time
+
+    peak = 0.0
+    deadline = time.monotonic() + 0.9
+    while time.monotonic() < deadline:
+        g = inflight_gauges(env.envoy.stats())
+        peak = max(peak, sum(v for k, v in g.items() if k.startswith("prefix_router_inflight_requests_")))
+        if peak >= 4:
+            break
+        time.sleep(0.05)
+    for t in threads:
+        t.join(timeout=30)
+    env.pool.set_delay(0.0)
+    assert done == [200] * 4
+    assert peak == 4, f"in-flight request gauges peaked at {peak} with 4 requests held upstream"
+    gauges = wait_inflight_zero(env)
+    assert all(v == 0 for v in gauges.values()), gauges

@@ -1,0 +1,86 @@
+"""Requests the router cannot parse, or that are not inference, are still served; big prompts fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from . import workload as wl
+
+MODEL = "llama"
+
+MALFORMED = {
+    "truncated-json": b'{"model": "llama", "messages": [{"role": "user", "content": "hi"',
+    "not-json": b"this is not json at all",
+    "wrong-type-messages": b'{"model": "llama", "messages": 42}',
+    "wrong-type-prompt": b'{"model": "llama", "prompt": {"a": 1}}',
+    "json-array": b"[1, 2, 3]",
+    "invalid-utf8": b'{"model": "llama", "prompt": "\xff\xfe"}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_body_is_served(env, client, name):
+    path = "/v1/completions" if "prompt" in name else "/v1/chat/completions"
+    rep = client.post(path, MALFORMED[name])
+    assert rep.status == 200, (name, rep.status, rep.body)
+    assert rep.worker in env.names
+    assert rep.decision["reason"] == "parse_error", rep.decision
+    assert rep.json()["body_len"] == len(MALFORMED[name])  # forwarded untouched
+
+
+def test_empty_body_inference_request_is_served(env, client):
+    """POST with no body: end of stream arrives with the headers; must not hang."""
+    rep = client.request("POST", "/v1/chat/completions", b"")
+    assert rep.status == 200, rep.body
+    assert rep.worker in env.names
+    assert rep.decision["reason"] == "parse_error", rep.decision
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [("GET", "/v1/models"), ("GET", "/health"), ("GET", "/get_load"), ("POST", "/flush_cache"),
+     ("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings")],
+)
+def test_non_inference_requests_pass_through(env, client, method, path):
+    rep = client.request(method, path, b"{}" if method == "POST" else None)
+    assert rep.status == 200, rep.body
+    assert rep.worker in env.names
+    assert rep.decision["reason"] == "passthrough", rep.decision
+    assert rep.json()["path"] == path
+
+
+def test_unknown_model_falls_back_to_default_workers(env, client):
+    rep = client.post("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert rep.status == 200, rep.body
+    assert rep.worker in env.names
+    assert rep.decision["reason"] == "fallback", rep.decision
+
+
+def _cjk(r, n):
+    return "".join(chr(r.randrange(0x4E00, 0x9FFF)) for _ in range(n))
+
+
+def test_128k_token_prompts_are_not_rejected(env, client):
+    """Envoy buffers the whole body for the filter; the default 1 MiB limit would answer 413."""
+    r = wl.rng("long")
+    # 128k token ids: ~0.9 MiB of JSON.
+    body = json.dumps({"input_ids": wl.tokens(r, 131_072)}).encode()
+    rep = client.post("/generate", body)
+    assert rep.status == 200, (rep.status, rep.body[:200])
+    assert rep.json()["body_len"] == len(body)
+
+    # ~128k tokens of CJK chat text: JSON-escaped (\uXXXX) it is well over 1 MiB.
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": _cjk(r, 200_000)}]}).encode()
+    assert len(body) > 1 << 20
+    rep = client.post("/v1/chat/completions", body)
+    assert rep.status == 200, (rep.status, rep.body[:200])
+    assert rep.json()["body_len"] == len(body)
+    assert rep.decision["reason"] in ("hash_affinity", "prefix_hit", "load_spill"), rep.decision
+
+    # Headroom: a 6 MiB prompt still fits under the configured 16 MiB.
+    body = json.dumps({"model": MODEL, "prompt": wl.text(r, 6 << 20)}).encode()
+    rep = client.post("/v1/completions", body)
+    assert rep.status == 200, (rep.status, rep.body[:200])
+    assert rep.json()["body_len"] == len(body)

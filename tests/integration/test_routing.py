@@ -1,0 +1,197 @@
+"""Routing behaviour through the real Envoy: affinity, bounded load, spread, chat and all APIs."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import Counter
+
+from . import workload as wl
+from .harness import Client, wait_inflight_zero
+
+MODEL = "llama"
+
+
+def _text_blocks(stack, n_chars: int) -> int:
+    return n_chars // int(stack.plugin.get("text_block_bytes", 64))
+
+
+def test_shared_prefix_sequential_stays_on_one_worker(env, client):
+    r = wl.rng("seq")
+    prefix = wl.text(r, 4096)
+    replies = []
+    for i in range(200):
+        body = {"model": MODEL, "prompt": prefix + f" Question {i}: " + wl.text(r, 120), "max_tokens": 8}
+        rep = client.post("/v1/completions", body)
+        assert rep.status == 200, rep.body
+        replies.append(rep)
+
+    workers = Counter(rep.worker for rep in replies)
+    assert len(workers) == 1, f"sequential shared-prefix requests split over workers: {workers}"
+    assert env.pool.counts()[replies[0].worker] == 200
+    # The debug header agrees with the worker that answered, and explains the decision.
+    assert all(rep.decision.get("worker") == rep.worker for rep in replies)
+    assert replies[0].decision["reason"] == "hash_affinity", replies[0].decision
+    shared = _text_blocks(env, len(prefix))
+    for rep in replies[1:]:
+        d = rep.decision
+        assert d["reason"] == "prefix_hit", d
+        assert shared - 2 <= d["matched"] <= d["total"], d
+
+
+def test_shared_prefix_concurrent_spills_within_load_bound(env):
+    r = wl.rng("conc")
+    prefix = wl.text(r, 4096)
+    bodies = [
+        {"model": MODEL, "prompt": prefix + f" Q{i}: " + wl.text(r, 120), "max_tokens": 8} for i in range(201)
+    ]
+    # Warm-up: establishes the prefix owner.
+    warm = Client(env.envoy.listener_port)
+    first = warm.post("/v1/completions", bodies[0])
+    warm.close()
+    assert first.status == 200
+    owner = first.worker
+    env.pool.reset()
+
+    C = 32
+    env.pool.set_delay(0.05)
+    jobs: queue.Queue = queue.Queue()
+    for b in bodies[1:]:
+        jobs.put(b)
+    results, errors = [], []
+    lock = threading.Lock()
+    start = threading.Barrier(C)
+
+    def run():
+        c = Client(env.envoy.listener_port)
+        try:
+            start.wait()
+            while True:
+                try:
+                    b = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                rep = c.post("/v1/completions", b)
+                with lock:
+                    results.append(rep)
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            with lock:
+                errors.append(repr(e))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=run) for _ in range(C)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    env.pool.set_delay(0.0)
+    assert not errors, errors[:5]
+    assert len(results) == 200 and all(rep.status == 200 for rep in results)
+
+    n = len(env.names)
+    eps = env.load_eps
+    bound = math.ceil((1 + eps) * C / n) + 2
+    counts, peaks = env.pool.counts(), env.pool.max_inflight()
+    reasons = Counter(rep.decision.get("reason") for rep in results)
+    info = f"counts={counts} peaks={peaks} reasons={reasons} bound={bound}"
+    assert sum(counts.values()) == 200, info
+    assert max(peaks.values()) <= bound, info
+    assert sum(1 for v in counts.values() if v) > 1, info
+    assert counts[owner] == max(counts.values()), info
+    assert reasons["load_spill"] > 0, info
+    assert set(reasons) <= {"prefix_hit", "load_spill", "hash_affinity"}, info
+
+    gauges = wait_inflight_zero(env)
+    assert gauges and all(v == 0 for v in gauges.values()), gauges
+
+
+def test_distinct_prefixes_spread_over_all_workers(env, client):
+    r = wl.rng("spread")
+    seen = Counter()
+    for i in range(64):
+        rep = client.post("/v1/completions", {"model": MODEL, "prompt": wl.text(r, 2048), "max_tokens": 8})
+        assert rep.status == 200
+        assert rep.decision["reason"] == "hash_affinity", rep.decision
+        seen[rep.worker] += 1
+    assert set(seen) == set(env.names), seen
+    assert max(seen.values()) <= 2 * min(seen.values()), seen
+
+
+def test_multi_turn_chat_stays_on_its_worker(env, client):
+    r = wl.rng("chat")
+    convs = [[{"role": "system", "content": wl.text(r, 1500)}] for _ in range(4)]
+    served = [[] for _ in convs]
+    for turn in range(5):
+        for k, msgs in enumerate(convs):
+            msgs.append({"role": "user", "content": f"turn {turn}: " + wl.text(r, 200)})
+            rep = client.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 16})
+            assert rep.status == 200, rep.body
+            served[k].append(rep)
+            msgs.append({"role": "assistant", "content": wl.text(r, 300)})
+    for k, reps in enumerate(served):
+        assert len({rep.worker for rep in reps}) == 1, (k, [rep.decision for rep in reps])
+        assert reps[0].decision["reason"] == "hash_affinity", reps[0].decision
+        for prev, rep in zip(reps, reps[1:]):
+            d = rep.decision
+            assert d["reason"] == "prefix_hit", d
+            # The whole previous turn is a prefix of this one: at least its full blocks match.
+            assert d["matched"] >= prev.decision["total"] - 1, (prev.decision, d)
+
+
+def _assert_sticky(reps):
+    assert all(rep.status == 200 for rep in reps), [rep.body for rep in reps]
+    assert len({rep.worker for rep in reps}) == 1, [rep.decision for rep in reps]
+    assert all(rep.decision.get("reason") == "prefix_hit" for rep in reps[1:]), [rep.decision for rep in reps]
+
+
+def test_completions_string_prompt_is_sticky(env, client):
+    r = wl.rng("cmpl-str")
+    prefix = wl.text(r, 3000)
+    _assert_sticky(
+        [client.post("/v1/completions", {"model": MODEL, "prompt": prefix + wl.text(r, 80)}) for _ in range(6)]
+    )
+
+
+def test_completions_token_prompt_is_sticky(env, client):
+    r = wl.rng("cmpl-tok")
+    prefix = wl.tokens(r, 1024)
+    reps = [client.post("/v1/completions", {"model": MODEL, "prompt": prefix + wl.tokens(r, 40)}) for _ in range(6)]
+    _assert_sticky(reps)
+    tb = int(env.plugin.get("token_block_size", 16))
+    assert all(rep.decision["matched"] >= 1024 // tb - 1 for rep in reps[1:]), [rep.decision for rep in reps]
+
+
+def test_generate_text_is_sticky(env, client):
+    r = wl.rng("gen-text")
+    prefix = wl.text(r, 3000)
+    reps = [client.post("/generate", {"text": prefix + wl.text(r, 80), "sampling_params": {"max_new_tokens": 8}})
+            for _ in range(4)]
+    reps.append(client.request("PUT", "/generate", {"text": prefix + wl.text(r, 80)}))
+    _assert_sticky(reps)
+
+
+def test_generate_input_ids_is_sticky(env, client):
+    r = wl.rng("gen-ids")
+    prefix = wl.tokens(r, 1024)
+    _assert_sticky(
+        [client.post("/generate", {"input_ids": prefix + wl.tokens(r, 40)}) for _ in range(6)]
+    )
+
+
+def test_chunked_request_body_routes_like_a_plain_one(env, client):
+    """A body arriving in several chunks (several on_http_request_body calls) is routed on the whole."""
+    r = wl.rng("chunked")
+    prefix = wl.text(r, 3000)
+    first = client.post("/v1/completions", {"model": MODEL, "prompt": prefix + "A"})
+    assert first.status == 200
+    import json as _json
+
+    body = _json.dumps({"model": MODEL, "prompt": prefix + "B"}).encode()
+    parts = [body[i : i + 700] for i in range(0, len(body), 700)]
+    rep = client.request_chunked("POST", "/v1/completions", parts)
+    assert rep.status == 200, rep.body
+    assert rep.worker == first.worker, (first.decision, rep.decision)
+    assert rep.decision["reason"] == "prefix_hit", rep.decision
+    assert rep.json()["body_len"] == len(body)
