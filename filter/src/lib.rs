@@ -1,1 +1,16 @@
-pub fn x() {}
+//! prefix-router: cache-aware routing of LLM inference requests inside Envoy.
+//!
+//! The pure core (everything but `glue`) is plain Rust over the [`store::Store`] trait, tested
+//! natively; `glue` is the thin proxy-wasm layer compiled only for Wasm.
+
+pub mod blocks;
+pub mod config;
+pub mod index;
+pub mod load;
+pub mod policy;
+pub mod request;
+pub mod router;
+pub mod store;
+
+#[cfg(target_arch = "wasm32")]
+mod glue;

@@ -1,0 +1,146 @@
+//! Chained xxh3-64 block hashing and the checkpoint schedule.
+//!
+//! A prompt's canonical bytes (see `request.rs`) are cut into fixed-size blocks; block `i`'s hash
+//! is `xxh3_64_with_seed(block_i, hash_{i-1})` and block 0 is seeded by the model (and LoRA
+//! adapter), so a hash names the *whole prefix* ending at that block, and two models never share
+//! an entry. The final partial block is hashed too: it can never collide with the full block a
+//! longer prompt has at that position (different bytes), so it does not break the prefix property
+//! and it lets short prompts be indexed.
+//!
+//! Token-id prompts reach this module as little-endian `u32` bytes, so a block of `k` tokens is
+//! simply a block of `4k` bytes and one code path serves both kinds.
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Seed domain separator so our chains never equal a plain xxh3 of the same bytes.
+const CHAIN_DOMAIN: u64 = 0x7072_6566_6978_7274; // "prefixrt"
+
+/// Seed of block 0 for `model` (and optional LoRA adapter).
+pub fn chain_seed(model: &[u8], lora: Option<&[u8]>) -> u64 {
+    let m = xxh3_64_with_seed(model, CHAIN_DOMAIN);
+    match lora {
+        Some(l) if !l.is_empty() => xxh3_64_with_seed(l, m),
+        _ => m,
+    }
+}
+
+/// Hashes `data` in blocks of `block_bytes` into `out` (cleared first), at most `max_blocks`.
+/// Returns `true` when the prompt was longer than `max_blocks` blocks and was truncated.
+pub fn hash_blocks(
+    seed: u64,
+    data: &[u8],
+    block_bytes: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) -> bool {
+    out.clear();
+    if block_bytes == 0 {
+        return false;
+    }
+    let mut prev = seed;
+    for chunk in data.chunks(block_bytes).take(max_blocks) {
+        prev = xxh3_64_with_seed(chunk, prev);
+        out.push(prev);
+    }
+    data.len().div_ceil(block_bytes) > max_blocks
+}
+
+/// A 64-bit digest of arbitrary bytes (used for the round-robin-free hashes of short keys).
+pub fn digest(data: &[u8]) -> u64 {
+    xxh3_64(data)
+}
+
+/// Block counts at which the index records a prompt: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ...
+/// (every count up to 4, then two per doubling: `2^k` and `3·2^(k-1)`).
+///
+/// Why checkpoints instead of every block: a write costs two host calls under Envoy's global
+/// shared-data lock, so indexing all 256 blocks of a 4k-token prompt would cost ~500 host calls.
+/// With checkpoints a prompt of `n` blocks is recorded at `≤ 2·log2(n) + 2` positions, and a
+/// matched prefix is under-estimated by at most a factor 3/2 (consecutive checkpoints differ by at
+/// most 1.5×), which changes costs but rarely choices. `nth_checkpoint(j)` is the (j+1)-th count.
+pub fn nth_checkpoint(j: usize) -> usize {
+    if j < 4 {
+        return j + 1;
+    }
+    // j = 4 -> 6, 5 -> 8, 6 -> 12, 7 -> 16, ...
+    let k = (j - 4) / 2 + 2; // 2^k is the lower power
+    if k >= usize::BITS as usize - 2 {
+        return usize::MAX;
+    }
+    if (j - 4).is_multiple_of(2) {
+        3usize << (k - 1)
+    } else {
+        1usize << (k + 1)
+    }
+}
+
+/// Number of checkpoints `<= n` blocks.
+pub fn checkpoints_upto(n: usize) -> usize {
+    let mut j = 0;
+    while nth_checkpoint(j) <= n {
+        j += 1;
+    }
+    j
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_is_dense_then_geometric() {
+        let s: Vec<usize> = (0..14).map(nth_checkpoint).collect();
+        assert_eq!(s, vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]);
+        assert_eq!(checkpoints_upto(0), 0);
+        assert_eq!(checkpoints_upto(1), 1);
+        assert_eq!(checkpoints_upto(5), 4);
+        assert_eq!(checkpoints_upto(128), 14);
+        // Ratio bound that the docs promise.
+        for j in 0..60 {
+            let (a, b) = (nth_checkpoint(j), nth_checkpoint(j + 1));
+            assert!(b > a && (b as f64) / (a as f64) <= 2.0 && (j < 3 || 2 * b <= 3 * a));
+        }
+        // 2·log2(n)+2 bound.
+        for n in [1usize, 10, 256, 4096, 1 << 20] {
+            assert!(checkpoints_upto(n) as f64 <= 2.0 * (n as f64).log2() + 2.0);
+        }
+    }
+
+    #[test]
+    fn longer_prompt_extends_shorter_chain() {
+        let seed = chain_seed(b"m", None);
+        let short = b"The quick brown fox jumps over the lazy dog. ".repeat(5);
+        let mut long = short.clone();
+        long.extend_from_slice(b"And then some more text follows here.");
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        hash_blocks(seed, &short, 16, 1000, &mut a);
+        hash_blocks(seed, &long, 16, 1000, &mut b);
+        let full = short.len() / 16;
+        assert_eq!(a[..full], b[..full]);
+        // The partial last block of the short prompt differs from the full one in the long one.
+        assert_ne!(a[full], b[full]);
+    }
+
+    #[test]
+    fn models_and_adapters_never_share_chains() {
+        let data = b"same prompt bytes";
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        hash_blocks(chain_seed(b"m1", None), data, 4, 100, &mut a);
+        hash_blocks(chain_seed(b"m2", None), data, 4, 100, &mut b);
+        hash_blocks(chain_seed(b"m1", Some(b"lora")), data, 4, 100, &mut c);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert!(a.iter().zip(&c).all(|(x, y)| x != y));
+        assert_eq!(chain_seed(b"m1", Some(b"")), chain_seed(b"m1", None));
+    }
+
+    #[test]
+    fn truncation_is_reported() {
+        let mut out = Vec::new();
+        assert!(!hash_blocks(1, &[0u8; 64], 16, 4, &mut out));
+        assert_eq!(out.len(), 4);
+        assert!(hash_blocks(1, &[0u8; 65], 16, 4, &mut out));
+        assert_eq!(out.len(), 4);
+        assert!(!hash_blocks(1, &[], 16, 4, &mut out));
+        assert!(out.is_empty());
+    }
+}

@@ -1,0 +1,526 @@
+//! Typed plugin configuration, validated once in `on_configure`.
+//!
+//! Every default lives in this file (the `default_*` functions and [`Defaults`]); the README's
+//! config reference is generated from the same values by hand and kept in sync by a test.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Hard ceilings that keep per-request work and memory bounded whatever the config says.
+pub const MAX_WORKERS_PER_MODEL: usize = 1024;
+pub const MAX_BLOCK_BYTES: usize = 1 << 16;
+pub const MAX_TOKEN_BLOCK: usize = 4096;
+
+/// Raw configuration as written by the operator (JSON).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub models: BTreeMap<String, RawModel>,
+    #[serde(default)]
+    pub default_model: Option<String>,
+    #[serde(default)]
+    pub unknown_model: UnknownModel,
+    #[serde(default)]
+    pub passthrough_cluster: Option<String>,
+    #[serde(default = "default_cluster_header")]
+    pub cluster_header: String,
+    #[serde(default)]
+    pub debug_header: Option<String>,
+    #[serde(default = "default_text_block_bytes")]
+    pub text_block_bytes: usize,
+    #[serde(default = "default_token_block_size")]
+    pub token_block_size: usize,
+    #[serde(default = "default_max_prompt_blocks")]
+    pub max_prompt_blocks: usize,
+    #[serde(default)]
+    pub index: IndexConfig,
+    #[serde(default)]
+    pub policy: PolicyConfig,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    pub workers: Vec<RawWorker>,
+    #[serde(default)]
+    pub text_block_bytes: Option<usize>,
+    #[serde(default)]
+    pub token_block_size: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawWorker {
+    Name(String),
+    Weighted {
+        cluster: String,
+        #[serde(default = "default_weight")]
+        weight: f64,
+    },
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownModel {
+    /// Route to the default model's workers (reason `fallback`).
+    #[default]
+    Default,
+    /// Answer 404 with an OpenAI-style error body.
+    Reject,
+}
+
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Entries (prompt checkpoints) per model; rounded up to a multiple of 4 (one bucket).
+    #[serde(default = "default_capacity")]
+    pub capacity: usize,
+    /// A holder not refreshed for this long is ignored (the worker has likely evicted it).
+    #[serde(default = "default_ttl_seconds")]
+    pub ttl_seconds: u32,
+    /// CAS attempts per index bucket write before the update is dropped (counted).
+    #[serde(default = "default_cas_retries")]
+    pub cas_retries: u32,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            capacity: default_capacity(),
+            ttl_seconds: default_ttl_seconds(),
+            cas_retries: default_cas_retries(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    #[default]
+    CacheAware,
+    RoundRobin,
+    Random,
+}
+
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    #[serde(default)]
+    pub name: PolicyName,
+    /// Load bound: a worker may take a request only while
+    /// `in_flight + 1 <= (1 + load_eps) * weighted_mean(in_flight incl. this one) + 1`.
+    #[serde(default = "default_load_eps")]
+    pub load_eps: f64,
+    /// Weight of a worker's in-flight (estimated uncached) prompt tokens in its cost.
+    #[serde(default = "default_load_weight")]
+    pub load_weight: f64,
+    /// Cost of one in-flight request (decode work), in prompt-token equivalents.
+    #[serde(default = "default_request_cost_tokens")]
+    pub request_cost_tokens: f64,
+    /// Leading blocks whose hash picks the rendezvous worker when nobody holds the prefix.
+    #[serde(default = "default_affinity_blocks")]
+    pub affinity_blocks: usize,
+    /// Text bytes per token when estimating the tokens of a text prompt.
+    #[serde(default = "default_chars_per_token")]
+    pub chars_per_token: u32,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            name: PolicyName::default(),
+            load_eps: default_load_eps(),
+            load_weight: default_load_weight(),
+            request_cost_tokens: default_request_cost_tokens(),
+            affinity_blocks: default_affinity_blocks(),
+            chars_per_token: default_chars_per_token(),
+        }
+    }
+}
+
+fn default_cluster_header() -> String {
+    "x-prefix-router-cluster".into()
+}
+fn default_text_block_bytes() -> usize {
+    64
+}
+fn default_token_block_size() -> usize {
+    16
+}
+fn default_max_prompt_blocks() -> usize {
+    16384
+}
+fn default_weight() -> f64 {
+    1.0
+}
+fn default_capacity() -> usize {
+    262_144
+}
+fn default_ttl_seconds() -> u32 {
+    600
+}
+fn default_cas_retries() -> u32 {
+    4
+}
+fn default_load_eps() -> f64 {
+    0.25
+}
+fn default_load_weight() -> f64 {
+    1.0
+}
+fn default_request_cost_tokens() -> f64 {
+    64.0
+}
+fn default_affinity_blocks() -> usize {
+    4
+}
+fn default_chars_per_token() -> u32 {
+    4
+}
+
+/// A configuration error naming the offending field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid config field `{}`: {}", self.field, self.message)
+    }
+}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// One upstream worker (an Envoy cluster).
+#[derive(Debug, Clone)]
+pub struct Worker {
+    pub cluster: String,
+    pub weight: f64,
+    /// Stable non-zero identity stored in shared data: index holders and load entries name
+    /// workers by this id, so a config with reordered or removed workers never misreads them.
+    pub id: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub name: String,
+    pub workers: Vec<Worker>,
+    /// Bytes per hashed block (text) and tokens per block (token ids).
+    pub text_block_bytes: usize,
+    pub token_block_size: usize,
+    /// Shared-data key prefixes for this model's index buckets and load vector.
+    pub index_key_prefix: String,
+    pub load_key: String,
+    /// True when all weights are equal (rendezvous can skip the logarithm).
+    pub uniform_weights: bool,
+    pub total_weight: f64,
+}
+
+/// Validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub models: Vec<Model>,
+    pub default_model: usize,
+    pub unknown_model: UnknownModel,
+    pub passthrough_cluster: Option<String>,
+    pub cluster_header: String,
+    pub debug_header: Option<String>,
+    pub max_prompt_blocks: usize,
+    pub index_buckets: u32,
+    pub index: IndexConfig,
+    pub policy: PolicyConfig,
+}
+
+/// Worker identity: xxh3 of the cluster name, never 0 (0 marks an empty slot).
+pub fn worker_id(cluster: &str) -> u32 {
+    let h = xxhash_rust::xxh3::xxh3_64(cluster.as_bytes());
+    let id = (h ^ (h >> 32)) as u32;
+    if id == 0 {
+        1
+    } else {
+        id
+    }
+}
+
+fn valid_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration JSON.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| {
+            // serde names the unknown/mistyped field in its message.
+            err("<root>", e.to_string())
+        })?;
+        Config::validate(raw)
+    }
+
+    pub fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+        if raw.models.is_empty() {
+            return Err(err("models", "at least one model is required"));
+        }
+        check_block("text_block_bytes", raw.text_block_bytes, MAX_BLOCK_BYTES)?;
+        check_block("token_block_size", raw.token_block_size, MAX_TOKEN_BLOCK)?;
+        if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > 1 << 20 {
+            return Err(err("max_prompt_blocks", "must be between 1 and 1048576"));
+        }
+        let mut models = Vec::with_capacity(raw.models.len());
+        for (name, m) in &raw.models {
+            let field = format!("models.{name}");
+            if name.is_empty() {
+                return Err(err("models", "model names must not be empty"));
+            }
+            if m.workers.is_empty() {
+                return Err(err(format!("{field}.workers"), "at least one worker"));
+            }
+            if m.workers.len() > MAX_WORKERS_PER_MODEL {
+                return Err(err(
+                    format!("{field}.workers"),
+                    format!("at most {MAX_WORKERS_PER_MODEL} workers"),
+                ));
+            }
+            let mut workers: Vec<Worker> = Vec::with_capacity(m.workers.len());
+            for (i, w) in m.workers.iter().enumerate() {
+                let (cluster, weight) = match w {
+                    RawWorker::Name(c) => (c.clone(), 1.0),
+                    RawWorker::Weighted { cluster, weight } => (cluster.clone(), *weight),
+                };
+                let wf = format!("{field}.workers[{i}]");
+                if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
+                    return Err(err(wf, "cluster must be a non-empty printable name"));
+                }
+                if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
+                    return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
+                }
+                let id = worker_id(&cluster);
+                if let Some(prev) = workers.iter().find(|p| p.id == id) {
+                    let msg = if prev.cluster == cluster {
+                        format!("duplicate cluster `{cluster}`")
+                    } else {
+                        format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
+                    };
+                    return Err(err(wf, msg));
+                }
+                workers.push(Worker {
+                    cluster,
+                    weight,
+                    id,
+                });
+            }
+            let text_block_bytes = m.text_block_bytes.unwrap_or(raw.text_block_bytes);
+            let token_block_size = m.token_block_size.unwrap_or(raw.token_block_size);
+            check_block(
+                &format!("{field}.text_block_bytes"),
+                text_block_bytes,
+                MAX_BLOCK_BYTES,
+            )?;
+            check_block(
+                &format!("{field}.token_block_size"),
+                token_block_size,
+                MAX_TOKEN_BLOCK,
+            )?;
+            let uniform_weights = workers.iter().all(|w| w.weight == workers[0].weight);
+            let total_weight = workers.iter().map(|w| w.weight).sum();
+            models.push(Model {
+                index_key_prefix: format!("pr/i/{name}/"),
+                load_key: format!("pr/l/{name}"),
+                name: name.clone(),
+                workers,
+                text_block_bytes,
+                token_block_size,
+                uniform_weights,
+                total_weight,
+            });
+        }
+        let default_model = match &raw.default_model {
+            Some(d) => models
+                .iter()
+                .position(|m| &m.name == d)
+                .ok_or_else(|| err("default_model", format!("`{d}` is not in models")))?,
+            None if models.len() == 1 => 0,
+            None => {
+                return Err(err(
+                    "default_model",
+                    "required when more than one model is configured",
+                ))
+            }
+        };
+        if !valid_header_name(&raw.cluster_header) {
+            return Err(err(
+                "cluster_header",
+                "must be a lower-case header name ([a-z0-9_-]+)",
+            ));
+        }
+        if let Some(h) = &raw.debug_header {
+            if !valid_header_name(h) || *h == raw.cluster_header {
+                return Err(err(
+                    "debug_header",
+                    "must be a lower-case header name distinct from cluster_header",
+                ));
+            }
+        }
+        if let Some(p) = &raw.passthrough_cluster {
+            if p.is_empty() {
+                return Err(err("passthrough_cluster", "must not be empty"));
+            }
+        }
+        let idx = &raw.index;
+        if idx.capacity < 4 || idx.capacity > 1 << 26 {
+            return Err(err("index.capacity", "must be between 4 and 67108864"));
+        }
+        if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
+            return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
+        }
+        if idx.cas_retries == 0 || idx.cas_retries > 64 {
+            return Err(err("index.cas_retries", "must be between 1 and 64"));
+        }
+        let p = &raw.policy;
+        if !(p.load_eps.is_finite() && p.load_eps >= 0.0 && p.load_eps <= 100.0) {
+            return Err(err("policy.load_eps", "must be between 0 and 100"));
+        }
+        if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
+            return Err(err("policy.load_weight", "must be a finite number >= 0"));
+        }
+        if !(p.request_cost_tokens.is_finite() && p.request_cost_tokens >= 0.0) {
+            return Err(err(
+                "policy.request_cost_tokens",
+                "must be a finite number >= 0",
+            ));
+        }
+        if p.affinity_blocks == 0 {
+            return Err(err("policy.affinity_blocks", "must be at least 1"));
+        }
+        if p.chars_per_token == 0 {
+            return Err(err("policy.chars_per_token", "must be at least 1"));
+        }
+        Ok(Config {
+            index_buckets: idx.capacity.div_ceil(4) as u32,
+            models,
+            default_model,
+            unknown_model: raw.unknown_model,
+            passthrough_cluster: raw.passthrough_cluster,
+            cluster_header: raw.cluster_header,
+            debug_header: raw.debug_header,
+            max_prompt_blocks: raw.max_prompt_blocks,
+            index: raw.index,
+            policy: raw.policy,
+        })
+    }
+
+    /// Index of the model named `name`, if configured. Linear: configs hold a handful of models.
+    pub fn model_index(&self, name: &[u8]) -> Option<usize> {
+        self.models.iter().position(|m| m.name.as_bytes() == name)
+    }
+}
+
+fn check_block(field: &str, v: usize, max: usize) -> Result<(), ConfigError> {
+    if v == 0 || v > max {
+        return Err(err(field, format!("must be between 1 and {max}")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = Config::from_json(br#"{"models":{"m":{"workers":["a","b"]}}}"#).unwrap();
+        assert_eq!(c.default_model, 0);
+        assert_eq!(c.cluster_header, "x-prefix-router-cluster");
+        assert_eq!(c.models[0].text_block_bytes, 64);
+        assert_eq!(c.models[0].token_block_size, 16);
+        assert_eq!(c.index.capacity, 262_144);
+        assert_eq!(c.index_buckets, 65_536);
+        assert_eq!(c.policy.name, PolicyName::CacheAware);
+        assert_eq!(c.policy.load_eps, 0.25);
+        assert!(c.debug_header.is_none());
+        assert!(c.models[0].uniform_weights);
+    }
+
+    #[test]
+    fn weighted_workers_and_overrides() {
+        let c = Config::from_json(
+            br#"{"models":{"m":{"workers":["a",{"cluster":"b","weight":2}],"token_block_size":32},
+                 "n":{"workers":["c"]}},
+                "default_model":"n","unknown_model":"reject","policy":{"name":"round_robin"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.models[0].workers[1].weight, 2.0);
+        assert!(!c.models[0].uniform_weights);
+        assert_eq!(c.models[0].token_block_size, 32);
+        assert_eq!(c.default_model, 1);
+        assert_eq!(c.unknown_model, UnknownModel::Reject);
+        assert_eq!(c.policy.name, PolicyName::RoundRobin);
+    }
+
+    fn field_of(json: &str) -> String {
+        Config::from_json(json.as_bytes()).unwrap_err().field
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(field_of(r#"{"models":{}}"#), "models");
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":[]}}}"#),
+            "models.m.workers"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a","a"]}}}"#),
+            "models.m.workers[1]"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":[{"cluster":"a","weight":0}]}}}"#),
+            "models.m.workers[0].weight"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]},"n":{"workers":["b"]}}}"#),
+            "default_model"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]}},"default_model":"x"}"#),
+            "default_model"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]}},"cluster_header":"X-Bad"}"#),
+            "cluster_header"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]}},"index":{"capacity":1}}"#),
+            "index.capacity"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]}},"policy":{"load_eps":-1}}"#),
+            "policy.load_eps"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]}},"text_block_bytes":0}"#),
+            "text_block_bytes"
+        );
+        let e = Config::from_json(br#"{"models":{"m":{"workers":["a"]}},"bogus":1}"#).unwrap_err();
+        assert!(e.message.contains("bogus"), "{e}");
+        let e = Config::from_json(br#"{"models":{"m":{"workers":["a"]}},"policy":{"name":"x"}}"#)
+            .unwrap_err();
+        assert!(e.message.contains("unknown variant"), "{e}");
+    }
+
+    #[test]
+    fn worker_ids_are_stable_and_nonzero() {
+        assert_eq!(worker_id("w0"), worker_id("w0"));
+        assert_ne!(worker_id("w0"), worker_id("w1"));
+        assert_ne!(worker_id(""), 0);
+    }
+}

@@ -1,0 +1,363 @@
+//! The proxy-wasm glue: moves data between Envoy and the pure core, nothing else.
+//!
+//! Host calls per inference request (steady state, cache-aware): 1 header removal, 2 header
+//! reads (`:method`, `:path`), 1 clock read, 1 body read, 1 load read + 1 load CAS, the index
+//! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
+//! a few metric increments; at stream end 1 load read + 1 load CAS.
+
+use crate::config::Config;
+use crate::policy::Reason;
+use crate::request::Endpoint;
+use crate::router::{Decision, Outcome, Router};
+use crate::store::{CasMismatch, Store};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use std::cell::RefCell;
+use std::fmt::Write;
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { shared: None }) });
+}}
+
+/// Envoy shared data behind the core's `Store` trait.
+struct EnvoyStore;
+
+impl Store for EnvoyStore {
+    fn get(&self, key: &str, out: &mut Vec<u8>) -> Option<u32> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(v), cas)) => {
+                *out = v;
+                Some(cas.unwrap_or(0))
+            }
+            Ok((None, Some(cas))) => {
+                out.clear();
+                Some(cas)
+            }
+            _ => {
+                out.clear();
+                None
+            }
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch> {
+        let cas = if cas == 0 { None } else { Some(cas) };
+        hostcalls::set_shared_data(key, Some(value), cas).map_err(|_| CasMismatch)
+    }
+}
+
+fn counter(name: &str) -> u32 {
+    hostcalls::define_metric(MetricType::Counter, name).unwrap_or(0)
+}
+
+fn gauge(name: &str) -> u32 {
+    hostcalls::define_metric(MetricType::Gauge, name).unwrap_or(0)
+}
+
+fn bump(id: u32, by: i64) {
+    if id != 0 && by != 0 {
+        let _ = hostcalls::increment_metric(id, by);
+    }
+}
+
+/// Metric ids, defined once per VM in `on_configure`.
+struct Metrics {
+    reasons: [u32; Reason::ALL.len()],
+    blocks_prompt: u32,
+    blocks_matched: u32,
+    index_writes: u32,
+    index_conflicts: u32,
+    index_dropped: u32,
+    index_probes: u32,
+    truncated: u32,
+    /// Per model, per worker: (in-flight requests, in-flight tokens) gauges.
+    inflight: Vec<Vec<(u32, u32)>>,
+}
+
+impl Metrics {
+    fn define(cfg: &Config) -> Metrics {
+        let mut reasons = [0u32; Reason::ALL.len()];
+        for r in Reason::ALL {
+            reasons[r.index()] = counter(&format!("prefix_router.requests.{}", r.as_str()));
+        }
+        Metrics {
+            reasons,
+            blocks_prompt: counter("prefix_router.blocks.prompt"),
+            blocks_matched: counter("prefix_router.blocks.matched"),
+            index_writes: counter("prefix_router.index.writes"),
+            index_conflicts: counter("prefix_router.index.cas_conflicts"),
+            index_dropped: counter("prefix_router.index.dropped_updates"),
+            index_probes: counter("prefix_router.index.probes"),
+            truncated: counter("prefix_router.prompts.truncated"),
+            inflight: cfg
+                .models
+                .iter()
+                .map(|m| {
+                    m.workers
+                        .iter()
+                        .map(|w| {
+                            (
+                                gauge(&format!("prefix_router.inflight_requests.{}", w.cluster)),
+                                gauge(&format!("prefix_router.inflight_tokens.{}", w.cluster)),
+                            )
+                        })
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    fn inflight(&self, d: &Decision, sign: i64) {
+        if let Some(&(r, t)) = self
+            .inflight
+            .get(usize::from(d.model))
+            .and_then(|m| m.get(usize::from(d.worker)))
+        {
+            bump(r, sign * i64::from(d.charged_reqs));
+            bump(t, sign * i64::from(d.charged_tokens));
+        }
+    }
+}
+
+struct Shared {
+    router: RefCell<Router>,
+    metrics: Metrics,
+}
+
+struct Root {
+    shared: Option<Rc<Shared>>,
+}
+
+fn now_ticks() -> (u32, u64) {
+    let t = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .unwrap_or_default();
+    ((t.as_millis() / 100) as u32, t.as_nanos() as u64)
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let cfg = match Config::from_json(&raw) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = hostcalls::log(LogLevel::Error, &format!("prefix-router: {e}"));
+                return false;
+            }
+        };
+        let (_, nanos) = now_ticks();
+        let metrics = Metrics::define(&cfg);
+        let mut router = Router::new(cfg, nanos);
+        router.init_store(&EnvoyStore);
+        self.shared = Some(Rc::new(Shared {
+            router: RefCell::new(router),
+            metrics,
+        }));
+        let _ = hostcalls::set_tick_period(Duration::from_secs(1));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(s) = &self.shared {
+            if let Ok(mut r) = s.router.try_borrow_mut() {
+                r.flush_pending(&EnvoyStore);
+            }
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let shared = self.shared.clone()?;
+        Some(Box::new(Stream {
+            shared,
+            endpoint: None,
+            decision: None,
+            charged: false,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Stream {
+    shared: Rc<Shared>,
+    endpoint: Option<Endpoint>,
+    decision: Option<Decision>,
+    /// True while this stream holds a load charge that must be released exactly once.
+    charged: bool,
+}
+
+fn header(name: &str) -> Vec<u8> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+impl Stream {
+    fn set_cluster(&self, cluster: &str) {
+        let name = &self.shared.router.borrow().cfg.cluster_header;
+        let _ = hostcalls::add_map_value(MapType::HttpRequestHeaders, name, cluster);
+    }
+
+    fn decide(&mut self, body: &[u8]) -> Action {
+        let Some(ep) = self.endpoint.take() else {
+            return Action::Continue;
+        };
+        let (now, _) = now_ticks();
+        let outcome = {
+            let mut r = self.shared.router.borrow_mut();
+            r.route(&EnvoyStore, ep, body, now)
+        };
+        let m = &self.shared.metrics;
+        match outcome {
+            Outcome::Reject { status, body } => {
+                bump(m.reasons[Reason::Rejected.index()], 1);
+                let _ = hostcalls::send_http_response(
+                    status,
+                    vec![("content-type", "application/json")],
+                    Some(body.as_bytes()),
+                );
+                Action::Pause
+            }
+            Outcome::Route(d) => {
+                bump(m.reasons[d.reason.index()], 1);
+                bump(m.blocks_prompt, i64::from(d.total_blocks));
+                bump(m.blocks_matched, i64::from(d.matched_blocks));
+                bump(m.index_writes, i64::from(d.index.writes));
+                bump(m.index_conflicts, i64::from(d.index.conflicts));
+                bump(m.index_dropped, i64::from(d.index.dropped));
+                bump(m.index_probes, i64::from(d.probes));
+                if d.truncated {
+                    bump(m.truncated, 1);
+                }
+                m.inflight(&d, 1);
+                self.charged = true;
+                let cluster = self.shared.router.borrow().cluster(&d).to_string();
+                self.set_cluster(&cluster);
+                self.decision = Some(d);
+                Action::Continue
+            }
+        }
+    }
+
+    fn release(&mut self) {
+        if !std::mem::take(&mut self.charged) {
+            return;
+        }
+        if let Some(d) = &self.decision {
+            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
+                r.release(&EnvoyStore, d);
+            }
+            self.shared.metrics.inflight(d, -1);
+        }
+    }
+}
+
+impl Context for Stream {}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+        let (name, passthrough) = {
+            let r = self.shared.router.borrow();
+            (
+                r.cfg.cluster_header.clone(),
+                r.cfg.passthrough_cluster.clone(),
+            )
+        };
+        // Whatever the client sent under our header name is never trusted.
+        let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name);
+        let method = header(":method");
+        let path = header(":path");
+        match Endpoint::classify(&method, &path) {
+            Some(ep) => {
+                self.endpoint = Some(ep);
+                if end_of_stream {
+                    return self.decide(&[]);
+                }
+                Action::Pause
+            }
+            None => {
+                bump(self.shared.metrics.reasons[Reason::Passthrough.index()], 1);
+                let d = self.shared.router.borrow_mut().passthrough();
+                match d {
+                    Some(d) => {
+                        let cluster = self.shared.router.borrow().cluster(&d).to_string();
+                        self.set_cluster(&cluster);
+                        self.decision = Some(d);
+                    }
+                    None => {
+                        if let Some(c) = passthrough {
+                            self.set_cluster(&c);
+                        }
+                    }
+                }
+                Action::Continue
+            }
+        }
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.endpoint.is_none() {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause; // Envoy buffers until the whole body is here
+        }
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.decide(&body)
+    }
+
+    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
+        if self.endpoint.is_none() {
+            return Action::Continue;
+        }
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        self.decide(&body)
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        let r = self.shared.router.borrow();
+        if let (Some(h), Some(d)) = (&r.cfg.debug_header, &self.decision) {
+            let mut v = String::with_capacity(96);
+            let _ = write!(
+                v,
+                "worker={}; reason={}; matched={}; total={}",
+                r.cluster(d),
+                d.reason.as_str(),
+                d.matched_blocks,
+                d.total_blocks
+            );
+            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, h, &v);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.release();
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // Streams that end without an access-log callback still release their charge.
+        self.release();
+    }
+}

@@ -1,0 +1,474 @@
+//! The prefix index: which workers recently received which prompt prefixes.
+//!
+//! Layout: a fixed slot table in Envoy shared data, `capacity/4` keys per model
+//! (`<prefix><bucket>`), each holding one bucket of [`ENTRIES`] entries; an entry is a full
+//! 64-bit block-chain hash (the tag) plus up to [`HOLDERS`] `(worker id, time)` pairs. A block
+//! hash picks its bucket; a new tag replaces the bucket's least recently used entry, and a new
+//! holder replaces the entry's oldest one. Because the key space is fixed, memory is bounded by
+//! configuration even though Envoy never deletes shared-data keys.
+//!
+//! Only checkpoint blocks are recorded (see [`crate::blocks::nth_checkpoint`]). Writes are CAS
+//! read-modify-writes with bounded retries: under contention an update may be lost (counted),
+//! never half-applied, because every write replaces a whole, self-validating bucket.
+//!
+//! Lookup cost: a prompt of `n` blocks has `m <= 2·log2(n) + 2` checkpoints. Because a hash
+//! covers its whole prefix, "checkpoint j is present" is (up to eviction) monotone in j, so the
+//! longest matched checkpoint is found by galloping (probe 0, 1, 3, 7, ...) then binary search:
+//! at most `2·ceil(log2(m+1)) + 1` probes, i.e. O(log log n) host calls — 1 probe for a prompt
+//! nobody has seen, at most 9 for a 4k-token (256-block) prompt, at most 11 for 128k tokens.
+
+use crate::blocks::{checkpoints_upto, nth_checkpoint};
+use crate::store::Store;
+use std::fmt::Write;
+
+pub const ENTRIES: usize = 4;
+pub const HOLDERS: usize = 4;
+const HOLDER_BYTES: usize = 8;
+const ENTRY_BYTES: usize = 8 + HOLDERS * HOLDER_BYTES;
+pub const BUCKET_BYTES: usize = ENTRIES * ENTRY_BYTES;
+
+/// One decoded bucket, on the stack.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+struct Entry {
+    tag: u64,
+    holders: [(u32, u32); HOLDERS],
+}
+
+type Bucket = [Entry; ENTRIES];
+
+fn decode(bytes: &[u8]) -> Bucket {
+    let mut b = [Entry::default(); ENTRIES];
+    if bytes.len() != BUCKET_BYTES {
+        return b; // missing or foreign value: treat as empty, the next write repairs it
+    }
+    for (e, raw) in b.iter_mut().zip(bytes.chunks_exact(ENTRY_BYTES)) {
+        let mut tag = [0u8; 8];
+        tag.copy_from_slice(&raw[..8]);
+        e.tag = u64::from_le_bytes(tag);
+        for (h, hr) in e
+            .holders
+            .iter_mut()
+            .zip(raw[8..].chunks_exact(HOLDER_BYTES))
+        {
+            let mut id = [0u8; 4];
+            let mut t = [0u8; 4];
+            id.copy_from_slice(&hr[..4]);
+            t.copy_from_slice(&hr[4..]);
+            *h = (u32::from_le_bytes(id), u32::from_le_bytes(t));
+        }
+    }
+    b
+}
+
+fn encode(b: &Bucket, out: &mut [u8; BUCKET_BYTES]) {
+    for (e, raw) in b.iter().zip(out.chunks_exact_mut(ENTRY_BYTES)) {
+        raw[..8].copy_from_slice(&e.tag.to_le_bytes());
+        for (h, hr) in e
+            .holders
+            .iter()
+            .zip(raw[8..].chunks_exact_mut(HOLDER_BYTES))
+        {
+            hr[..4].copy_from_slice(&h.0.to_le_bytes());
+            hr[4..].copy_from_slice(&h.1.to_le_bytes());
+        }
+    }
+}
+
+/// Tags are block hashes; 0 marks an empty entry, so a (2^-64-likely) zero hash becomes 1.
+fn tag_of(h: u64) -> u64 {
+    h.max(1)
+}
+
+fn age(now: u32, t: u32) -> u32 {
+    now.wrapping_sub(t)
+}
+
+/// What a lookup learned: for each worker seen, the deepest checkpoint it holds (in blocks).
+#[derive(Debug, Default, Clone)]
+pub struct Matches {
+    /// `(worker id, matched blocks, time of that holder record)`.
+    pub workers: Vec<(u32, u32, u32)>,
+    /// Longest matched prefix over all workers, in blocks.
+    pub deepest: u32,
+    pub probes: u32,
+}
+
+impl Matches {
+    pub fn clear(&mut self) {
+        self.workers.clear();
+        self.deepest = 0;
+        self.probes = 0;
+    }
+    /// Matched blocks for `id` (0 when unknown).
+    pub fn blocks_for(&self, id: u32) -> u32 {
+        self.workers.iter().find(|w| w.0 == id).map_or(0, |w| w.1)
+    }
+    fn note(&mut self, id: u32, blocks: u32, t: u32) {
+        match self.workers.iter_mut().find(|w| w.0 == id) {
+            Some(w) if w.1 < blocks => {
+                w.1 = blocks;
+                w.2 = t;
+            }
+            Some(_) => {}
+            None => self.workers.push((id, blocks, t)),
+        }
+    }
+}
+
+/// Outcome counters of a `record` call.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WriteStats {
+    pub writes: u32,
+    pub conflicts: u32,
+    pub dropped: u32,
+}
+
+/// A model's index (a view over the store; holds no data of its own).
+pub struct Index<'a> {
+    pub key_prefix: &'a str,
+    pub buckets: u32,
+    /// Holder lifetime in time units (the caller's clock, 100 ms in the filter).
+    pub ttl: u32,
+    pub cas_retries: u32,
+}
+
+/// Reusable buffers so lookups and writes do not allocate in steady state.
+#[derive(Default)]
+pub struct Scratch {
+    key: String,
+    buf: Vec<u8>,
+}
+
+impl Index<'_> {
+    fn key_for(&self, h: u64, key: &mut String) {
+        key.clear();
+        key.push_str(self.key_prefix);
+        let bucket = (h % u64::from(self.buckets.max(1))) as u32;
+        let _ = write!(key, "{bucket}");
+    }
+
+    /// Probes checkpoint `j` and records its live holders in `out`. True on a hit.
+    fn probe<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[u64],
+        j: usize,
+        now: u32,
+        sc: &mut Scratch,
+        out: &mut Matches,
+    ) -> bool {
+        let blocks = nth_checkpoint(j);
+        let Some(&h) = hashes.get(blocks.wrapping_sub(1)) else {
+            return false;
+        };
+        out.probes += 1;
+        self.key_for(h, &mut sc.key);
+        if store.get(&sc.key, &mut sc.buf).is_none() {
+            return false;
+        }
+        let tag = tag_of(h);
+        let bucket = decode(&sc.buf);
+        let Some(e) = bucket.iter().find(|e| e.tag == tag) else {
+            return false;
+        };
+        let mut hit = false;
+        for &(id, t) in &e.holders {
+            if id != 0 && age(now, t) <= self.ttl {
+                out.note(id, blocks as u32, t);
+                hit = true;
+            }
+        }
+        if hit {
+            out.deepest = out.deepest.max(blocks as u32);
+        }
+        hit
+    }
+
+    /// Finds, for the prompt whose block hashes are `hashes`, the longest recorded prefix and
+    /// what each holder seen on the way holds. See the module docs for the probe bound.
+    pub fn lookup<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[u64],
+        now: u32,
+        sc: &mut Scratch,
+        out: &mut Matches,
+    ) {
+        out.clear();
+        let m = checkpoints_upto(hashes.len());
+        if m == 0 || !self.probe(store, hashes, 0, now, sc, out) {
+            return;
+        }
+        let mut lo = 0usize; // last checkpoint known to hit
+        let mut hi = m; // first checkpoint known to miss (or m)
+        let mut j = 1usize;
+        while j < m {
+            if self.probe(store, hashes, j, now, sc, out) {
+                lo = j;
+                j = 2 * j + 1;
+            } else {
+                hi = j;
+                break;
+            }
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.probe(store, hashes, mid, now, sc, out) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+
+    /// Records `worker` as a holder of every checkpoint deeper than `known` blocks (what the
+    /// lookup proved it already holds), and refreshes the deepest known one when its record is
+    /// older than a quarter of the TTL. Returns what it did.
+    pub fn record<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[u64],
+        worker: u32,
+        (known, known_time): (u32, u32),
+        now: u32,
+        sc: &mut Scratch,
+    ) -> WriteStats {
+        let mut st = WriteStats::default();
+        let m = checkpoints_upto(hashes.len());
+        for j in 0..m {
+            let blocks = nth_checkpoint(j);
+            let refresh = blocks as u32 == known && age(now, known_time) > self.ttl / 4;
+            if (blocks as u32) <= known && !refresh {
+                continue;
+            }
+            if let Some(&h) = hashes.get(blocks - 1) {
+                self.add_holder(store, h, worker, now, sc, &mut st);
+            }
+        }
+        st
+    }
+
+    fn add_holder<S: Store>(
+        &self,
+        store: &S,
+        h: u64,
+        worker: u32,
+        now: u32,
+        sc: &mut Scratch,
+        st: &mut WriteStats,
+    ) {
+        self.key_for(h, &mut sc.key);
+        let tag = tag_of(h);
+        let mut enc = [0u8; BUCKET_BYTES];
+        for _ in 0..self.cas_retries {
+            let cas = store.get(&sc.key, &mut sc.buf).unwrap_or(0);
+            let mut bucket = decode(&sc.buf);
+            upsert(&mut bucket, tag, worker, now);
+            encode(&bucket, &mut enc);
+            match store.set(&sc.key, &enc, cas) {
+                Ok(()) => {
+                    st.writes += 1;
+                    return;
+                }
+                Err(_) => st.conflicts += 1,
+            }
+        }
+        st.dropped += 1;
+    }
+}
+
+/// Inserts or refreshes `worker` as a holder of `tag` in the bucket (LRU replacement).
+fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) {
+    let recency = |e: &Entry| {
+        e.holders
+            .iter()
+            .filter(|h| h.0 != 0)
+            .map(|h| age(now, h.1))
+            .min()
+            .unwrap_or(u32::MAX)
+    };
+    let idx = match bucket.iter().position(|e| e.tag == tag) {
+        Some(i) => i,
+        None => {
+            // Empty entries first, then the least recently used one.
+            let victim = bucket
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, e)| if e.tag == 0 { u32::MAX } else { recency(e) })
+                .map_or(0, |(i, _)| i);
+            bucket[victim] = Entry {
+                tag,
+                holders: [(0, 0); HOLDERS],
+            };
+            victim
+        }
+    };
+    let e = &mut bucket[idx];
+    if let Some(h) = e.holders.iter_mut().find(|h| h.0 == worker) {
+        h.1 = now;
+        return;
+    }
+    // Empty slot, else the oldest holder.
+    let slot = e
+        .holders
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, h)| if h.0 == 0 { u32::MAX } else { age(now, h.1) })
+        .map_or(0, |(i, _)| i);
+    e.holders[slot] = (worker, now);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blocks::{chain_seed, hash_blocks};
+    use crate::store::MemStore;
+
+    fn hashes(text: &[u8]) -> Vec<u64> {
+        let mut v = Vec::new();
+        hash_blocks(chain_seed(b"m", None), text, 8, 100_000, &mut v);
+        v
+    }
+
+    fn idx(buckets: u32) -> Index<'static> {
+        Index {
+            key_prefix: "pr/i/m/",
+            buckets,
+            ttl: 6000,
+            cas_retries: 4,
+        }
+    }
+
+    #[test]
+    fn bucket_roundtrip_and_garbage() {
+        let mut b: Bucket = [Entry::default(); ENTRIES];
+        upsert(&mut b, 77, 5, 100);
+        upsert(&mut b, 77, 6, 101);
+        let mut enc = [0u8; BUCKET_BYTES];
+        encode(&b, &mut enc);
+        assert_eq!(decode(&enc), b);
+        assert_eq!(decode(b"short"), [Entry::default(); ENTRIES]);
+    }
+
+    #[test]
+    fn lookup_finds_longest_prefix_with_few_probes() {
+        let s = MemStore::new();
+        let ix = idx(1 << 16);
+        let mut sc = Scratch::default();
+        let mut m = Matches::default();
+        let base = b"x".repeat(8 * 200);
+        let a = hashes(&base);
+        ix.lookup(&s, &a, 10, &mut sc, &mut m);
+        assert_eq!((m.deepest, m.probes), (0, 1));
+        let st = ix.record(&s, &a, 7, (0, 0), 10, &mut sc);
+        assert_eq!(st.writes as usize, checkpoints_upto(200));
+        // Same prompt: every checkpoint up to 192 matches.
+        ix.lookup(&s, &a, 11, &mut sc, &mut m);
+        assert_eq!(m.deepest, 192);
+        assert_eq!(m.blocks_for(7), 192);
+        assert!(m.probes as f64 <= 2.0 * ((checkpoints_upto(200) + 1) as f64).log2().ceil() + 1.0);
+        // A prompt sharing the first 100 blocks: deepest checkpoint <= 100 is 96.
+        let mut other = base[..8 * 100].to_vec();
+        other.extend_from_slice(&b"y".repeat(8 * 300));
+        let b = hashes(&other);
+        ix.lookup(&s, &b, 12, &mut sc, &mut m);
+        assert_eq!(m.deepest, 96);
+        assert_eq!(m.blocks_for(7), 96);
+        assert_eq!(m.blocks_for(8), 0);
+        // Recording worker 8 for it writes only checkpoints beyond what it is known to hold.
+        let st = ix.record(&s, &b, 8, (0, 0), 12, &mut sc);
+        assert_eq!(st.writes as usize, checkpoints_upto(400));
+        ix.lookup(&s, &b, 13, &mut sc, &mut m);
+        assert_eq!(m.deepest, 384);
+        assert_eq!(m.blocks_for(8), 384);
+        let st = ix.record(&s, &b, 8, (384, 13), 13, &mut sc);
+        assert_eq!(st.writes, 0, "nothing new to write, holder fresh");
+    }
+
+    #[test]
+    fn holders_expire_after_ttl() {
+        let s = MemStore::new();
+        let ix = idx(1024);
+        let mut sc = Scratch::default();
+        let mut m = Matches::default();
+        let a = hashes(&b"z".repeat(64));
+        ix.record(&s, &a, 3, (0, 0), 1000, &mut sc);
+        ix.lookup(&s, &a, 1000 + 6000, &mut sc, &mut m);
+        assert_eq!(m.deepest, 8);
+        ix.lookup(&s, &a, 1000 + 6001, &mut sc, &mut m);
+        assert_eq!(m.deepest, 0);
+        // Stale holders are refreshed on record.
+        ix.lookup(&s, &a, 1000 + 2000, &mut sc, &mut m);
+        let st = ix.record(&s, &a, 3, (m.blocks_for(3), 1000), 3000, &mut sc);
+        assert_eq!(st.writes, 1);
+    }
+
+    #[test]
+    fn memory_is_bounded_by_capacity() {
+        let s = MemStore::new();
+        let ix = idx(64);
+        let mut sc = Scratch::default();
+        for i in 0..5000u32 {
+            let a = hashes(format!("prompt number {i} with some padding").as_bytes());
+            ix.record(&s, &a, 1 + i % 5, (0, 0), i, &mut sc);
+        }
+        assert!(s.len() <= 64, "{} keys", s.len());
+        // Recent prompts are still found (LRU within a bucket keeps the newest).
+        let a = hashes(b"prompt number 4999 with some padding");
+        let mut m = Matches::default();
+        ix.lookup(&s, &a, 5000, &mut sc, &mut m);
+        assert!(m.deepest > 0);
+    }
+
+    #[test]
+    fn several_holders_per_block_with_lru_replacement() {
+        let s = MemStore::new();
+        let ix = idx(1024);
+        let mut sc = Scratch::default();
+        let a = hashes(&b"q".repeat(8));
+        for (w, t) in [(1, 10), (2, 11), (3, 12), (4, 13), (5, 14)] {
+            ix.record(&s, &a, w, (0, 0), t, &mut sc);
+        }
+        let mut m = Matches::default();
+        ix.lookup(&s, &a, 20, &mut sc, &mut m);
+        let mut ids: Vec<u32> = m.workers.iter().map(|w| w.0).collect();
+        ids.sort();
+        assert_eq!(ids, vec![2, 3, 4, 5], "oldest holder (1) replaced");
+    }
+
+    #[test]
+    fn cas_races_lose_updates_but_never_corrupt() {
+        // Every 2nd conditional write loses a race.
+        let s = MemStore::with_conflicts(2);
+        let ix = idx(256);
+        let mut sc = Scratch::default();
+        let mut total = WriteStats::default();
+        for i in 0..300u32 {
+            let a = hashes(format!("race {i} ........").as_bytes());
+            let st = ix.record(&s, &a, 1 + i % 3, (0, 0), i, &mut sc);
+            total.writes += st.writes;
+            total.conflicts += st.conflicts;
+            total.dropped += st.dropped;
+        }
+        assert!(total.conflicts > 0);
+        // Every stored value still decodes to a well-formed bucket.
+        let mut buf = Vec::new();
+        for k in s.keys() {
+            s.get(&k, &mut buf).unwrap();
+            assert_eq!(buf.len(), BUCKET_BYTES);
+            for e in decode(&buf) {
+                assert!(e.tag == 0 || e.holders.iter().any(|h| h.0 != 0));
+            }
+        }
+        // With one retry only and constant conflicts, updates are dropped, not corrupted.
+        let s = MemStore::with_conflicts(1);
+        let ix1 = Index {
+            cas_retries: 1,
+            ..idx(256)
+        };
+        s.put("pr/i/m/0", b"garbage");
+        let a = hashes(b"abc");
+        let st = ix1.record(&s, &a, 1, (0, 0), 1, &mut sc);
+        assert!(st.dropped > 0 || st.writes > 0);
+    }
+}

@@ -1,0 +1,354 @@
+//! Worker choice: cache reuse weighed against load, with a hard load bound.
+//!
+//! `cache_aware` (default), for a prompt of `P` estimated tokens in `B` blocks:
+//!
+//! * **Load bound.** Worker `i` (weight `w_i`, total weight `W`) is eligible only while
+//!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + 1`, where `R` is the model's total
+//!   in-flight requests. A hot prefix therefore spills to a second worker instead of piling onto
+//!   one (bounded-load consistent hashing).
+//! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
+//!   of the hash of the first `affinity_blocks` blocks picks the top eligible worker. Sibling
+//!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
+//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`.
+//! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
+//!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
+//!   — the prefill it would still have to do plus the work already queued on it (in-flight
+//!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
+//!
+//! `round_robin` and `random` are O(1) baselines for comparison (no index, no load bound).
+
+use crate::config::{Model, PolicyConfig};
+
+/// Why a worker was chosen; also the metric suffix and the debug header's `reason=`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    PrefixHit,
+    HashAffinity,
+    LoadSpill,
+    Fallback,
+    Passthrough,
+    ParseError,
+    Rejected,
+    RoundRobin,
+    Random,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 9] = [
+        Reason::PrefixHit,
+        Reason::HashAffinity,
+        Reason::LoadSpill,
+        Reason::Fallback,
+        Reason::Passthrough,
+        Reason::ParseError,
+        Reason::Rejected,
+        Reason::RoundRobin,
+        Reason::Random,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::PrefixHit => "prefix_hit",
+            Reason::HashAffinity => "hash_affinity",
+            Reason::LoadSpill => "load_spill",
+            Reason::Fallback => "fallback",
+            Reason::Passthrough => "passthrough",
+            Reason::ParseError => "parse_error",
+            Reason::Rejected => "rejected",
+            Reason::RoundRobin => "round_robin",
+            Reason::Random => "random",
+        }
+    }
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// A well-mixed 64-bit hash of (key, worker id): the rendezvous score.
+pub fn mix(key: u64, id: u32) -> u64 {
+    // splitmix64 finaliser over the combined input.
+    let mut z = key ^ (u64::from(id)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Rendezvous score of worker `i` for `key` (higher wins).
+fn hrw(model: &Model, i: usize, key: u64) -> f64 {
+    let w = &model.workers[i];
+    let h = mix(key, w.id);
+    if model.uniform_weights {
+        return h as f64;
+    }
+    // u in (0, 1): never 0 so ln is finite and negative.
+    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -w.weight / u.ln()
+}
+
+/// Inputs for one choice among a model's workers (slices indexed like `model.workers`).
+pub struct Inputs<'a> {
+    pub model: &'a Model,
+    pub reqs: &'a [u32],
+    pub tokens: &'a [u32],
+    pub matched: &'a [u32],
+    pub deepest: u32,
+    pub total_blocks: u32,
+    pub prompt_tokens: u32,
+    pub affinity: u64,
+}
+
+fn cap_ok(p: &PolicyConfig, model: &Model, reqs: &[u32], total: f64, i: usize) -> bool {
+    let w = model.workers[i].weight / model.total_weight;
+    let r = f64::from(reqs.get(i).copied().unwrap_or(0));
+    r + 1.0 <= (1.0 + p.load_eps) * (total + 1.0) * w + 1.0
+}
+
+/// Estimated uncached prompt tokens if worker `i` serves the request.
+pub fn uncached_tokens(inp: &Inputs, i: usize) -> u32 {
+    if inp.total_blocks == 0 {
+        return inp.prompt_tokens;
+    }
+    let m = inp
+        .matched
+        .get(i)
+        .copied()
+        .unwrap_or(0)
+        .min(inp.total_blocks);
+    let left = u64::from(inp.prompt_tokens) * u64::from(inp.total_blocks - m);
+    (left / u64::from(inp.total_blocks)) as u32
+}
+
+/// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
+pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let model = inp.model;
+    let n = model.workers.len();
+    let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+    let mut top = 0usize; // rendezvous top overall
+    let mut top_score = f64::MIN;
+    let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
+    for i in 0..n {
+        let score = hrw(model, i, inp.affinity);
+        if score > top_score {
+            top_score = score;
+            top = i;
+        }
+        if !cap_ok(p, model, inp.reqs, total, i) {
+            continue;
+        }
+        let cost = if inp.deepest == 0 {
+            0.0 // pure rendezvous among eligible workers
+        } else {
+            let w = model.workers[i].weight;
+            let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+            let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
+            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r) / w
+        };
+        let better = match best {
+            None => true,
+            Some((_, c, s)) => cost < c || (cost == c && score > s),
+        };
+        if better {
+            best = Some((i, cost, score));
+        }
+    }
+    let Some((chosen, _, _)) = best else {
+        // Unreachable in practice (some worker is always at or below the weighted mean), but a
+        // defined answer beats a panic.
+        return (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill);
+    };
+    let reason = if inp.deepest == 0 {
+        if chosen == top {
+            Reason::HashAffinity
+        } else {
+            Reason::LoadSpill
+        }
+    } else if inp.matched.get(chosen).copied().unwrap_or(0) >= inp.deepest {
+        Reason::PrefixHit
+    } else {
+        Reason::LoadSpill
+    };
+    (chosen, reason)
+}
+
+/// Fewest in-flight requests, then fewest tokens; scanning from `start` spreads ties.
+pub fn least_loaded(reqs: &[u32], tokens: &[u32], start: usize) -> usize {
+    let n = reqs.len();
+    if n == 0 {
+        return 0;
+    }
+    let mut best = start % n;
+    for k in 0..n {
+        let i = (start + k) % n;
+        let key = (reqs[i], tokens.get(i).copied().unwrap_or(0));
+        let bk = (reqs[best], tokens.get(best).copied().unwrap_or(0));
+        if key < bk {
+            best = i;
+        }
+    }
+    best
+}
+
+/// xorshift64*: the `random` policy's generator (per VM, seeded at start).
+pub fn next_random(state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn model(n: usize) -> Model {
+        let names: Vec<String> = (0..n).map(|i| format!("\"w{i}\"")).collect();
+        let json = format!(
+            "{{\"models\":{{\"m\":{{\"workers\":[{}]}}}}}}",
+            names.join(",")
+        );
+        Config::from_json(json.as_bytes()).unwrap().models.remove(0)
+    }
+
+    fn inputs<'a>(
+        m: &'a Model,
+        reqs: &'a [u32],
+        tokens: &'a [u32],
+        matched: &'a [u32],
+        key: u64,
+    ) -> Inputs<'a> {
+        Inputs {
+            model: m,
+            reqs,
+            tokens,
+            matched,
+            deepest: matched.iter().copied().max().unwrap_or(0),
+            total_blocks: 100,
+            prompt_tokens: 1600,
+            affinity: key,
+        }
+    }
+
+    #[test]
+    fn prefix_holder_wins_when_lightly_loaded() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let (w, r) = choose(
+            &p,
+            &inputs(&m, &[1, 1, 1, 1], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
+        );
+        assert_eq!((w, r), (0, Reason::PrefixHit));
+        // The load bound is strict: with one request in flight among 4 idle workers, a second
+        // one on the same worker would exceed (1+eps)*mean+1, so it spills.
+        let (w, r) = choose(
+            &p,
+            &inputs(&m, &[1, 0, 0, 0], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
+        );
+        assert!(w != 0 && r == Reason::LoadSpill);
+    }
+
+    #[test]
+    fn heavy_queue_outweighs_small_reuse() {
+        let m = model(2);
+        let p = PolicyConfig::default();
+        // Worker 0 holds 10% of the prompt but has 20k tokens queued.
+        let (w, r) = choose(&p, &inputs(&m, &[1, 0], &[20_000, 0], &[10, 0], 7));
+        assert_eq!((w, r), (1, Reason::LoadSpill));
+    }
+
+    #[test]
+    fn load_bound_holds_under_a_hot_prefix() {
+        // Every request carries the same hot prefix held by worker 0; requests never finish.
+        for n in [2usize, 4, 8, 16] {
+            let m = model(n);
+            let p = PolicyConfig::default();
+            let mut reqs = vec![0u32; n];
+            let tokens = vec![0u32; n];
+            let mut matched = vec![0u32; n];
+            matched[0] = 100;
+            for _ in 0..1000 {
+                let (w, _) = choose(&p, &inputs(&m, &reqs, &tokens, &matched, 42));
+                let total: u32 = reqs.iter().sum();
+                let bound = (1.0 + p.load_eps) * f64::from(total + 1) / n as f64 + 1.0;
+                assert!(f64::from(reqs[w] + 1) <= bound, "n={n} reqs={reqs:?}");
+                reqs[w] += 1;
+                matched[w] = 100; // the worker now holds the prefix too
+            }
+            let max = *reqs.iter().max().unwrap() as f64;
+            let mean = 1000.0 / n as f64;
+            assert!(max <= 1.25 * mean + 1.0, "n={n} reqs={reqs:?}");
+        }
+    }
+
+    #[test]
+    fn rendezvous_moves_about_one_nth_when_a_worker_is_added() {
+        let m8 = model(8);
+        let m9 = model(9);
+        let p = PolicyConfig::default();
+        let (z8, z9) = (vec![0u32; 8], vec![0u32; 9]);
+        let mut moved = 0;
+        let mut counts = [0u32; 8];
+        let trials = 20_000u64;
+        for k in 0..trials {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            let (a, ra) = choose(&p, &inputs(&m8, &z8, &z8, &z8, key));
+            let (b, _) = choose(&p, &inputs(&m9, &z9, &z9, &z9, key));
+            assert_eq!(ra, Reason::HashAffinity);
+            counts[a] += 1;
+            if m8.workers[a].cluster != m9.workers[b].cluster {
+                moved += 1;
+                assert_eq!(m9.workers[b].cluster, "w8", "only moves to the new worker");
+            }
+        }
+        let frac = f64::from(moved) / trials as f64;
+        assert!((frac - 1.0 / 9.0).abs() < 0.02, "moved {frac}");
+        // And removing a worker moves only that worker's keys.
+        let m7 = model(7);
+        let z7 = vec![0u32; 7];
+        for k in 0..2000u64 {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            let (a, _) = choose(&p, &inputs(&m8, &z8, &z8, &z8, key));
+            let (b, _) = choose(&p, &inputs(&m7, &z7, &z7, &z7, key));
+            if a != 7 {
+                assert_eq!(a, b);
+            }
+        }
+        let mean = trials as f64 / 8.0;
+        assert!(
+            counts
+                .iter()
+                .all(|&c| (f64::from(c) - mean).abs() < 0.1 * mean),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn weighted_rendezvous_follows_weights() {
+        let m =
+            Config::from_json(br#"{"models":{"m":{"workers":["a",{"cluster":"b","weight":3}]}}}"#)
+                .unwrap()
+                .models
+                .remove(0);
+        let p = PolicyConfig::default();
+        let z = [0u32; 2];
+        let mut b = 0;
+        for k in 0..8000u64 {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            if choose(&p, &inputs(&m, &z, &z, &z, key)).0 == 1 {
+                b += 1;
+            }
+        }
+        let frac = f64::from(b) / 8000.0;
+        assert!((frac - 0.75).abs() < 0.03, "{frac}");
+    }
+
+    #[test]
+    fn least_loaded_and_random() {
+        assert_eq!(least_loaded(&[3, 1, 1], &[0, 5, 2], 0), 2);
+        assert_eq!(least_loaded(&[0, 0], &[0, 0], 1), 1);
+        let mut s = 88u64;
+        let a = next_random(&mut s);
+        assert_ne!(a, next_random(&mut s));
+    }
+}

@@ -1,0 +1,650 @@
+//! Request understanding: which endpoint, which model, and the prompt's canonical bytes.
+//!
+//! The body is parsed once with serde visitors that write the prompt straight into a reusable
+//! buffer; no JSON tree is built and nothing but `model` / `lora_path` is kept. Fields we do not
+//! need are skipped with `IgnoredAny` (still validated, so malformed JSON is always detected).
+//!
+//! Canonical form (chat): for every message, in order, `0x1E role 0x1F` followed by its content:
+//! string content as is; content-part arrays part by part, text parts as their text and other
+//! fields as `0x1D key raw-json` (so an image contributes its URL); `name`, `tool_calls` and
+//! `tool_call_id` as `0x1C key raw-json`. Each message's bytes depend only on that message, so
+//! turn N+1 of a conversation (which resends turns 1..N) starts with turn N's bytes exactly: the
+//! prefix property the index relies on. Sampling parameters never enter the prompt bytes.
+//!
+//! Token prompts (`input_ids`, integer `prompt`) are written as little-endian `u32`s. Batched
+//! prompts (a list of strings or of token lists) are routed by their first element.
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::fmt;
+
+/// Inference endpoints the filter understands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+    Generate,
+}
+
+impl Endpoint {
+    /// Classifies a request line. Query strings are ignored; only `POST` (and `PUT` for the
+    /// native `/generate`, as SGLang accepts) are inference requests.
+    pub fn classify(method: &[u8], path: &[u8]) -> Option<Endpoint> {
+        let path = match path.iter().position(|&b| b == b'?') {
+            Some(q) => &path[..q],
+            None => path,
+        };
+        let post = method == b"POST";
+        match path {
+            b"/v1/chat/completions" if post => Some(Endpoint::Chat),
+            b"/v1/completions" if post => Some(Endpoint::Completions),
+            b"/generate" if post || method == b"PUT" => Some(Endpoint::Generate),
+            _ => None,
+        }
+    }
+}
+
+/// What kind of prompt was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptKind {
+    #[default]
+    None,
+    Text,
+    Tokens,
+}
+
+/// The fields of a request body the router needs; borrowed from the body where possible.
+#[derive(Debug, Default)]
+pub struct Parsed<'a> {
+    pub model: Option<Cow<'a, str>>,
+    pub lora: Option<Cow<'a, str>>,
+    pub kind: PromptKind,
+    /// Token count for token prompts (text prompts estimate tokens from bytes).
+    pub tokens: usize,
+    /// True when the prompt exceeded the byte limit and was cut (it is still routed).
+    pub truncated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError(pub String);
+
+/// Parses `body` for `endpoint`, writing the canonical prompt into `canon` (cleared first, at
+/// most `limit` bytes). Never panics; any malformed input is a `ParseError`.
+pub fn parse<'a>(
+    endpoint: Endpoint,
+    body: &'a [u8],
+    canon: &mut Vec<u8>,
+    limit: usize,
+) -> Result<Parsed<'a>, ParseError> {
+    canon.clear();
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let mut sink = Sink {
+        out: canon,
+        limit,
+        truncated: false,
+        tokens: 0,
+    };
+    let mut parsed = BodySeed {
+        endpoint,
+        sink: &mut sink,
+    }
+    .deserialize(&mut de)
+    .map_err(|e| ParseError(e.to_string()))?;
+    de.end().map_err(|e| ParseError(e.to_string()))?;
+    parsed.truncated = sink.truncated;
+    parsed.tokens = sink.tokens;
+    Ok(parsed)
+}
+
+/// The canonical-bytes writer, bounded by `limit`.
+struct Sink<'o> {
+    out: &'o mut Vec<u8>,
+    limit: usize,
+    truncated: bool,
+    tokens: usize,
+}
+
+impl Sink<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        let room = self.limit.saturating_sub(self.out.len());
+        if bytes.len() > room {
+            self.truncated = true;
+            self.out.extend_from_slice(&bytes[..room]);
+        } else {
+            self.out.extend_from_slice(bytes);
+        }
+    }
+    fn token(&mut self, t: u32) {
+        self.tokens += 1;
+        self.put(&t.to_le_bytes());
+    }
+}
+
+const MSG: u8 = 0x1E;
+const ROLE_END: u8 = 0x1F;
+const PART: u8 = 0x1D;
+const META: u8 = 0x1C;
+
+/// Field names we react to; everything else is skipped without allocating.
+enum Field {
+    Model,
+    Lora,
+    Messages,
+    Prompt,
+    Text,
+    InputIds,
+    Other,
+}
+
+impl<'de> de::Deserialize<'de> for Field {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Field;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
+                Ok(match v {
+                    "model" => Field::Model,
+                    "lora_path" => Field::Lora,
+                    "messages" => Field::Messages,
+                    "prompt" => Field::Prompt,
+                    "text" => Field::Text,
+                    "input_ids" => Field::InputIds,
+                    _ => Field::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(V)
+    }
+}
+
+struct BodySeed<'s, 'o> {
+    endpoint: Endpoint,
+    sink: &'s mut Sink<'o>,
+}
+
+impl<'de> DeserializeSeed<'de> for BodySeed<'_, '_> {
+    type Value = Parsed<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Parsed<'de>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BodySeed<'_, '_> {
+    type Value = Parsed<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed<'de>, A::Error> {
+        let mut p = Parsed::default();
+        while let Some(field) = map.next_key::<Field>()? {
+            match (field, self.endpoint) {
+                (Field::Model, _) => p.model = map.next_value::<Option<Cow<'de, str>>>()?,
+                (Field::Lora, _) => p.lora = map.next_value::<Option<Cow<'de, str>>>()?,
+                (Field::Messages, Endpoint::Chat) => {
+                    if p.kind != PromptKind::None {
+                        return Err(de::Error::duplicate_field("messages"));
+                    }
+                    map.next_value_seed(Messages(self.sink))?;
+                    p.kind = PromptKind::Text;
+                }
+                (Field::Prompt, Endpoint::Completions)
+                | (Field::Text, Endpoint::Generate)
+                | (Field::InputIds, Endpoint::Generate) => {
+                    if p.kind != PromptKind::None {
+                        return Err(de::Error::custom("more than one prompt field"));
+                    }
+                    p.kind = map.next_value_seed(Prompt(self.sink))?;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// Writes a string's bytes into the sink (borrowed or unescaped, never kept).
+struct Text<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for Text<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for Text<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.put(v.as_bytes());
+        Ok(())
+    }
+}
+
+/// `prompt` / `text` / `input_ids`: string, list of strings, list of ints, list of lists.
+struct Prompt<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for Prompt<'_, '_> {
+    type Value = PromptKind;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<PromptKind, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Prompt<'_, '_> {
+    type Value = PromptKind;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a list of strings, a list of token ids or a list of lists")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptKind, E> {
+        self.0.put(v.as_bytes());
+        Ok(PromptKind::Text)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptKind, A::Error> {
+        let kind = match seq.next_element_seed(First(&mut *self.0))? {
+            None => return Ok(PromptKind::None),
+            Some(Shape::TokenId) => {
+                // Flat token list: the rest are token ids too.
+                while let Some(t) = seq.next_element::<u32>()? {
+                    self.0.token(t);
+                }
+                return Ok(PromptKind::Tokens);
+            }
+            Some(Shape::Text) => PromptKind::Text,
+            Some(Shape::TokenList(n)) if n > 0 => PromptKind::Tokens,
+            Some(Shape::TokenList(_)) => PromptKind::None,
+        };
+        // Batch: route by the first element; the rest are validated and skipped.
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(kind)
+    }
+}
+
+/// Shape of a prompt list, decided by its first element.
+enum Shape {
+    Text,
+    TokenId,
+    TokenList(usize),
+}
+
+/// The first element of a prompt list decides its shape.
+struct First<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for First<'_, '_> {
+    type Value = Shape;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Shape, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for First<'_, '_> {
+    type Value = Shape;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, a token id or a list of token ids")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Shape, E> {
+        let t = u32::try_from(v).map_err(|_| E::custom("token id out of range"))?;
+        self.0.token(t);
+        Ok(Shape::TokenId)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Shape, E> {
+        let t = u32::try_from(v).map_err(|_| E::custom("token id out of range"))?;
+        self.0.token(t);
+        Ok(Shape::TokenId)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Shape, E> {
+        self.0.put(v.as_bytes());
+        Ok(Shape::Text)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
+        let mut n = 0usize;
+        while let Some(t) = seq.next_element::<u32>()? {
+            self.0.token(t);
+            n += 1;
+        }
+        Ok(Shape::TokenList(n))
+    }
+}
+
+/// `messages`: an array of message objects.
+struct Messages<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for Messages<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Messages<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a list of messages")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Message(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+}
+
+struct Message<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for Message<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Message<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a message object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        self.0.put(&[MSG]);
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match &*key {
+                "role" => {
+                    map.next_value_seed(Text(&mut *self.0))?;
+                    self.0.put(&[ROLE_END]);
+                }
+                "content" => map.next_value_seed(Content(&mut *self.0))?,
+                "name" | "tool_calls" | "tool_call_id" => {
+                    let raw = map.next_value::<&'de RawValue>()?;
+                    self.0.put(&[META]);
+                    self.0.put(key.as_bytes());
+                    self.0.put(raw.get().as_bytes());
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Message content: a string, null, or an array of content parts.
+struct Content<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for Content<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Content<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a string, null or a list of content parts")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.0.put(v.as_bytes());
+        Ok(())
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(Part(&mut *self.0))?.is_some() {}
+        Ok(())
+    }
+}
+
+struct Part<'s, 'o>(&'s mut Sink<'o>);
+
+impl<'de> DeserializeSeed<'de> for Part<'_, '_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Part<'_, '_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a content part object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            match &*key {
+                "text" => map.next_value_seed(Text(&mut *self.0))?,
+                "type" => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+                _ => {
+                    let raw = map.next_value::<&'de RawValue>()?;
+                    self.0.put(&[PART]);
+                    self.0.put(key.as_bytes());
+                    self.0.put(raw.get().as_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(
+        ep: Endpoint,
+        body: &str,
+    ) -> Result<(Vec<u8>, PromptKind, Option<String>), ParseError> {
+        let mut buf = Vec::new();
+        let p = parse(ep, body.as_bytes(), &mut buf, 1 << 20)?;
+        Ok((buf, p.kind, p.model.map(|m| m.into_owned())))
+    }
+
+    fn tokens(v: &[u32]) -> Vec<u8> {
+        v.iter().flat_map(|t| t.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn classify_paths() {
+        assert_eq!(
+            Endpoint::classify(b"POST", b"/v1/chat/completions?x=1"),
+            Some(Endpoint::Chat)
+        );
+        assert_eq!(
+            Endpoint::classify(b"POST", b"/v1/completions"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(
+            Endpoint::classify(b"PUT", b"/generate"),
+            Some(Endpoint::Generate)
+        );
+        assert_eq!(Endpoint::classify(b"GET", b"/v1/chat/completions"), None);
+        assert_eq!(Endpoint::classify(b"GET", b"/v1/models"), None);
+        assert_eq!(Endpoint::classify(b"POST", b"/v1/chat/completionsx"), None);
+    }
+
+    #[test]
+    fn chat_string_and_parts() {
+        let (a, k, m) = canon(
+            Endpoint::Chat,
+            r#"{"model":"llama","temperature":0.5,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"http://x/img.png"}},{"type":"text","text":" there"}]}],"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!(k, PromptKind::Text);
+        assert_eq!(m.as_deref(), Some("llama"));
+        let mut want = b"\x1esystem\x1fbe brief\x1euser\x1fhi\x1dimage_url".to_vec();
+        want.extend_from_slice(br#"{"url":"http://x/img.png"}"#);
+        want.extend_from_slice(b" there");
+        assert_eq!(a, want);
+    }
+
+    #[test]
+    fn chat_prefix_property_across_turns() {
+        let t1 = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q1 \"quoted\"\n"}],"model":"m"}"#;
+        let t2 = r#"{"model":"m","max_tokens":9,"messages":[{"role":"system","content":"S"},{"role":"user","content":"q1 \"quoted\"\n"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#;
+        let (a, _, _) = canon(Endpoint::Chat, t1).unwrap();
+        let (b, _, _) = canon(Endpoint::Chat, t2).unwrap();
+        assert!(b.starts_with(&a) && b.len() > a.len());
+    }
+
+    #[test]
+    fn sampling_params_do_not_change_prompt() {
+        let (a, _, _) = canon(
+            Endpoint::Chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"temperature":1}"#,
+        )
+        .unwrap();
+        let (b, _, _) = canon(
+            Endpoint::Chat,
+            r#"{"top_p":0.1,"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn chat_tool_calls_and_null_content() {
+        let (a, _, _) = canon(
+            Endpoint::Chat,
+            r#"{"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","content":"r"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            a,
+            b"\x1eassistant\x1f\x1ctool_calls[{\"id\":\"1\"}]\x1etool\x1f\x1ctool_call_id\"1\"r"
+                .to_vec()
+        );
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let (a, k, _) = canon(Endpoint::Completions, r#"{"prompt":"hello"}"#).unwrap();
+        assert_eq!((a, k), (b"hello".to_vec(), PromptKind::Text));
+        let (a, k, _) = canon(Endpoint::Completions, r#"{"prompt":["first","second"]}"#).unwrap();
+        assert_eq!((a, k), (b"first".to_vec(), PromptKind::Text));
+        let (a, k, _) = canon(Endpoint::Completions, r#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!((a, k), (tokens(&[1, 2, 3]), PromptKind::Tokens));
+        let (a, k, _) = canon(Endpoint::Completions, r#"{"prompt":[[7,8],[9]]}"#).unwrap();
+        assert_eq!((a, k), (tokens(&[7, 8]), PromptKind::Tokens));
+        let (a, k, _) = canon(Endpoint::Completions, r#"{"prompt":[[7],[9]]}"#).unwrap();
+        assert_eq!((a, k), (tokens(&[7]), PromptKind::Tokens));
+        let (a, k, _) = canon(Endpoint::Completions, r#"{"prompt":[]}"#).unwrap();
+        assert_eq!((a, k), (vec![], PromptKind::None));
+        // Messages are not a completions prompt.
+        let (a, k, _) = canon(
+            Endpoint::Completions,
+            r#"{"messages":[{"role":"u","content":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((a, k), (vec![], PromptKind::None));
+    }
+
+    #[test]
+    fn generate_text_and_ids() {
+        let (a, k, _) = canon(
+            Endpoint::Generate,
+            r#"{"text":"abc","sampling_params":{"max_new_tokens":4}}"#,
+        )
+        .unwrap();
+        assert_eq!((a, k), (b"abc".to_vec(), PromptKind::Text));
+        let (a, k, _) = canon(
+            Endpoint::Generate,
+            r#"{"input_ids":[5,6],"lora_path":"ad"}"#,
+        )
+        .unwrap();
+        assert_eq!((a, k), (tokens(&[5, 6]), PromptKind::Tokens));
+        let mut buf = Vec::new();
+        let p = parse(
+            Endpoint::Generate,
+            br#"{"input_ids":[5],"lora_path":"ad"}"#,
+            &mut buf,
+            99,
+        )
+        .unwrap();
+        assert_eq!(p.lora.as_deref(), Some("ad"));
+        assert_eq!(p.tokens, 1);
+    }
+
+    #[test]
+    fn malformed_bodies_are_errors_not_panics() {
+        let bad: &[&[u8]] = &[
+            b"",
+            b"{",
+            b"[]",
+            b"null",
+            b"{\"messages\": 5}",
+            b"{\"messages\": [5]}",
+            b"{\"messages\": [{\"content\": 5}]}",
+            b"{\"messages\": [{\"role\": \"u\", \"content\": [{\"text\": 1}]}]}",
+            b"{\"model\": 7, \"messages\": []}",
+            b"{\"prompt\": [-1]}",
+            b"{\"prompt\": [1, \"x\"]}",
+            b"{\"prompt\": [4294967296]}",
+            b"{\"prompt\": [1.5]}",
+            b"{\"prompt\": {}}",
+            b"{\"prompt\": \"a\"} trailing",
+            b"{\"messages\": [{\"role\": \"u\", \"content\": \"\xff\xfe\"}]}",
+        ];
+        for b in bad {
+            let ep = if b.windows(6).any(|w| w == b"prompt") {
+                Endpoint::Completions
+            } else {
+                Endpoint::Chat
+            };
+            let mut buf = Vec::new();
+            assert!(
+                parse(ep, b, &mut buf, 1 << 20).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(b)
+            );
+        }
+    }
+
+    #[test]
+    fn deep_nesting_never_overflows_the_stack() {
+        // Deeply nested *ignored* fields are valid JSON: skipped iteratively, still routed.
+        let mut s = String::from("{\"x\":");
+        s.push_str(&"[".repeat(100_000));
+        s.push_str(&"]".repeat(100_000));
+        s.push_str(",\"messages\":[{\"role\":\"u\",\"content\":\"hi\"}]}");
+        let mut buf = Vec::new();
+        let p = parse(Endpoint::Chat, s.as_bytes(), &mut buf, 1 << 20).unwrap();
+        assert_eq!(p.kind, PromptKind::Text);
+        // Unbalanced deep nesting is an error, not a crash.
+        assert!(parse(Endpoint::Chat, &s.as_bytes()[..150_000], &mut buf, 1 << 20).is_err());
+        // Nesting where we expect structure is a type error.
+        let deep_content = format!(
+            "{{\"messages\":[{{\"role\":\"u\",\"content\":{}{}}}]}}",
+            "[".repeat(50_000),
+            "]".repeat(50_000)
+        );
+        assert!(parse(Endpoint::Chat, deep_content.as_bytes(), &mut buf, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn huge_arrays_are_bounded_by_limit() {
+        let ids: Vec<String> = (0..200_000).map(|i| (i % 50_000).to_string()).collect();
+        let body = format!("{{\"input_ids\":[{}]}}", ids.join(","));
+        let mut buf = Vec::new();
+        let p = parse(Endpoint::Generate, body.as_bytes(), &mut buf, 4096).unwrap();
+        assert!(p.truncated);
+        assert_eq!(buf.len(), 4096);
+        assert_eq!(p.tokens, 200_000);
+        let body = format!("{{\"prompt\":\"{}\"}}", "a".repeat(100_000));
+        let p = parse(Endpoint::Completions, body.as_bytes(), &mut buf, 1000).unwrap();
+        assert!(p.truncated && buf.len() == 1000);
+    }
+
+    #[test]
+    fn escapes_are_unescaped_into_canonical_bytes() {
+        let (a, _, _) = canon(Endpoint::Completions, r#"{"prompt":"a\nb\u00e9"}"#).unwrap();
+        assert_eq!(a, "a\nbé".as_bytes());
+    }
+}

@@ -1,0 +1,448 @@
+//! The routing decision for one request, end to end, over a [`Store`]: parse, hash, match,
+//! choose, charge load, record. Host-agnostic: the Envoy glue and the native tests/benches call
+//! the same code. One `Router` lives per VM (per Envoy worker thread) and owns reusable buffers,
+//! so a decision allocates nothing in steady state beyond what serde_json needs for escapes.
+
+use crate::blocks::{chain_seed, hash_blocks};
+use crate::config::{Config, PolicyName, UnknownModel};
+use crate::index::{Index, Matches, Scratch, WriteStats};
+use crate::load;
+use crate::policy::{self, Inputs, Reason};
+use crate::request::{self, Endpoint, PromptKind};
+use crate::store::Store;
+
+/// CAS attempts for a load-vector update before the delta is parked (see `pending`).
+const LOAD_RETRIES: u32 = 32;
+
+/// What was decided for a request; small and `Copy` so the stream context can keep it until the
+/// stream ends and release exactly what was charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub model: u16,
+    pub worker: u16,
+    pub reason: Reason,
+    pub matched_blocks: u32,
+    pub total_blocks: u32,
+    /// Load charged to the worker (released when the stream ends); 0/0 when nothing was charged.
+    pub charged_reqs: u32,
+    pub charged_tokens: u32,
+    pub index: WriteStats,
+    pub probes: u32,
+    pub truncated: bool,
+}
+
+/// The filter's answer for an inference request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Route(Decision),
+    /// Answer locally with this status and OpenAI-style JSON body.
+    Reject {
+        status: u32,
+        body: String,
+    },
+}
+
+/// A load delta that lost too many CAS races; applied on the next opportunity.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    model: u16,
+    worker: u16,
+    dreq: i64,
+    dtok: i64,
+}
+
+pub struct Router {
+    pub cfg: Config,
+    canon: Vec<u8>,
+    hashes: Vec<u64>,
+    buf: Vec<u8>,
+    sc: Scratch,
+    matches: Matches,
+    reqs: Vec<u32>,
+    tokens: Vec<u32>,
+    matched: Vec<u32>,
+    /// Per model: `(worker id, index)` sorted by id, to map index holders to workers in O(log n).
+    ids: Vec<Vec<(u32, u16)>>,
+    pending: Vec<Pending>,
+    rr: usize,
+    rng: u64,
+    /// Decrements that found a counter already at zero (should stay 0; exported as a metric).
+    pub load_underflows: u64,
+}
+
+impl Router {
+    pub fn new(cfg: Config, seed: u64) -> Router {
+        let ids = cfg
+            .models
+            .iter()
+            .map(|m| {
+                let mut v: Vec<(u32, u16)> = m
+                    .workers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| (w.id, i as u16))
+                    .collect();
+                v.sort_unstable();
+                v
+            })
+            .collect();
+        let max_workers = cfg
+            .models
+            .iter()
+            .map(|m| m.workers.len())
+            .max()
+            .unwrap_or(0);
+        Router {
+            canon: Vec::with_capacity(64 * 1024),
+            hashes: Vec::with_capacity(1024),
+            buf: Vec::with_capacity(4096),
+            sc: Scratch::default(),
+            matches: Matches::default(),
+            reqs: Vec::with_capacity(max_workers),
+            tokens: Vec::with_capacity(max_workers),
+            matched: Vec::with_capacity(max_workers),
+            ids,
+            pending: Vec::new(),
+            rr: (seed as usize) % 1024,
+            rng: seed | 1,
+            load_underflows: 0,
+            cfg,
+        }
+    }
+
+    /// Creates each model's load vector if this is the first VM to start.
+    pub fn init_store<S: Store>(&mut self, store: &S) {
+        for m in &self.cfg.models {
+            load::ensure(store, &m.load_key, &m.workers, &mut self.buf);
+        }
+    }
+
+    /// The upstream cluster of a decision.
+    pub fn cluster(&self, d: &Decision) -> &str {
+        self.cfg
+            .models
+            .get(usize::from(d.model))
+            .and_then(|m| m.workers.get(usize::from(d.worker)))
+            .map_or("", |w| w.cluster.as_str())
+    }
+
+    /// A non-inference request: the passthrough cluster, or round robin over the default model.
+    /// Returns `None` when `passthrough_cluster` is configured (use it as is).
+    pub fn passthrough(&mut self) -> Option<Decision> {
+        if self.cfg.passthrough_cluster.is_some() {
+            return None;
+        }
+        let m = self.cfg.default_model;
+        let n = self.cfg.models[m].workers.len();
+        self.rr = self.rr.wrapping_add(1);
+        Some(self.plain(m, self.rr % n, Reason::Passthrough))
+    }
+
+    fn plain(&self, model: usize, worker: usize, reason: Reason) -> Decision {
+        Decision {
+            model: model as u16,
+            worker: worker as u16,
+            reason,
+            matched_blocks: 0,
+            total_blocks: 0,
+            charged_reqs: 0,
+            charged_tokens: 0,
+            index: WriteStats::default(),
+            probes: 0,
+            truncated: false,
+        }
+    }
+
+    /// Decides where an inference request goes. `now` is in 100 ms units.
+    pub fn route<S: Store>(
+        &mut self,
+        store: &S,
+        endpoint: Endpoint,
+        body: &[u8],
+        now: u32,
+    ) -> Outcome {
+        self.flush_pending(store);
+        let cfg = &self.cfg;
+        let cpt = cfg.policy.chars_per_token as usize;
+        let dm = cfg.default_model;
+        let limit = cfg
+            .models
+            .iter()
+            .map(|m| m.text_block_bytes.max(4 * m.token_block_size))
+            .max()
+            .unwrap_or(64)
+            .saturating_mul(cfg.max_prompt_blocks);
+        let parsed = match request::parse(endpoint, body, &mut self.canon, limit) {
+            Ok(p) => p,
+            Err(_) => {
+                let est = (body.len() / cpt) as u32;
+                return Outcome::Route(self.least_loaded(store, dm, Reason::ParseError, est));
+            }
+        };
+        let (mi, mut forced) = match parsed.model.as_deref() {
+            None => (dm, None),
+            Some(name) => match cfg.model_index(name.as_bytes()) {
+                Some(i) => (i, None),
+                None if cfg.unknown_model == UnknownModel::Reject => {
+                    return Outcome::Reject {
+                        status: 404,
+                        body: not_found_body(name),
+                    };
+                }
+                None => (dm, Some(Reason::Fallback)),
+            },
+        };
+        let model = &cfg.models[mi];
+        let (block_bytes, prompt_tokens) = match parsed.kind {
+            PromptKind::Text => (model.text_block_bytes, self.canon.len() / cpt),
+            PromptKind::Tokens => (4 * model.token_block_size, parsed.tokens),
+            PromptKind::None => (0, 0),
+        };
+        let prompt_tokens = prompt_tokens.max(1).min(u32::MAX as usize) as u32;
+        if parsed.kind == PromptKind::None || self.canon.is_empty() {
+            return Outcome::Route(self.least_loaded(store, mi, Reason::Fallback, prompt_tokens));
+        }
+        let seed = chain_seed(
+            model.name.as_bytes(),
+            parsed.lora.as_deref().map(str::as_bytes),
+        );
+        let truncated = parsed.truncated
+            | hash_blocks(
+                seed,
+                &self.canon,
+                block_bytes,
+                cfg.max_prompt_blocks,
+                &mut self.hashes,
+            );
+        let n = model.workers.len();
+        let mut d = match cfg.policy.name {
+            PolicyName::RoundRobin => {
+                self.rr = self.rr.wrapping_add(1);
+                let w = self.rr % n;
+                self.charge_fixed(store, mi, w, Reason::RoundRobin, prompt_tokens)
+            }
+            PolicyName::Random => {
+                let w = (policy::next_random(&mut self.rng) % n as u64) as usize;
+                self.charge_fixed(store, mi, w, Reason::Random, prompt_tokens)
+            }
+            PolicyName::CacheAware => self.cache_aware(store, mi, prompt_tokens, now),
+        };
+        if let Some(r) = forced.take() {
+            d.reason = r;
+        }
+        d.truncated = truncated;
+        Outcome::Route(d)
+    }
+
+    fn cache_aware<S: Store>(
+        &mut self,
+        store: &S,
+        mi: usize,
+        prompt_tokens: u32,
+        now: u32,
+    ) -> Decision {
+        let cfg = &self.cfg;
+        let model = &cfg.models[mi];
+        let ix = Index {
+            key_prefix: &model.index_key_prefix,
+            buckets: cfg.index_buckets,
+            ttl: cfg.index.ttl_seconds.saturating_mul(10),
+            cas_retries: cfg.index.cas_retries,
+        };
+        ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
+        // Map holders (by id) to this config's workers; ids of removed workers are ignored.
+        self.matched.clear();
+        self.matched.resize(model.workers.len(), 0);
+        let ids = &self.ids[mi];
+        let mut deepest = 0;
+        for &(id, blocks, _) in &self.matches.workers {
+            if let Ok(k) = ids.binary_search_by_key(&id, |e| e.0) {
+                let i = usize::from(ids[k].1);
+                self.matched[i] = self.matched[i].max(blocks);
+                deepest = deepest.max(blocks);
+            }
+        }
+        let total_blocks = self.hashes.len() as u32;
+        let k = cfg.policy.affinity_blocks.min(self.hashes.len());
+        let affinity = self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0);
+        // Choose and charge atomically: if another thread changed the loads between our read
+        // and our write, re-read and re-choose so the load bound holds under races.
+        let mut chosen = (0usize, Reason::LoadSpill, 0u32);
+        let mut charged = false;
+        for _ in 0..LOAD_RETRIES {
+            let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
+            load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
+            let inp = Inputs {
+                model,
+                reqs: &self.reqs,
+                tokens: &self.tokens,
+                matched: &self.matched,
+                deepest,
+                total_blocks,
+                prompt_tokens,
+                affinity,
+            };
+            let (w, reason) = policy::choose(&cfg.policy, &inp);
+            let tok = policy::uncached_tokens(&inp, w).max(1);
+            chosen = (w, reason, tok);
+            let id = model.workers[w].id;
+            load::apply(&mut self.buf, id, w, 1, i64::from(tok));
+            if store.set(&model.load_key, &self.buf, cas).is_ok() {
+                charged = true;
+                break;
+            }
+        }
+        let (w, reason, tok) = chosen;
+        if !charged {
+            self.pending.push(Pending {
+                model: mi as u16,
+                worker: w as u16,
+                dreq: 1,
+                dtok: i64::from(tok),
+            });
+        }
+        let id = model.workers[w].id;
+        let (known, known_time) = self
+            .matches
+            .workers
+            .iter()
+            .find(|e| e.0 == id)
+            .map_or((0, 0), |e| (e.1, e.2));
+        let stats = ix.record(
+            store,
+            &self.hashes,
+            id,
+            (known, known_time),
+            now,
+            &mut self.sc,
+        );
+        Decision {
+            model: mi as u16,
+            worker: w as u16,
+            reason,
+            matched_blocks: self.matched[w],
+            total_blocks,
+            charged_reqs: 1,
+            charged_tokens: tok,
+            index: stats,
+            probes: self.matches.probes,
+            truncated: false,
+        }
+    }
+
+    fn charge_fixed<S: Store>(
+        &mut self,
+        store: &S,
+        mi: usize,
+        w: usize,
+        reason: Reason,
+        tokens: u32,
+    ) -> Decision {
+        self.add_load(store, mi, w, 1, i64::from(tokens));
+        Decision {
+            total_blocks: self.hashes.len() as u32,
+            charged_reqs: 1,
+            charged_tokens: tokens,
+            ..self.plain(mi, w, reason)
+        }
+    }
+
+    fn least_loaded<S: Store>(
+        &mut self,
+        store: &S,
+        mi: usize,
+        reason: Reason,
+        tokens: u32,
+    ) -> Decision {
+        let model = &self.cfg.models[mi];
+        store.get(&model.load_key, &mut self.buf);
+        load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
+        self.rr = self.rr.wrapping_add(1);
+        let w = policy::least_loaded(&self.reqs, &self.tokens, self.rr);
+        self.charge_fixed(store, mi, w, reason, tokens.max(1))
+    }
+
+    fn add_load<S: Store>(&mut self, store: &S, mi: usize, w: usize, dreq: i64, dtok: i64) {
+        let Some(model) = self.cfg.models.get(mi) else {
+            return;
+        };
+        let Some(worker) = model.workers.get(w) else {
+            return;
+        };
+        let delta = load::Delta {
+            id: worker.id,
+            hint: w,
+            dreq,
+            dtok,
+        };
+        let ok = load::update(store, &model.load_key, &mut self.buf, delta, LOAD_RETRIES);
+        if !ok {
+            self.pending.push(Pending {
+                model: mi as u16,
+                worker: w as u16,
+                dreq,
+                dtok,
+            });
+        }
+    }
+
+    /// Undoes a decision's load charge; call exactly once when its stream ends.
+    pub fn release<S: Store>(&mut self, store: &S, d: &Decision) {
+        if d.charged_reqs == 0 && d.charged_tokens == 0 {
+            return;
+        }
+        self.add_load(
+            store,
+            usize::from(d.model),
+            usize::from(d.worker),
+            -i64::from(d.charged_reqs),
+            -i64::from(d.charged_tokens),
+        );
+    }
+
+    /// Retries parked load deltas (called before each decision and on the VM's tick).
+    pub fn flush_pending<S: Store>(&mut self, store: &S) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut parked = std::mem::take(&mut self.pending);
+        for p in parked.drain(..) {
+            self.add_load(
+                store,
+                usize::from(p.model),
+                usize::from(p.worker),
+                p.dreq,
+                p.dtok,
+            );
+        }
+        if self.pending.is_empty() {
+            self.pending = parked; // keep the allocation
+        }
+    }
+
+    /// Number of parked load deltas (should be 0 except under extreme contention).
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Current (requests, tokens) of every worker of model `mi`, read from the store.
+    pub fn loads<S: Store>(&mut self, store: &S, mi: usize) -> Vec<(u32, u32)> {
+        let model = &self.cfg.models[mi];
+        store.get(&model.load_key, &mut self.buf);
+        load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
+        self.reqs
+            .iter()
+            .copied()
+            .zip(self.tokens.iter().copied())
+            .collect()
+    }
+}
+
+/// OpenAI-style 404 body for an unknown model.
+pub fn not_found_body(model: &str) -> String {
+    let msg = format!("The model `{model}` does not exist.");
+    let msg = serde_json::to_string(&msg).unwrap_or_else(|_| "\"model not found\"".into());
+    format!(
+        "{{\"object\":\"error\",\"message\":{msg},\"type\":\"NotFoundError\",\"param\":\"model\",\"code\":404}}"
+    )
+}
