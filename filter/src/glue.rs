@@ -206,11 +206,6 @@ fn header(name: &str) -> Vec<u8> {
 }
 
 impl Stream {
-    fn set_cluster(&self, cluster: &str) {
-        let name = &self.shared.router.borrow().cfg.cluster_header;
-        let _ = hostcalls::add_map_value(MapType::HttpRequestHeaders, name, cluster);
-    }
-
     fn decide(&mut self, body: &[u8]) -> Action {
         let Some(ep) = self.endpoint.take() else {
             return Action::Continue;
@@ -244,8 +239,12 @@ impl Stream {
                 }
                 m.inflight(&d, 1);
                 self.charged = true;
-                let cluster = self.shared.router.borrow().cluster(&d).to_string();
-                self.set_cluster(&cluster);
+                let r = self.shared.router.borrow();
+                let _ = hostcalls::add_map_value(
+                    MapType::HttpRequestHeaders,
+                    &r.cfg.cluster_header,
+                    r.cluster(&d),
+                );
                 self.decision = Some(d);
                 Action::Continue
             }
@@ -269,43 +268,35 @@ impl Context for Stream {}
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
-        let (name, passthrough) = {
+        {
+            // Whatever the client sent under our header names is never trusted or forwarded.
             let r = self.shared.router.borrow();
-            (
-                r.cfg.cluster_header.clone(),
-                r.cfg.passthrough_cluster.clone(),
-            )
-        };
-        // Whatever the client sent under our header name is never trusted.
-        let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &name);
-        let method = header(":method");
-        let path = header(":path");
-        match Endpoint::classify(&method, &path) {
-            Some(ep) => {
-                self.endpoint = Some(ep);
-                if end_of_stream {
-                    return self.decide(&[]);
-                }
-                Action::Pause
-            }
-            None => {
-                bump(self.shared.metrics.reasons[Reason::Passthrough.index()], 1);
-                let d = self.shared.router.borrow_mut().passthrough();
-                match d {
-                    Some(d) => {
-                        let cluster = self.shared.router.borrow().cluster(&d).to_string();
-                        self.set_cluster(&cluster);
-                        self.decision = Some(d);
-                    }
-                    None => {
-                        if let Some(c) = passthrough {
-                            self.set_cluster(&c);
-                        }
-                    }
-                }
-                Action::Continue
+            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &r.cfg.cluster_header);
+            if let Some(h) = &r.cfg.debug_header {
+                let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, h);
             }
         }
+        let method = header(":method");
+        let path = header(":path");
+        if let Some(ep) = Endpoint::classify(&method, &path) {
+            self.endpoint = Some(ep);
+            if end_of_stream {
+                return self.decide(&[]);
+            }
+            return Action::Pause;
+        }
+        bump(self.shared.metrics.reasons[Reason::Passthrough.index()], 1);
+        let mut r = self.shared.router.borrow_mut();
+        let d = r.passthrough();
+        let cluster = match (&d, &r.cfg.passthrough_cluster) {
+            (Some(d), _) => r.cluster(d),
+            (None, Some(c)) => c.as_str(),
+            (None, None) => "",
+        };
+        let _ =
+            hostcalls::add_map_value(MapType::HttpRequestHeaders, &r.cfg.cluster_header, cluster);
+        self.decision = d;
+        Action::Continue
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

@@ -647,4 +647,58 @@ mod tests {
         let (a, _, _) = canon(Endpoint::Completions, r#"{"prompt":"a\nb\u00e9"}"#).unwrap();
         assert_eq!(a, "a\nbé".as_bytes());
     }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn message() -> impl Strategy<Value = serde_json::Value> {
+            // Any printable text (unicode included), up to 40 chars.
+            let text = "\\PC{0,40}";
+            prop_oneof![
+                (text, text).prop_map(|(r, c)| serde_json::json!({"role": r, "content": c})),
+                (text, proptest::collection::vec(text, 0..4)).prop_map(|(r, parts)| {
+                    let parts: Vec<_> = parts
+                        .into_iter()
+                        .map(|t| serde_json::json!({"type": "text", "text": t}))
+                        .collect();
+                    serde_json::json!({"role": r, "content": parts})
+                }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            #[test]
+            fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let mut buf = Vec::new();
+                for ep in [Endpoint::Chat, Endpoint::Completions, Endpoint::Generate] {
+                    let _ = parse(ep, &body, &mut buf, 4096);
+                    prop_assert!(buf.len() <= 4096);
+                }
+            }
+
+            #[test]
+            fn conversation_turns_are_prefixes(msgs in proptest::collection::vec(message(), 1..8), k in 0usize..8) {
+                let k = k.min(msgs.len());
+                let short = serde_json::json!({"model": "m", "messages": &msgs[..k]}).to_string();
+                let long = serde_json::json!({"messages": &msgs, "model": "m", "stream": true}).to_string();
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                parse(Endpoint::Chat, short.as_bytes(), &mut a, 1 << 20).unwrap();
+                parse(Endpoint::Chat, long.as_bytes(), &mut b, 1 << 20).unwrap();
+                prop_assert!(b.starts_with(&a));
+            }
+
+            #[test]
+            fn token_prompts_roundtrip(ids in proptest::collection::vec(any::<u32>(), 1..300)) {
+                let body = serde_json::json!({"input_ids": &ids}).to_string();
+                let mut buf = Vec::new();
+                let p = parse(Endpoint::Generate, body.as_bytes(), &mut buf, 1 << 20).unwrap();
+                prop_assert_eq!(p.kind, PromptKind::Tokens);
+                prop_assert_eq!(p.tokens, ids.len());
+                prop_assert_eq!(buf, super::tokens(&ids));
+            }
+        }
+    }
 }

@@ -446,3 +446,205 @@ pub fn not_found_body(model: &str) -> String {
         "{{\"object\":\"error\",\"message\":{msg},\"type\":\"NotFoundError\",\"param\":\"model\",\"code\":404}}"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    fn cfg(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"models":{{"llama":{{"workers":["w0","w1","w2","w3"]}},"qwen":{{"workers":["q0","q1"]}}}},"default_model":"llama"{extra}}}"#
+        );
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn chat(model: &str, system: &str, user: &str) -> Vec<u8> {
+        serde_json::json!({"model": model, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]})
+        .to_string()
+        .into_bytes()
+    }
+
+    fn routed(o: Outcome) -> Decision {
+        match o {
+            Outcome::Route(d) => d,
+            Outcome::Reject { status, body } => panic!("rejected {status}: {body}"),
+        }
+    }
+
+    #[test]
+    fn shared_prefix_sticks_and_loads_return_to_zero() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 1);
+        r.init_store(&s);
+        let sys = "You are a meticulous assistant. ".repeat(40);
+        let first = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, "q0"), 100));
+        assert_eq!(first.reason, Reason::HashAffinity);
+        r.release(&s, &first);
+        for i in 1..50 {
+            let d = routed(r.route(
+                &s,
+                Endpoint::Chat,
+                &chat("llama", &sys, &format!("q{i}")),
+                100,
+            ));
+            assert_eq!((d.worker, d.reason), (first.worker, Reason::PrefixHit));
+            assert!(d.matched_blocks * 3 >= (d.total_blocks - 1) * 2);
+            r.release(&s, &d);
+        }
+        assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn two_vms_sharing_a_store_agree_and_respect_the_bound() {
+        // Two routers over one store behave like two Envoy worker threads.
+        let s = MemStore::new();
+        let mut a = Router::new(cfg(""), 1);
+        let mut b = Router::new(cfg(""), 2);
+        a.init_store(&s);
+        b.init_store(&s);
+        let sys = "Shared system prompt for everyone. ".repeat(30);
+        let d0 = routed(a.route(&s, Endpoint::Chat, &chat("llama", &sys, "x"), 5));
+        a.release(&s, &d0);
+        let d1 = routed(b.route(&s, Endpoint::Chat, &chat("llama", &sys, "y"), 5));
+        assert_eq!((d1.worker, d1.reason), (d0.worker, Reason::PrefixHit));
+        b.release(&s, &d1);
+        // Hold 40 requests open: the load bound spreads them.
+        let mut open = Vec::new();
+        for i in 0..40 {
+            let r = if i % 2 == 0 { &mut a } else { &mut b };
+            let d = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, &i.to_string()), 6));
+            let loads = r.loads(&s, 0);
+            let total: u32 = loads.iter().map(|l| l.0).sum();
+            let max = loads.iter().map(|l| l.0).max().unwrap();
+            assert!(
+                f64::from(max) <= 1.25 * f64::from(total) / 4.0 + 1.0,
+                "{loads:?}"
+            );
+            open.push(d);
+        }
+        assert!(open.iter().any(|d| d.reason == Reason::LoadSpill));
+        for (i, d) in open.iter().enumerate() {
+            if i % 2 == 0 {
+                a.release(&s, d)
+            } else {
+                b.release(&s, d)
+            }
+        }
+        assert!(a.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn contention_never_loses_a_load_delta() {
+        let s = MemStore::with_conflicts(3);
+        let mut r = Router::new(cfg(""), 3);
+        r.init_store(&s);
+        let mut ds = Vec::new();
+        for i in 0..200 {
+            let body = chat("llama", &format!("prefix {}", i % 7), &i.to_string());
+            ds.push(routed(r.route(&s, Endpoint::Chat, &body, 9)));
+        }
+        for d in &ds {
+            r.release(&s, d);
+        }
+        r.flush_pending(&s);
+        assert_eq!(r.pending_len(), 0);
+        assert!(
+            r.loads(&s, 0).iter().all(|&l| l == (0, 0)),
+            "{:?}",
+            r.loads(&s, 0)
+        );
+    }
+
+    #[test]
+    fn models_are_isolated_and_unknown_models_follow_config() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 4);
+        let d = routed(r.route(&s, Endpoint::Chat, &chat("qwen", "s", "u"), 1));
+        assert_eq!(d.model, 1);
+        assert!(r.cluster(&d).starts_with('q'));
+        let d = routed(r.route(&s, Endpoint::Chat, &chat("nope", "s", "u"), 1));
+        assert_eq!((d.model, d.reason), (0, Reason::Fallback));
+        let mut r = Router::new(cfg(r#","unknown_model":"reject""#), 4);
+        match r.route(&s, Endpoint::Chat, &chat("no\"pe", "s", "u"), 1) {
+            Outcome::Reject { status, body } => {
+                assert_eq!(status, 404);
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+                assert_eq!(v["type"], "NotFoundError");
+                assert!(v["message"].as_str().unwrap().contains("no\"pe"));
+            }
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_and_empty_bodies_are_routed_and_charged() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 5);
+        r.init_store(&s);
+        for body in [&b"{not json"[..], b"", b"[1,2]", b"{\"messages\":7}"] {
+            let d = routed(r.route(&s, Endpoint::Chat, body, 1));
+            assert_eq!(d.reason, Reason::ParseError);
+            assert_eq!(d.charged_reqs, 1);
+            r.release(&s, &d);
+        }
+        let d = routed(r.route(&s, Endpoint::Chat, br#"{"messages":[]}"#, 1));
+        assert_eq!(d.reason, Reason::Fallback);
+        r.release(&s, &d);
+        assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn comparison_policies_rotate_and_spread() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(r#","policy":{"name":"round_robin"}"#), 6);
+        let ws: Vec<u16> = (0..8)
+            .map(|_| routed(r.route(&s, Endpoint::Completions, br#"{"prompt":"same"}"#, 1)).worker)
+            .collect();
+        assert_eq!(
+            ws[..4]
+                .iter()
+                .collect::<std::collections::HashSet<_>>()
+                .len(),
+            4
+        );
+        assert_eq!(ws[..4], ws[4..]);
+        let mut r = Router::new(cfg(r#","policy":{"name":"random"}"#), 7);
+        let mut seen = [0; 4];
+        for _ in 0..400 {
+            let d = routed(r.route(&s, Endpoint::Completions, br#"{"prompt":"same"}"#, 1));
+            assert_eq!(d.reason, Reason::Random);
+            seen[usize::from(d.worker)] += 1;
+        }
+        assert!(seen.iter().all(|&c| c > 50), "{seen:?}");
+    }
+
+    #[test]
+    fn removed_workers_are_never_chosen_after_reload() {
+        let s = MemStore::new();
+        let mut old = Router::new(cfg(""), 8);
+        old.init_store(&s);
+        let body = chat("llama", &"held by someone ".repeat(20), "u");
+        let d = routed(old.route(&s, Endpoint::Chat, &body, 1));
+        let holder = old.cluster(&d).to_string();
+        old.release(&s, &d);
+        // New config without the holder: its index entries must be ignored.
+        let others: Vec<String> = ["w0", "w1", "w2", "w3"]
+            .iter()
+            .filter(|w| **w != holder)
+            .map(|w| format!("\"{w}\""))
+            .collect();
+        let json = format!(
+            r#"{{"models":{{"llama":{{"workers":[{}]}}}}}}"#,
+            others.join(",")
+        );
+        let mut new = Router::new(Config::from_json(json.as_bytes()).unwrap(), 9);
+        new.init_store(&s);
+        for _ in 0..20 {
+            let d = routed(new.route(&s, Endpoint::Chat, &body, 2));
+            assert_ne!(new.cluster(&d), holder);
+            new.release(&s, &d);
+        }
+    }
+}
