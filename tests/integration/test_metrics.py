@@ -41,9 +41,10 @@ def test_request_counters_count_exactly_what_was_sent(env, client):
     assert reasons == dict(Counter(rep.decision["reason"] for rep in everything)), info
     assert reasons.get("prefix_hit", 0) >= 5, info
 
-    # Blocks: the counters are the sums of the per-request figures the debug header reports.
-    prompt_blocks = sum(rep.decision.get("total", 0) for rep in everything)
-    matched_blocks = sum(rep.decision.get("matched", 0) for rep in everything)
+    # Blocks: the counters are the sums of the per-request figures the debug header reports for
+    # the inference requests; passthrough and unparseable requests have no prompt blocks.
+    prompt_blocks = sum(rep.decision["total"] for rep in inference)
+    matched_blocks = sum(rep.decision["matched"] for rep in inference)
     assert d["prefix_router_blocks_prompt"] == prompt_blocks > 0
     assert d["prefix_router_blocks_matched"] == matched_blocks > 0
     assert matched_blocks <= prompt_blocks

@@ -10,32 +10,55 @@ from . import workload as wl
 
 MODEL = "llama"
 
-MALFORMED = {
-    "truncated-json": b'{"model": "llama", "messages": [{"role": "user", "content": "hi"',
-    "not-json": b"this is not json at all",
-    "wrong-type-messages": b'{"model": "llama", "messages": 42}',
-    "wrong-type-prompt": b'{"model": "llama", "prompt": {"a": 1}}',
-    "json-array": b"[1, 2, 3]",
-    "invalid-utf8": b'{"model": "llama", "prompt": "\xff\xfe"}',
+MALFORMED = {  # name -> (path, body)
+    "truncated-json": ("/v1/chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "hi"'),
+    "not-json": ("/v1/chat/completions", b"this is not json at all"),
+    "wrong-type-messages": ("/v1/chat/completions", b'{"model": "llama", "messages": 42}'),
+    "wrong-type-prompt": ("/v1/completions", b'{"model": "llama", "prompt": {"a": 1}}'),
+    "json-array": ("/v1/chat/completions", b"[1, 2, 3]"),
+    "invalid-utf8-chat": ("/v1/chat/completions",
+                          b'{"model": "llama", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+    "invalid-utf8-prompt": ("/v1/completions", b'{"model": "llama", "prompt": "\xff\xfe"}'),
+    "bad-input-ids": ("/generate", b'{"input_ids": [1, "two", 3]}'),
 }
+
+
+def _warm_up_blocks(client):
+    """A long prompt first, on the same connection (so the same Envoy worker thread and VM): any
+    per-request state the filter fails to reset would leak into the next decision."""
+    rep = client.post("/v1/completions", {"model": MODEL, "prompt": wl.text(wl.rng("warm"), 3000)})
+    assert rep.status == 200 and rep.decision["total"] > 0, rep.decision
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_body_is_served(env, client, name):
-    path = "/v1/completions" if "prompt" in name else "/v1/chat/completions"
-    rep = client.post(path, MALFORMED[name])
+    path, body = MALFORMED[name]
+    _warm_up_blocks(client)
+    rep = client.post(path, body)
     assert rep.status == 200, (name, rep.status, rep.body)
     assert rep.worker in env.names
     assert rep.decision["reason"] == "parse_error", rep.decision
-    assert rep.json()["body_len"] == len(MALFORMED[name])  # forwarded untouched
+    # No prompt was understood: no blocks seen, none matched (they feed the blocks counters).
+    assert (rep.decision["matched"], rep.decision["total"]) == (0, 0), rep.decision
+    assert rep.json()["body_len"] == len(body)  # forwarded untouched
 
 
 def test_empty_body_inference_request_is_served(env, client):
     """POST with no body: end of stream arrives with the headers; must not hang."""
+    _warm_up_blocks(client)
     rep = client.request("POST", "/v1/chat/completions", b"")
     assert rep.status == 200, rep.body
     assert rep.worker in env.names
     assert rep.decision["reason"] == "parse_error", rep.decision
+    assert (rep.decision["matched"], rep.decision["total"]) == (0, 0), rep.decision
+
+
+def test_empty_prompt_falls_back_with_no_blocks(env, client):
+    _warm_up_blocks(client)
+    rep = client.post("/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert rep.status == 200, rep.body
+    assert rep.decision["reason"] == "fallback", rep.decision
+    assert (rep.decision["matched"], rep.decision["total"]) == (0, 0), rep.decision
 
 
 @pytest.mark.parametrize(
@@ -44,10 +67,12 @@ def test_empty_body_inference_request_is_served(env, client):
      ("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings")],
 )
 def test_non_inference_requests_pass_through(env, client, method, path):
+    _warm_up_blocks(client)
     rep = client.request(method, path, b"{}" if method == "POST" else None)
     assert rep.status == 200, rep.body
     assert rep.worker in env.names
     assert rep.decision["reason"] == "passthrough", rep.decision
+    assert (rep.decision["matched"], rep.decision["total"]) == (0, 0), rep.decision
     assert rep.json()["path"] == path
 
 

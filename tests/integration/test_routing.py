@@ -17,6 +17,13 @@ def _text_blocks(stack, n_chars: int) -> int:
     return n_chars // int(stack.plugin.get("text_block_bytes", 64))
 
 
+def _covers(matched: int, shared_blocks: int) -> bool:
+    """The index records prompts at checkpoint depths (1, 2, 3, 4, 6, 8, 12, 16, 24, ... blocks;
+    filter/src/blocks.rs), so a shared prefix of `shared_blocks` full blocks is reported as the
+    deepest checkpoint within it: never less than 2/3 of it, and at least 1 block."""
+    return 3 * matched >= 2 * shared_blocks and (shared_blocks == 0 or matched >= 1)
+
+
 def test_shared_prefix_sequential_stays_on_one_worker(env, client):
     r = wl.rng("seq")
     prefix = wl.text(r, 4096)
@@ -37,7 +44,8 @@ def test_shared_prefix_sequential_stays_on_one_worker(env, client):
     for rep in replies[1:]:
         d = rep.decision
         assert d["reason"] == "prefix_hit", d
-        assert shared - 2 <= d["matched"] <= d["total"], d
+        assert d["matched"] <= d["total"], d
+        assert _covers(d["matched"], shared), (shared, d)
 
 
 def test_shared_prefix_concurrent_spills_within_load_bound(env):
@@ -136,8 +144,8 @@ def test_multi_turn_chat_stays_on_its_worker(env, client):
         for prev, rep in zip(reps, reps[1:]):
             d = rep.decision
             assert d["reason"] == "prefix_hit", d
-            # The whole previous turn is a prefix of this one: at least its full blocks match.
-            assert d["matched"] >= prev.decision["total"] - 1, (prev.decision, d)
+            # The whole previous turn is a prefix of this one: its full blocks are shared.
+            assert _covers(d["matched"], prev.decision["total"] - 1), (prev.decision, d)
 
 
 def _assert_sticky(reps):
@@ -160,7 +168,7 @@ def test_completions_token_prompt_is_sticky(env, client):
     reps = [client.post("/v1/completions", {"model": MODEL, "prompt": prefix + wl.tokens(r, 40)}) for _ in range(6)]
     _assert_sticky(reps)
     tb = int(env.plugin.get("token_block_size", 16))
-    assert all(rep.decision["matched"] >= 1024 // tb - 1 for rep in reps[1:]), [rep.decision for rep in reps]
+    assert all(_covers(rep.decision["matched"], 1024 // tb) for rep in reps[1:]), [rep.decision for rep in reps]
 
 
 def test_generate_text_is_sticky(env, client):
