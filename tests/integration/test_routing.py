@@ -104,6 +104,7 @@ def test_shared_prefix_concurrent_spills_within_load_bound(env):
     counts, peaks = env.pool.counts(), env.pool.max_inflight()
     reasons = Counter(rep.decision.get("reason") for rep in results)
     info = f"counts={counts} peaks={peaks} reasons={reasons} bound={bound}"
+    print(info)
     assert sum(counts.values()) == 200, info
     assert max(peaks.values()) <= bound, info
     assert sum(1 for v in counts.values() if v) > 1, info
