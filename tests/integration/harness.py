@@ -64,8 +64,16 @@ class WorkerStats:
     count: int = 0
     inflight: int = 0
     max_inflight: int = 0
+    aborted: int = 0  # streams the downstream side cut off
     # Every request: (method, path, cluster header values seen, debug header seen, body length).
     requests: list = field(default_factory=list)
+
+
+def _lenient_json(body: bytes):
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 class Worker:
@@ -117,6 +125,10 @@ class Worker:
                 try:
                     if worker.delay_s:
                         time.sleep(worker.delay_s)
+                    req = _lenient_json(body)
+                    if isinstance(req, dict) and req.get("stream") is True:
+                        self._stream(req)
+                        return
                     payload = json.dumps(
                         {
                             "worker": worker.name,
@@ -137,24 +149,59 @@ class Worker:
                     with worker.lock:
                         worker.stats.inflight -= 1
 
+            def _stream(self, req: dict):
+                """SSE like an LLM server: headers, then `x_events` events `x_interval` s apart."""
+                n = int(req.get("x_events", 5))
+                gap = float(req.get("x_interval", 0.05))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("x-worker-id", worker.name)
+                self.end_headers()
+                try:
+                    for i in range(n + 1):
+                        data = "[DONE]" if i == n else json.dumps({"worker": worker.name, "i": i})
+                        frame = f"data: {data}\n\n".encode()
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(frame), frame))
+                        self.wfile.flush()
+                        if i < n:
+                            time.sleep(gap)
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    with worker.lock:
+                        worker.stats.aborted += 1
+                    self.close_connection = True
+
             do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _handle
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             request_queue_size = 256
 
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self._classes = (Server, Handler)
+        self._serve(0)
+
+    def _serve(self, port: int):
+        Server, Handler = self._classes
+        self.server = Server(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name=f"worker-{name}", daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, name=f"worker-{self.name}", daemon=True)
         self.thread.start()
+
+    def restart(self):
+        """Serve again on the same port (after close())."""
+        self._serve(self.port)
 
     def reset(self):
         with self.lock:
             self.stats = WorkerStats()
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
 
 
 class WorkerPool:
@@ -186,6 +233,9 @@ class WorkerPool:
                 reqs = list(w.stats.requests)
             for r in reqs:
                 yield n, r
+
+    def restart(self, name: str):
+        self.workers[name].restart()
 
     def close(self):
         for w in self.workers.values():
