@@ -408,11 +408,11 @@ async fn errors_are_sglang_shaped() {
 async fn cached_prompt_has_lower_ttft_and_flush_restores_it() {
     let cfg = Config {
         time_scale: 1.0,
-        prefill_tokens_per_sec: 20_000.0,
+        prefill_tokens_per_sec: 10_000.0,
         ..fast()
     };
     let (a, _) = start(cfg).await;
-    // ~4000 tokens: uncached prefill ~200 ms, cached ~3 ms
+    // ~4000 tokens: uncached prefill ~400 ms, cached ~3 ms
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(355);
     let body =
         json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2, "stream": true});
@@ -452,10 +452,10 @@ async fn flush_cache_refused_while_busy_and_load_reports_queue() {
         hs.push(tokio::spawn(post(
             a,
             "/v1/completions",
-            json!({"prompt": format!("busy {i}"), "max_tokens": 30, "ignore_eos": true}),
+            json!({"prompt": format!("busy {i}"), "max_tokens": 60, "ignore_eos": true}),
         )));
     }
-    tokio::time::sleep(Duration::from_millis(60)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let v = get(a, "/get_load").await.json();
     assert_eq!(v[0]["num_reqs"], 2, "{v}");
     assert_eq!(v[0]["num_waiting_reqs"], 1, "{v}");
@@ -485,7 +485,7 @@ async fn decode_time_grows_with_output_length() {
     // prefill 3 ms + 25 decode steps of 8 ms = 203 ms
     let e = t.elapsed();
     assert!(
-        e >= Duration::from_millis(190) && e < Duration::from_millis(400),
+        e >= Duration::from_millis(200) && e < Duration::from_millis(1000),
         "{e:?}"
     );
 }

@@ -87,7 +87,7 @@ def test_stream_headers_arrive_with_first_token(sim_factory):
         with c.stream("POST", s.base + "/v1/chat/completions", json=body) as r:
             head2 = time.monotonic() - t0
             r.read()
-        assert head2 < 0.1, head2
+        assert head2 < 0.15, head2
 
 
 def test_sigterm_drains_and_exits_zero(sim_factory):
