@@ -571,3 +571,36 @@ async fn draining_answers_503_and_waits_for_running() {
     assert_eq!(running.await.unwrap().status, 200);
     assert!(server::wait_drained(&app, Duration::from_secs(2)).await);
 }
+
+#[tokio::test]
+async fn multi_turn_chat_hits_through_previous_answer() {
+    let (a, _) = start(fast()).await;
+    let sys = json!({"role": "system", "content": "You are a helpful assistant with a long system prompt."});
+    let user = json!({"role": "user", "content": "First question?"});
+    let v1 = post(
+        a,
+        "/v1/chat/completions",
+        json!({"messages": [sys, user], "max_tokens": 12, "ignore_eos": true}),
+    )
+    .await
+    .json();
+    let answer = v1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let p1 = v1["usage"]["prompt_tokens"].as_u64().unwrap();
+    let v2 = post(
+        a,
+        "/v1/chat/completions",
+        json!({"messages": [sys, user,
+        {"role": "assistant", "content": answer}, {"role": "user", "content": "Second?"}],
+        "max_tokens": 4}),
+    )
+    .await
+    .json();
+    // turn 1's prompt and all of its answer but the last token were cached
+    assert_eq!(
+        v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(p1 + 11)
+    );
+}
