@@ -84,6 +84,8 @@ class Worker:
         self.delay_s = 0.0
         self.lock = threading.Lock()
         self.stats = WorkerStats()
+        self.conns: set = set()  # open (keep-alive) connections, closed by close()
+        self.server = None
         worker = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -91,6 +93,16 @@ class Worker:
 
             def log_message(self, *args):  # quiet
                 pass
+
+            def setup(self):
+                super().setup()
+                with worker.lock:
+                    worker.conns.add(self.connection)
+
+            def finish(self):
+                with worker.lock:
+                    worker.conns.discard(self.connection)
+                super().finish()
 
             def _read_body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -198,10 +210,18 @@ class Worker:
             self.stats = WorkerStats()
 
     def close(self):
+        """Stop like a dead process: no listener, and every open connection is cut."""
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+        with self.lock:
+            conns, self.conns = list(self.conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class WorkerPool:
