@@ -29,6 +29,7 @@ def env(stack):
     stack.pool.reset()
     yield stack
     check_upstream_headers(stack)
+    check_filter_healthy(stack)
 
 
 @pytest.fixture
@@ -55,3 +56,17 @@ def pytest_runtest_makereport(item, call):
     if rep.failed and _ACTIVE_STACKS:
         for s in _ACTIVE_STACKS:
             rep.sections.append((f"envoy log tail ({s.envoy.log_path})", s.envoy.log_tail(120)))
+
+
+def check_filter_healthy(stack):
+    """The Wasm VM never failed: with failure_policy FAIL_RELOAD a panic would be papered over by a
+    reload (only the request in flight fails), so look for it explicitly."""
+    stats = stack.envoy.stats()
+    reloads = {k: v for k, v in stats.items() if k.startswith("envoy_wasm_prefix_router_vm_reload")}
+    assert reloads and all(v == 0 for v in reloads.values()), reloads
+    bad = [
+        line
+        for line in stack.envoy.log_text().splitlines()
+        if "][wasm]" in line and ("][error]" in line or "][critical]" in line)
+    ]
+    assert not bad, "\n".join(bad[:20])
