@@ -10,7 +10,7 @@ _ACTIVE_STACKS: list = []
 
 
 @pytest.fixture(scope="session")
-def stack():
+def stack(request):
     """The demo config (envoy/envoy.yaml) with the debug header forced on, shared by the session.
 
     State in Envoy (prefix index, counters) persists across tests: tests use their own random
@@ -20,7 +20,7 @@ def stack():
     _ACTIVE_STACKS.append(s)
     yield s
     _ACTIVE_STACKS.remove(s)
-    s.close()
+    s.close(keep_logs=request.session.testsfailed > 0)  # failed runs keep config + log in /tmp
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ the compiled filter and a config rendered from envoy/envoy.yaml (the demo config
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import re
@@ -340,6 +341,9 @@ def render_config(
 # --------------------------------------------------------------------------------------------
 
 
+_ENVOY_SEQ = itertools.count()
+
+
 class Envoy:
     """A real Envoy serving a rendered config; logs (and access log) go to a temp file."""
 
@@ -362,7 +366,8 @@ class Envoy:
 
     def start(self, timeout_s: float = 60.0):
         # A unique base id keeps the shared-memory/hot-restart domain of parallel Envoys apart.
-        base_id = (os.getpid() * 131 + self.listener_port) % 2_000_000_000 + 1000
+        # (pid, per-process sequence) -> id: unique among live test processes and their Envoys.
+        base_id = (os.getpid() % 100_000) * 100 + next(_ENVOY_SEQ) % 100 + 1000
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [
@@ -475,13 +480,15 @@ class Stack:
         try:
             self.envoy.start()
         except Exception:
-            self.close()
+            self.close(keep_logs=True)
             raise
         return self
 
-    def close(self):
+    def close(self, keep_logs: bool = False):
         self.envoy.stop()
         self.pool.close()
+        if not keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     @property
     def load_eps(self) -> float:

@@ -19,13 +19,13 @@ def _stack(overrides):
     return s
 
 
-def _stop(s):
+def _stop(s, keep_logs=True):
     _ACTIVE_STACKS.remove(s)
-    s.close()
+    s.close(keep_logs=keep_logs)
 
 
 @pytest.fixture(scope="module")
-def multi():
+def multi(request):
     s = _stack(
         {
             "models": {"llama": {"workers": ["w0", "w1"]}, "qwen": {"workers": ["w2", "w3"]}},
@@ -36,7 +36,7 @@ def multi():
         }
     )
     yield s
-    _stop(s)
+    _stop(s, keep_logs=request.session.testsfailed > 0)
 
 
 def test_models_route_only_to_their_own_workers(multi):
@@ -109,5 +109,7 @@ def test_comparison_policies(policy):
             assert max(seen.values()) - min(seen.values()) <= 1 and len(seen) == 4, seen
         stats = s.envoy.stats()
         assert stats.get(f"prefix_router_requests_{policy}") == 40, reason_counters(stats)
-    finally:
-        _stop(s)
+    except BaseException:
+        _stop(s, keep_logs=True)
+        raise
+    _stop(s, keep_logs=False)
