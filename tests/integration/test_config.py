@@ -61,6 +61,7 @@ def test_demo_plugin_config_matches_the_contract():
     text = DEMO_CONFIG.read_text()
     for key in (
         "allow_on_headers_stop_iteration: true",
+        "failure_policy: FAIL_RELOAD",
         "vm_id: prefix_router",
         "runtime: envoy.wasm.runtime.v8",
         "cluster_header: x-prefix-router-cluster",
