@@ -630,6 +630,17 @@ def inflight_gauges(stats: dict) -> dict:
     return {k: v for k, v in stats.items() if k.startswith("prefix_router_inflight_")}
 
 
+def connections_per_envoy_worker(stack: "Stack") -> dict:
+    """{envoy worker thread id: downstream connections accepted so far} for the listener."""
+    out = {}
+    for k, v in stack.envoy.stats().items():
+        if k.startswith("envoy_listener_worker_downstream_cx_total{"):
+            m = re.search(r'envoy_worker_id="(\d+)"', k)
+            if m and f"_{stack.envoy.listener_port}\"" in k:
+                out[m.group(1)] = v
+    return out
+
+
 def wait_inflight_zero(stack: "Stack", timeout_s: float = 5.0) -> dict:
     """Poll until every in-flight gauge reads 0 (or the timeout); returns the last reading."""
     deadline = time.monotonic() + timeout_s

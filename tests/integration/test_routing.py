@@ -8,7 +8,7 @@ import threading
 from collections import Counter
 
 from . import workload as wl
-from .harness import Client, wait_inflight_zero
+from .harness import Client, connections_per_envoy_worker, delta, wait_inflight_zero
 
 MODEL = "llama"
 
@@ -28,11 +28,21 @@ def test_shared_prefix_sequential_stays_on_one_worker(env, client):
     r = wl.rng("seq")
     prefix = wl.text(r, 4096)
     replies = []
+    cx_before = connections_per_envoy_worker(env)
     for i in range(200):
         body = {"model": MODEL, "prompt": prefix + f" Question {i}: " + wl.text(r, 120), "max_tokens": 8}
-        rep = client.post("/v1/completions", body)
+        if i % 2:
+            rep = client.post("/v1/completions", body)  # one keep-alive connection
+        else:
+            fresh = Client(env.envoy.listener_port)  # new connections land on either Envoy thread
+            rep = fresh.post("/v1/completions", body)
+            fresh.close()
         assert rep.status == 200, rep.body
         replies.append(rep)
+    # Both Envoy worker threads (two Wasm VMs) routed some of these: the prefix index and the load
+    # vector are shared between them, so the choice must not depend on the thread.
+    cx = delta(connections_per_envoy_worker(env), cx_before)
+    assert len([v for v in cx.values() if v > 0]) == 2, cx
 
     workers = Counter(rep.worker for rep in replies)
     assert len(workers) == 1, f"sequential shared-prefix requests split over workers: {workers}"
@@ -135,7 +145,9 @@ def test_multi_turn_chat_stays_on_its_worker(env, client):
     for turn in range(5):
         for k, msgs in enumerate(convs):
             msgs.append({"role": "user", "content": f"turn {turn}: " + wl.text(r, 200)})
-            rep = client.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 16})
+            c = Client(env.envoy.listener_port)  # a new connection per turn, as chat UIs do
+            rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 16})
+            c.close()
             assert rep.status == 200, rep.body
             served[k].append(rep)
             msgs.append({"role": "assistant", "content": wl.text(r, 300)})
