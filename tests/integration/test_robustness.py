@@ -109,3 +109,41 @@ def test_128k_token_prompts_are_not_rejected(env, client):
     rep = client.post("/v1/completions", body)
     assert rep.status == 200, (rep.status, rep.body[:200])
     assert rep.json()["body_len"] == len(body)
+
+
+def test_expect_100_continue_upload(env):
+    """curl sends `Expect: 100-continue` for bodies over 1 KiB and waits for the interim response;
+    the filter pauses on the headers, so Envoy itself must answer 100 for the body to arrive."""
+    import socket
+
+    payload = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": wl.text(wl.rng("expect"), 4000)}]})
+    s = socket.create_connection(("127.0.0.1", env.envoy.listener_port), timeout=10)
+    try:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(payload)
+        )
+        interim = s.recv(4096)
+        assert interim.startswith(b"HTTP/1.1 100"), interim
+        s.sendall(payload.encode())
+        resp = b""
+        while b"\r\n\r\n" not in resp or not resp.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            resp += chunk
+    finally:
+        s.close()
+    head, _, body = resp.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert json.loads(body)["body_len"] == len(payload)
+    assert b"reason=hash_affinity" in head or b"reason=prefix_hit" in head, head
+
+
+def test_query_string_on_inference_path_is_still_routed(env, client):
+    prefix = wl.text(wl.rng("query"), 2000)
+    a = client.post("/v1/completions?trace=1", {"model": MODEL, "prompt": prefix + "a"})
+    b = client.post("/v1/completions", {"model": MODEL, "prompt": prefix + "b"})
+    assert a.status == b.status == 200
+    assert a.decision["reason"] in ("hash_affinity", "prefix_hit"), a.decision
+    assert b.decision["reason"] == "prefix_hit" and b.worker == a.worker, (a.decision, b.decision)
