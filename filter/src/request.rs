@@ -182,8 +182,8 @@ impl<'de> Visitor<'de> for BodySeed<'_, '_> {
         let mut p = Parsed::default();
         while let Some(field) = map.next_key::<Field>()? {
             match (field, self.endpoint) {
-                (Field::Model, _) => p.model = map.next_value::<Option<Cow<'de, str>>>()?,
-                (Field::Lora, _) => p.lora = map.next_value::<Option<Cow<'de, str>>>()?,
+                (Field::Model, _) => p.model = map.next_value::<Option<Str<'de>>>()?.map(|s| s.0),
+                (Field::Lora, _) => p.lora = map.next_value::<Option<Str<'de>>>()?.map(|s| s.0),
                 (Field::Messages, Endpoint::Chat) => {
                     if p.kind != PromptKind::None {
                         return Err(de::Error::duplicate_field("messages"));
@@ -205,6 +205,32 @@ impl<'de> Visitor<'de> for BodySeed<'_, '_> {
             }
         }
         Ok(p)
+    }
+}
+
+/// A string borrowed from the body when it has no escapes. (serde's own `Cow<str>` impl always
+/// copies into a `String`: one heap allocation per model name and per message key.)
+struct Str<'de>(Cow<'de, str>);
+
+impl<'de> de::Deserialize<'de> for Str<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Str<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Str<'de>, E> {
+                Ok(Str(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
     }
 }
 
@@ -351,7 +377,7 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         self.0.put(&[MSG]);
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+        while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
             match &*key {
                 "role" => {
                     map.next_value_seed(Text(&mut *self.0))?;
@@ -416,7 +442,7 @@ impl<'de> Visitor<'de> for Part<'_, '_> {
         f.write_str("a content part object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+        while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
             match &*key {
                 "text" => map.next_value_seed(Text(&mut *self.0))?,
                 "type" => {
@@ -449,6 +475,19 @@ mod tests {
 
     fn tokens(v: &[u32]) -> Vec<u8> {
         v.iter().flat_map(|t| t.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn model_and_keys_borrow_unless_escaped() {
+        let mut buf = Vec::new();
+        let body = br#"{"model":"llama","messages":[{"role":"user","content":"hi"}]}"#;
+        let p = parse(Endpoint::Chat, body, &mut buf, 1 << 20).unwrap();
+        assert!(matches!(p.model, Some(Cow::Borrowed("llama"))));
+        let body = br#"{"model":"ll\u0061ma","messages":[{"r\u006fle":"user","content":"hi"}]}"#;
+        let mut esc = Vec::new();
+        let p = parse(Endpoint::Chat, body, &mut esc, 1 << 20).unwrap();
+        assert_eq!(p.model.as_deref(), Some("llama"));
+        assert_eq!(esc, buf, "escaped keys canonicalise like plain ones");
     }
 
     #[test]
