@@ -164,7 +164,7 @@ fn default_cas_retries() -> u32 {
     4
 }
 fn default_load_eps() -> f64 {
-    0.25
+    1.0
 }
 fn default_load_weight() -> f64 {
     1.0
@@ -446,7 +446,7 @@ mod tests {
         assert_eq!(c.index.capacity, 262_144);
         assert_eq!(c.index_buckets, 65_536);
         assert_eq!(c.policy.name, PolicyName::CacheAware);
-        assert_eq!(c.policy.load_eps, 0.25);
+        assert_eq!(c.policy.load_eps, 1.0);
         assert!(c.debug_header.is_none());
         assert!(c.models[0].uniform_weights);
     }

@@ -239,10 +239,14 @@ mod tests {
             &inputs(&m, &[1, 1, 1, 1], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
         );
         assert_eq!((w, r), (0, Reason::PrefixHit));
-        // The load bound is strict: with one request in flight among 4 idle workers, a second
-        // one on the same worker would exceed (1+eps)*mean+1, so it spills.
+        // The load bound is strict: with eps = 0.25 and one request in flight among 4 idle
+        // workers, a second one on the same worker would exceed (1+eps)*mean+1, so it spills.
+        let strict = PolicyConfig {
+            load_eps: 0.25,
+            ..PolicyConfig::default()
+        };
         let (w, r) = choose(
-            &p,
+            &strict,
             &inputs(&m, &[1, 0, 0, 0], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
         );
         assert!(w != 0 && r == Reason::LoadSpill);
@@ -277,7 +281,10 @@ mod tests {
             }
             let max = *reqs.iter().max().unwrap() as f64;
             let mean = 1000.0 / n as f64;
-            assert!(max <= 1.25 * mean + 1.0, "n={n} reqs={reqs:?}");
+            assert!(
+                max <= (1.0 + p.load_eps) * mean + 1.0,
+                "n={n} reqs={reqs:?}"
+            );
         }
     }
 

@@ -492,7 +492,7 @@ class Stack:
 
     @property
     def load_eps(self) -> float:
-        return float(self.plugin.get("policy", {}).get("load_eps", 0.25))
+        return float(self.plugin.get("policy", {}).get("load_eps", 1.0))
 
 
 def _worker_names(cfg: dict) -> list:
