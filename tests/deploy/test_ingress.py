@@ -1,0 +1,323 @@
+"""envoy/gen and envoy/ingress.yaml: the checked-in config is the generator's output, every variant
+passes `envoy --mode validate` (which also loads the .wasm and checks the plugin configuration),
+and a generated config really routes and retries on another worker when the chosen one is down."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from .conftest import REPO, envoy_binary, envoy_validate, free_port, run_gen, wasm_path, with_local_wasm
+
+CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
+
+# The example fleet of envoy/ingress.yaml: Kubernetes StatefulSet pods behind headless services.
+INGRESS_ARGS = [
+    "--model",
+    "llama=sglang-llama-0.sglang-llama.llm.svc.cluster.local:30000,"
+    "sglang-llama-1.sglang-llama.llm.svc.cluster.local:30000,"
+    "sglang-llama-2.sglang-llama.llm.svc.cluster.local:30000,"
+    "sglang-llama-3.sglang-llama.llm.svc.cluster.local:30000",
+    "--model",
+    "qwen=sglang-qwen-0.sglang-qwen.llm.svc.cluster.local:30000,"
+    "sglang-qwen-1.sglang-qwen.llm.svc.cluster.local:30000",
+    "--default-model",
+    "llama",
+    "--listen",
+    "0.0.0.0:10000",
+]
+
+# envoy/compose.yaml: the docker-compose fleet (service names w0..w3), debug header on for the demo.
+COMPOSE_ARGS = [
+    "--model",
+    "llama=w0:30000,w1:30000,w2:30000,w3:30000",
+    "--listen",
+    "0.0.0.0:10000",
+    "--debug-header",
+]
+
+
+@pytest.mark.parametrize(
+    "name,args", [("ingress.yaml", INGRESS_ARGS), ("compose.yaml", COMPOSE_ARGS)]
+)
+def test_checked_in_config_is_generator_output(name, args):
+    checked_in = (REPO / "envoy" / name).read_text()
+    assert run_gen(*args) == checked_in, (
+        f"envoy/{name} is stale: regenerate with envoy/gen {' '.join(args)} > envoy/{name}"
+    )
+
+
+def test_ingress_structure():
+    text = (REPO / "envoy" / "ingress.yaml").read_text()
+    # one cluster per worker (+ the loopback admin cluster behind the stats listener)
+    names = re.findall(r"^    - name: (\S+)$", text.split("\n  clusters:\n", 1)[1], re.M)
+    assert names == ["llama_0", "llama_1", "llama_2", "llama_3", "qwen_0", "qwen_1", "admin"]
+    assert text.count("type: STRICT_DNS") == 6
+    assert text.count("path: /health") == 6
+    assert text.count("outlier_detection:") == 6
+    assert text.count("circuit_breakers:") == 6
+    # worker i at priority 0, the next 3 (llama) / 1 (qwen) workers of its model at priority 1
+    llama_1 = text.split("    - name: llama_1\n", 1)[1].split("    - name: llama_2\n", 1)[0]
+    hosts = re.findall(r"address: \"(sglang-[^\"]+)\", port_value: 30000 }(?:\n\s+priority: (\d))?", llama_1)
+    assert hosts == [(f"sglang-llama-{i}.sglang-llama.llm.svc.cluster.local", p)
+                     for i, p in ((1, ""), (2, "1"), (3, "1"), (0, "1"))], hosts
+    qwen_0 = text.split("    - name: qwen_0\n", 1)[1].split("    - name: qwen_1\n", 1)[0]
+    assert re.findall(r"address: \"(sglang-qwen-\d)", qwen_0) == ["sglang-qwen-0", "sglang-qwen-1"]
+    for needle in (
+        "per_connection_buffer_limit_bytes: 16777216",
+        "request_body_buffer_limit: 16777216",
+        "envoy.retry_host_predicates.previous_hosts",
+        "envoy.retry_priorities.previous_priorities",
+        "retry_on: connect-failure,refused-stream,reset,retriable-status-codes",
+        "per_try_idle_timeout:",
+        "envoy.filters.http.local_ratelimit",
+        "allow_on_headers_stop_iteration: true",
+        "failure_policy: FAIL_RELOAD",
+        'route_cluster: "%REQ(X-PREFIX-ROUTER-CLUSTER)%"',
+        'decision: "%RESP(X-PREFIX-ROUTER-DECISION)%"',
+        "socket_address: { address: 127.0.0.1, port_value: 9901 }",  # admin on loopback
+        "path: /stats/prometheus",
+        "validate_clusters: true",
+    ):
+        assert needle in text, needle
+    plugin = plugin_config(text)
+    assert plugin["models"] == {
+        "llama": {"workers": ["llama_0", "llama_1", "llama_2", "llama_3"]},
+        "qwen": {"workers": ["qwen_0", "qwen_1"]},
+    }
+    assert plugin["default_model"] == "llama"
+    assert "passthrough_cluster" not in plugin  # round robin over the default model's workers
+    assert plugin["debug_header"] is None  # production default: no decision header to clients
+
+
+def plugin_config(text: str) -> dict:
+    """The Wasm plugin's JSON: the block scalar after `value: |` (lines indented deeper)."""
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.rstrip().endswith("value: |"))
+    base = len(lines[i]) - len(lines[i].lstrip())
+    block = []
+    for line in lines[i + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= base:
+            break
+        block.append(line)
+    return json.loads("\n".join(block))
+
+
+def test_compose_config_plugin():
+    plugin = plugin_config((REPO / "envoy" / "compose.yaml").read_text())
+    assert plugin["models"] == {"llama": {"workers": ["llama_0", "llama_1", "llama_2", "llama_3"]}}
+    assert plugin["debug_header"] == "x-prefix-router-decision"
+
+
+@pytest.mark.parametrize("name", ["ingress.yaml", "compose.yaml"])
+def test_checked_in_config_validates(name, tmp_path):
+    text = (REPO / "envoy" / name).read_text()
+    envoy_validate(with_local_wasm(text, CONTAINER_WASM), tmp_path, name)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "m=10.0.0.1:8000"],  # one worker, IP address
+        ["--model", "a.b/c-d=x:1,y:2", "--rate-limit", "0", "--stats-listen", "none", "--debug-header"],
+    ],
+)
+def test_generator_variants_validate(args, tmp_path):
+    text = run_gen(*args, "--wasm", str(wasm_path()))
+    envoy_validate(text, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--model", "llama"],
+        ["--model", "llama=host"],
+        ["--model", "llama=h:99999"],
+        ["--model", "llama=h:1", "--model", "llama=h:2"],
+        ["--model", "llama=h:1", "--default-model", "qwen"],
+        ["--model", "llama=h:1,h:1"],
+    ],
+)
+def test_generator_rejects_bad_input(args):
+    r = subprocess.run([str(REPO / "envoy" / "gen"), *args], capture_output=True, text=True)
+    assert r.returncode == 2 and "envoy/gen:" in r.stderr and r.stdout == ""
+
+
+# --------------------------------------------------------------------------------------------
+# The generated config, run for real: 2 tiny upstream workers on 127.0.0.1
+# --------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """HTTP/1.0 server (closes each connection): /health 200, inference paths answer JSON."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.requests: list[tuple[str, str | None]] = []  # (path, x-envoy-attempt-count)
+        worker = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, code: int, body: bytes):
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.send_header("x-worker-id", worker.name)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._reply(200, b"" if self.path == "/health" else b'{"object":"list","data":[]}')
+
+            def do_POST(self):
+                n = int(self.headers.get("content-length") or 0)
+                self.rfile.read(n)
+                worker.requests.append((self.path, self.headers.get("x-envoy-attempt-count")))
+                self._reply(200, json.dumps({"worker": worker.name}).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        """Stop listening: new connections are refused (the listening socket is closed)."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def post(port: int, body: dict, timeout: float = 10):
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def get(port: int, path: str, timeout: float = 5):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+@pytest.fixture
+def live(tmp_path):
+    workers = [Worker("A"), Worker("B")]
+    listen, admin, stats = free_port(), free_port(), free_port()
+    text = run_gen(
+        "--model",
+        ",".join(f"llama=127.0.0.1:{workers[0].port}" if i == 0 else f"127.0.0.1:{w.port}"
+                 for i, w in enumerate(workers)),
+        "--listen", f"127.0.0.1:{listen}",
+        "--admin", f"127.0.0.1:{admin}",
+        "--stats-listen", f"127.0.0.1:{stats}",
+        "--wasm", str(wasm_path()),
+        "--debug-header",
+        # one health check at start-up, the next far away: a worker that dies is still "healthy"
+        # to Envoy when the next request arrives, so only the retry can save that request
+        "--health-interval", "60s",
+    )
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text(text)
+    log = tmp_path / "envoy.log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(
+            [envoy_binary(), "-c", str(cfg), "--concurrency", "1", "--base-id", str(listen),
+             "--log-level", "warn"],
+            stdout=logf, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.time() + 30
+        while get(stats, "/ready")[0] != 200:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.time() < deadline, "envoy not ready in 30 s\n" + log.read_text()[-4000:]
+            time.sleep(0.1)
+        yield {"workers": {f"llama_{i}": w for i, w in enumerate(workers)}, "listen": listen,
+               "stats": stats, "log": log}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for w in workers:
+            try:
+                w.stop()
+            except Exception:
+                pass
+
+
+def decision(headers: dict) -> dict:
+    h = {k.lower(): v for k, v in headers.items()}["x-prefix-router-decision"]
+    return dict(part.strip().split("=", 1) for part in h.split(";"))
+
+
+def test_generated_config_routes_and_retries_on_another_worker(live):
+    port, workers = live["listen"], live["workers"]
+    body = {
+        "model": "llama",
+        "messages": [{"role": "system", "content": "You are a test. " * 40},
+                     {"role": "user", "content": "retry me"}],
+        "max_tokens": 4,
+    }
+    # 1. routed: the worker the filter chose served it, first attempt
+    status, headers, raw = post(port, body)
+    assert status == 200, (status, raw)
+    d = decision(headers)
+    chosen = d["worker"]
+    assert chosen in workers and d["reason"] == "hash_affinity", d
+    assert json.loads(raw)["worker"] == workers[chosen].name
+    assert headers.get("x-envoy-attempt-count") == "1"
+    assert workers[chosen].requests[-1] == ("/v1/chat/completions", "1")
+
+    # 2. the same prompt again: prefix hit on the same worker
+    status, headers, raw = post(port, body)
+    assert status == 200 and decision(headers)["worker"] == chosen
+    assert decision(headers)["reason"] == "prefix_hit"
+    assert json.loads(raw)["worker"] == workers[chosen].name
+
+    # 3. the chosen worker dies (connection refused). Envoy still believes it healthy (next health
+    #    check in ~60 s): the filter still prefers it, the connect fails, and the retry policy
+    #    (previous_priorities -> the cluster's fallback priority, previous_hosts -> never the dead
+    #    worker) serves the request on the other worker, within the same client request.
+    workers[chosen].stop()
+    other = next(n for n in workers if n != chosen)
+    before = len(workers[other].requests)
+    status, headers, raw = post(port, body)
+    assert status == 200, (status, headers, raw, live["log"].read_text()[-6000:])
+    d = decision(headers)
+    assert d["worker"] == chosen and d["reason"] == "prefix_hit", d
+    assert json.loads(raw)["worker"] == workers[other].name
+    assert headers.get("x-envoy-attempt-count") == "2"
+    assert workers[other].requests[before:] == [("/v1/chat/completions", "2")]
+
+    # the retry is counted on the chosen worker's cluster, and the metrics listener works
+    status, text = get(live["stats"], "/stats/prometheus")
+    assert status == 200
+    m = re.search(rf'envoy_cluster_upstream_rq_retry\{{envoy_cluster_name="{chosen}"\}} (\d+)', text.decode())
+    assert m and int(m.group(1)) >= 1, [l for l in text.decode().splitlines() if "rq_retry{" in l]
+    assert b"prefix_router_requests_prefix_hit" in text
+    # the stats listener exposes nothing else of the admin
+    assert get(live["stats"], "/config_dump")[0] == 404
