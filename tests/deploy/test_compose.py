@@ -1,0 +1,179 @@
+"""docker-compose.yml, checked without a Docker engine: tools/composecheck loads it with the real
+Compose loader (compose-spec/compose-go, what `docker compose` uses) for every profile set, checks
+that every referenced file exists, and the Envoy config it mounts passes `envoy --mode validate`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from .conftest import REPO, envoy_validate, with_local_wasm
+
+COMPOSE = REPO / "docker-compose.yml"
+
+
+def load(composecheck, profiles: str = "*", file=COMPOSE) -> tuple[int, dict, str]:
+    r = subprocess.run(
+        [str(composecheck), "check", "-profiles", profiles, str(file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
+
+
+@pytest.fixture(scope="module")
+def project(composecheck) -> dict:
+    rc, out, err = load(composecheck)
+    assert rc == 0 and out["missing"] == [], f"{err}\n{out.get('missing')}"
+    return out["project"]
+
+
+def test_all_profiles_load_and_every_referenced_file_exists(project):
+    services = project["services"]
+    assert set(services) == {
+        "filter", "envoy", "k6", "w0", "w1", "w2", "w3",
+        "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3",
+    }
+    # the checker really resolved the build files (absolute paths inside this repo)
+    assert services["w0"]["build"]["dockerfile"] == "docker/sim.Dockerfile"
+    assert services["w0"]["build"]["context"] == str(REPO)
+    assert services["filter"]["build"]["target"] == "export"
+
+
+@pytest.mark.parametrize(
+    "profiles,expected",
+    [
+        ("sim", {"filter", "envoy", "w0", "w1", "w2", "w3"}),
+        ("sim,load", {"filter", "envoy", "w0", "w1", "w2", "w3", "k6"}),
+        ("gpu", {"filter", "envoy", "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3"}),
+        ("gpu,load", {"filter", "envoy", "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3", "k6"}),
+    ],
+)
+def test_profiles_select_one_worker_set(composecheck, profiles, expected):
+    rc, out, err = load(composecheck, profiles)
+    assert rc == 0, err
+    assert set(out["enabled"]) == expected
+
+
+def test_default_profile_is_sim():
+    assert "COMPOSE_PROFILES=sim" in (REPO / ".env").read_text().splitlines()
+
+
+def test_checker_reports_missing_files(composecheck, tmp_path):
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(
+        "services:\n"
+        "  a:\n"
+        "    build: { context: ., dockerfile: nope.Dockerfile }\n"
+        "    volumes: [./missing.yaml:/etc/x.yaml:ro]\n"
+    )
+    rc, out, _ = load(composecheck, "*", bad)
+    assert rc == 1
+    assert any("nope.Dockerfile" in m for m in out["missing"])
+    assert any("missing.yaml" in m for m in out["missing"])
+
+
+def test_envoy_service(project):
+    envoy = project["services"]["envoy"]
+    assert re.fullmatch(r"envoyproxy/envoy:v1\.40\.\d+", envoy["image"])
+    deps = envoy["depends_on"]
+    assert deps["filter"] == {"condition": "service_completed_successfully", "required": True}
+    for w in ("w0", "w1", "w2", "w3", "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3"):
+        assert deps[w] == {"condition": "service_healthy", "required": False}, w
+    mounts = {v["target"]: v for v in envoy["volumes"]}
+    assert mounts["/etc/envoy/envoy.yaml"]["source"] == str(REPO / "envoy" / "compose.yaml")
+    assert mounts["/etc/prefix-router"]["type"] == "volume" and mounts["/etc/prefix-router"]["source"] == "wasm"
+    # the filter service writes the .wasm into the same volume
+    assert {v["target"]: v["source"] for v in project["services"]["filter"]["volumes"]} == {"/out": "wasm"}
+    assert "/ready" in " ".join(envoy["healthcheck"]["test"])
+    ports = {(p.get("host_ip", ""), p["published"], p["target"]) for p in envoy["ports"]}
+    assert ports == {("", "10000", 10000), ("127.0.0.1", "9902", 9902)}
+
+
+def test_envoy_config_matches_services(project):
+    """The mounted config names the wasm where the volume puts it and the workers by DNS name."""
+    text = (REPO / "envoy" / "compose.yaml").read_text()
+    assert "filename: /etc/prefix-router/prefix_router.wasm" in text
+    assert "/out/prefix_router.wasm" in (REPO / "docker" / "filter.Dockerfile").read_text()
+    hosts = set(re.findall(r'address: "([^"]+)", port_value: (\d+)', text))
+    assert hosts == {("w0", "30000"), ("w1", "30000"), ("w2", "30000"), ("w3", "30000")}
+    assert "socket_address: { address: 0.0.0.0, port_value: 10000 }" in text
+    assert "socket_address: { address: 0.0.0.0, port_value: 9902 }" in text
+    for i in range(4):
+        aliases = project["services"][f"sglang-w{i}"]["networks"]["default"]["aliases"]
+        assert aliases == [f"w{i}"]
+
+
+def test_every_mounted_envoy_config_validates(project, tmp_path):
+    configs = sorted(
+        {
+            v["source"]
+            for s in project["services"].values()
+            for v in s.get("volumes", [])
+            if v["type"] == "bind" and v["source"].startswith(str(REPO / "envoy") + "/")
+        }
+    )
+    assert configs == [str(REPO / "envoy" / "compose.yaml")]
+    for c in configs:
+        text = open(c).read()
+        # validate mode does not resolve the STRICT_DNS names (w0..w3 exist only in the compose network)
+        envoy_validate(with_local_wasm(text, "/etc/prefix-router/prefix_router.wasm"), tmp_path, "compose.yaml")
+
+
+def test_sim_workers(project):
+    dockerfile = (REPO / "docker" / "sim.Dockerfile").read_text()
+    # multi-stage: rust builder -> slim runtime listening on all interfaces
+    assert re.search(r"^FROM rust:\S+ AS build$", dockerfile, re.M)
+    assert re.search(r"^FROM debian:\S+-slim$", dockerfile, re.M)
+    assert 'ENTRYPOINT ["sglang-sim", "--host", "0.0.0.0", "--port", "30000"]' in dockerfile
+    for i in range(4):
+        s = project["services"][f"w{i}"]
+        assert s["profiles"] == ["sim"]
+        assert s["image"] == "prefix-router/sglang-sim:dev"
+        assert s["command"][:4] == ["--model", "llama", "--worker-id", f"w{i}"]
+        assert s["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/health"
+
+
+def test_gpu_workers(project):
+    devices = set()
+    for i in range(4):
+        s = project["services"][f"sglang-w{i}"]
+        assert s["profiles"] == ["gpu"]
+        assert s["image"].startswith("lmsysorg/sglang:")
+        cmd = s["command"]
+        assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+        for flag in ("--enable-metrics", "--enable-cache-report"):
+            assert flag in cmd
+        assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+        assert cmd[cmd.index("--port") + 1] == "30000"
+        assert cmd[cmd.index("--served-model-name") + 1] == "llama"
+        assert cmd[cmd.index("--model-path") + 1]  # from SGLANG_MODEL_PATH (default set)
+        (dev,) = s["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["capabilities"] == ["gpu"] and dev["driver"] == "nvidia"
+        devices.update(dev["device_ids"])
+        assert s["healthcheck"]["test"][-1] == "http://127.0.0.1:30000/health"
+    assert devices == {"0", "1", "2", "3"}  # one GPU per worker by default
+
+
+def test_k6_load(project):
+    k6 = project["services"]["k6"]
+    assert k6["image"] == "grafana/k6:1.1.0" and k6["profiles"] == ["load"]
+    assert k6["depends_on"]["envoy"]["condition"] == "service_healthy"
+    assert k6["environment"]["TARGET"] == "http://envoy:10000"
+    assert k6["environment"]["MODEL"] == "llama"
+    (mount,) = k6["volumes"]
+    assert mount["source"] == str(REPO / "load") and mount["target"] == "/scripts"
+    assert k6["command"] == ["run", "/scripts/shared_prefix.js"]
+    assert (REPO / "load" / "shared_prefix.js").is_file()
+
+
+def test_filter_dockerfile_stages():
+    text = (REPO / "docker" / "filter.Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
+    assert stages == ["build", "oci", "export"]
+    assert "cargo build --locked -p prefix-router --target wasm32-wasip1 --release" in text
+    assert "FROM scratch AS oci" in text and "/plugin.wasm" in text
