@@ -20,8 +20,8 @@ K6_ENV = {
     "MODEL": "llama",
     "GROUPS": 16,
     "PROMPTS": 16,
-    "SYS_TOKENS": 1024,
-    "Q_TOKENS": 48,
+    "SYS_TOKENS": 1700,  # exact simulator tokens (load/lib.js text(): 4 bytes per token)
+    "Q_TOKENS": 80,
     "OUT_TOKENS": 24,
     "CONCURRENCY": 8,
     "SEED": 1,

@@ -39,19 +39,24 @@ def log(msg: str) -> None:
 class Fleet:
     """N `sglang-sim` processes w0..w(N-1) on free loopback ports."""
 
-    def __init__(self, n: int, args: list[str], model: str, workdir: Path):
+    def __init__(self, n: int, args: list[str], model: str | list[str], workdir: Path):
         self.names = [f"w{i}" for i in range(n)]
         self.ports = {name: free_port() for name in self.names}
         self.procs: dict[str, subprocess.Popen] = {}
         self.args = args
+        # One model for all, or one per worker (disjoint worker sets for several models).
+        self.models = {name: (model if isinstance(model, str) else model[i]) for i, name in enumerate(self.names)}
         self.model = model
         self.workdir = workdir
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
 
     def start(self, timeout_s: float = 30.0) -> None:
         for name, port in self.ports.items():
             out = open(self.workdir / f"{name}.log", "wb")
             self.procs[name] = subprocess.Popen(
-                [str(SIM_BIN), "--port", str(port), "--model", self.model, "--worker-id", name, *self.args],
+                [str(SIM_BIN), "--port", str(port), "--model", self.models[name], "--worker-id", name, *self.args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -116,11 +121,11 @@ def start_envoy(fleet: Fleet, plugin_overrides: dict, workdir: Path) -> Envoy:
     return envoy
 
 
-def run_k6(script: Path, env: dict, summary: Path, workdir: Path) -> dict:
+def run_k6(script: Path, env: dict, summary: Path, workdir: Path, extra_args: list[str] | None = None) -> dict:
     full_env = dict(os.environ, **{k: str(v) for k, v in env.items()}, SUMMARY=str(summary))
     with open(workdir / "k6.log", "wb") as out:
         rc = subprocess.call(
-            [str(K6), "run", "--quiet", "--no-color", str(script)],
+            [str(K6), "run", "--quiet", "--no-color", *(extra_args or []), str(script)],
             env=full_env,
             stdout=out,
             stderr=subprocess.STDOUT,

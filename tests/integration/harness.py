@@ -347,8 +347,10 @@ _ENVOY_SEQ = itertools.count()
 class Envoy:
     """A real Envoy serving a rendered config; logs (and access log) go to a temp file."""
 
-    def __init__(self, config_text: str, *, listener_port: int, admin_port: int, workdir: Path):
+    def __init__(self, config_text: str, *, listener_port: int, admin_port: int, workdir: Path,
+                 concurrency: int = 2):
         self.listener_port = listener_port
+        self.concurrency = concurrency  # Envoy worker threads (--concurrency)
         self.admin_port = admin_port
         self.workdir = workdir
         self.config_path = workdir / "envoy.yaml"
@@ -373,7 +375,7 @@ class Envoy:
             [
                 envoy_binary(),
                 "-c", str(self.config_path),
-                "--concurrency", "2",
+                "--concurrency", str(self.concurrency),
                 "--base-id", str(base_id),
                 "--log-level", "info",
                 "--drain-time-s", "1",
