@@ -1,0 +1,116 @@
+"""envoy/k8s manifests: parsed with tools/composecheck yaml2json (gopkg.in/yaml.v3), structure checked."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from .conftest import REPO
+
+K8S = REPO / "envoy" / "k8s"
+PLUGIN_KEYS = {"models", "default_model", "unknown_model", "passthrough_cluster", "cluster_header",
+               "debug_header", "text_block_bytes", "token_block_size", "max_prompt_blocks", "index",
+               "policy"}
+
+
+@pytest.fixture(scope="module")
+def docs(composecheck) -> dict:
+    out = {}
+    for f in sorted(K8S.glob("*.yaml")):
+        r = subprocess.run([str(composecheck), "yaml2json", str(f)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        out[f.name] = json.loads(r.stdout)
+    return out
+
+
+def by_kind(docs, name, kind):
+    (doc,) = [d for d in docs[name] if d["kind"] == kind]
+    return doc
+
+
+def check_plugin_config(cfg: dict) -> list[str]:
+    assert set(cfg) <= PLUGIN_KEYS, set(cfg) - PLUGIN_KEYS
+    assert cfg["cluster_header"] == "x-prefix-router-cluster"
+    assert cfg["default_model"] in cfg["models"]
+    assert cfg["policy"]["name"] in ("cache_aware", "round_robin", "random")
+    workers = [w if isinstance(w, str) else w["cluster"] for m in cfg["models"].values() for w in m["workers"]]
+    assert workers and len(set(workers)) == len(workers)
+    return workers
+
+
+def test_files_and_kinds(docs):
+    assert sorted(docs) == ["envoy-gateway.yaml", "istio-wasmplugin.yaml"]
+    assert [(d["apiVersion"], d["kind"]) for d in docs["istio-wasmplugin.yaml"]] == [
+        ("extensions.istio.io/v1alpha1", "WasmPlugin"),
+        ("networking.istio.io/v1alpha3", "EnvoyFilter"),
+    ]
+    assert [(d["apiVersion"], d["kind"]) for d in docs["envoy-gateway.yaml"]] == [
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"),
+    ]
+    for ds in docs.values():
+        for d in ds:
+            assert d["metadata"]["name"] and d["metadata"]["namespace"]
+
+
+def test_istio_wasmplugin(docs):
+    spec = by_kind(docs, "istio-wasmplugin.yaml", "WasmPlugin")["spec"]
+    assert spec["url"].startswith("oci://") and spec["url"].endswith(":0.1.0")
+    assert re.fullmatch(r"[0-9a-f]{64}", spec["sha256"])
+    assert spec["failStrategy"] == "FAIL_CLOSE"
+    assert spec["pluginName"] == "prefix_router"
+    assert spec["selector"]["matchLabels"] == {"istio": "ingressgateway"}
+    workers = check_plugin_config(spec["pluginConfig"])
+    assert all(re.fullmatch(r"outbound\|30000\|\|sglang-llama-\d\.llm\.svc\.cluster\.local", w) for w in workers)
+
+    ef = by_kind(docs, "istio-wasmplugin.yaml", "EnvoyFilter")["spec"]
+    patches = {p["applyTo"]: p for p in ef["configPatches"]}
+    route = patches["HTTP_ROUTE"]["patch"]["value"]
+    assert route["route"]["cluster_header"] == spec["pluginConfig"]["cluster_header"]
+    assert route["route"]["timeout"] == "0s"
+    assert route["request_body_buffer_limit"] == 16 * 1024 * 1024
+    assert patches["LISTENER"]["patch"]["value"]["per_connection_buffer_limit_bytes"] == 16 * 1024 * 1024
+    ext = patches["EXTENSION_CONFIG"]["patch"]["value"]
+    # Istio names the WasmPlugin's extension config <namespace>.<name>
+    assert ext["name"] == "istio-system.prefix-router"
+    assert ext["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
+
+
+def test_envoy_gateway(docs):
+    pol = by_kind(docs, "envoy-gateway.yaml", "EnvoyExtensionPolicy")["spec"]
+    assert pol["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm"}]
+    (wasm,) = pol["wasm"]
+    assert wasm["rootID"] == "prefix_router" and wasm["failOpen"] is False
+    assert wasm["code"]["type"] == "Image"
+    assert re.fullmatch(r"[0-9a-f]{64}", wasm["code"]["image"]["sha256"])
+    assert not wasm["code"]["image"]["url"].startswith("oci://")  # EG takes a plain image reference
+    workers = check_plugin_config(wasm["config"])
+
+    patch = by_kind(docs, "envoy-gateway.yaml", "EnvoyPatchPolicy")["spec"]
+    assert patch["type"] == "JSONPatch" and patch["targetRef"]["kind"] == "Gateway"
+    clusters = [p for p in patch["jsonPatches"] if p["type"].endswith("envoy.config.cluster.v3.Cluster")]
+    # every worker of the plugin config is a cluster added here, STRICT_DNS, health checked on /health
+    assert [c["name"] for c in clusters] == workers
+    for c in clusters:
+        v = c["operation"]["value"]
+        assert c["operation"]["op"] == "add" and v["name"] == c["name"] == v["load_assignment"]["cluster_name"]
+        assert v["type"] == "STRICT_DNS"
+        assert v["health_checks"][0]["http_health_check"]["path"] == "/health"
+        (ep,) = v["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        i = c["name"].rsplit("_", 1)[1]
+        assert ep["endpoint"]["address"]["socket_address"] == {
+            "address": f"sglang-llama-{i}.sglang-llama.llm.svc.cluster.local", "port_value": 30000}
+    routes = {p["operation"]["path"]: p["operation"]["value"] for p in patch["jsonPatches"]
+              if p["type"].endswith("RouteConfiguration")}
+    assert routes["/virtual_hosts/0/routes/0/route/cluster_header"] == wasm["config"]["cluster_header"]
+    assert routes["/virtual_hosts/0/routes/0/request_body_buffer_limit"] == 16 * 1024 * 1024
+
+
+def test_readme_publishing_steps():
+    text = (K8S / "README.md").read_text()
+    for needle in ("oras push", "--target oci", "application/vnd.module.wasm.content.layer.v1+wasm",
+                   "sha256sum", "allow_on_headers_stop_iteration"):
+        assert needle in text, needle
