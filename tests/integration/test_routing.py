@@ -216,3 +216,60 @@ def test_chunked_request_body_routes_like_a_plain_one(env, client):
     assert rep.worker == first.worker, (first.decision, rep.decision)
     assert rep.decision["reason"] == "prefix_hit", rep.decision
     assert rep.json()["body_len"] == len(body)
+
+
+def test_shuffled_prefix_groups_under_concurrency(env):
+    """The bench_serving 'generated-shared-prefix' shape in small: 8 groups x 20 prompts, shuffled,
+    16 concurrent clients. A group lands on a worker that does not hold it only by its first
+    request (hash_affinity) or by a load spill, so distinct (worker, group) pairs are bounded by
+    groups + spills; and the load bound holds throughout."""
+    r = wl.rng("groups")
+    groups, per_group, C = 8, 20, 16
+    prefixes = [wl.text(r, 2000) for _ in range(groups)]
+    jobs_list = [(g, {"model": MODEL, "prompt": prefixes[g] + wl.text(r, 100)}) for g in range(groups)
+                 for _ in range(per_group)]
+    r.shuffle(jobs_list)
+    jobs: queue.Queue = queue.Queue()
+    for j in jobs_list:
+        jobs.put(j)
+    env.pool.set_delay(0.03)
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def run():
+        c = Client(env.envoy.listener_port)
+        try:
+            while True:
+                try:
+                    g, body = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                rep = c.post("/v1/completions", body)
+                with lock:
+                    results.append((g, rep))
+        except Exception as e:  # noqa: BLE001
+            with lock:
+                errors.append(repr(e))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=run) for _ in range(C)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    env.pool.set_delay(0.0)
+    assert not errors, errors[:5]
+    assert len(results) == groups * per_group and all(rep.status == 200 for _, rep in results)
+
+    reasons = Counter(rep.decision["reason"] for _, rep in results)
+    pairs = {(rep.worker, g) for g, rep in results}
+    info = f"pairs={len(pairs)} reasons={reasons} counts={env.pool.counts()} peaks={env.pool.max_inflight()}"
+    print(info)
+    assert set(reasons) <= {"prefix_hit", "hash_affinity", "load_spill"}, info
+    assert len(pairs) <= groups + reasons["load_spill"], info
+    assert reasons["prefix_hit"] >= groups * per_group // 2, info
+    bound = math.ceil((1 + env.load_eps) * C / len(env.names)) + 2
+    assert max(env.pool.max_inflight().values()) <= bound, info
+    gauges = wait_inflight_zero(env)
+    assert all(v == 0 for v in gauges.values()), gauges
