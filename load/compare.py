@@ -212,7 +212,9 @@ class Smg:
         self.proc = subprocess.Popen(
             [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", *[self.fleet.url(n) for n in self.fleet.names],
-             "--policy", self.policy, "--log-level", "warn"],
+             "--policy", self.policy, "--log-level", "warn",
+             # smg serves Prometheus metrics on 0.0.0.0:29000 by default: loopback, a free port.
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
         out.close()
@@ -430,7 +432,7 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         f"Command: `{command}`",
         "",
         f"Workload (`load/{scen['script']}`): " + ", ".join(f"{k}={v}" for k, v in k6_env.items()) + ".",
-        f"Fleet per router: {WORKERS} fresh `sglang-sim` workers (models: {', '.join(scen['models'])}), "
+        f"Fleet per router: {WORKERS} fresh `sglang-sim` workers (model per worker: {' '.join(scen['models'])}), "
         f"`{' '.join(sim_args)}`: KV capacity {kv} tokens per worker.",
         f"prefix-router policy: `{json.dumps(policy)}` (on top of the filter defaults).",
         "Measured on a shared 2-core machine (simulated workers, routers and k6 all on it): "

@@ -1,0 +1,42 @@
+"""CI smoke of the router comparison: `load/compare --quick` on the shared-prefix scenario for
+Envoy round robin, prefix-router (2 threads) and smg cache_aware (installed into .venv-smg on
+first use, ~25 s). Seconds per router; the full comparison (all routers, full sizing) is not a CI
+step (README "Results" has its command)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+ROUTERS = ["round_robin", "prefix_router_2t", "smg_cache_aware"]
+
+
+def test_compare_quick_produces_sane_results(repo_root, tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [str(repo_root / "load" / "compare"), "--quick", "--scenario", "shared_prefix",
+         "--routers", ",".join(ROUTERS), "--out", str(out)],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    sys.stdout.write(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    md = (out / "shared_prefix.md").read_text()
+    rows = json.loads((out / "shared_prefix.json").read_text())
+    assert [r["router"] for r in rows] == ROUTERS
+    for png in ("shared_prefix-ttft-cdf.png", "shared_prefix-worker-load.png"):
+        assert (out / png).stat().st_size > 1000
+        assert png in md
+    for r in rows:
+        assert r["label"] in md
+        assert r["errors"] == 0 and r["k6_exit"] == 0, r
+        assert 0.0 <= r["hit_rate"] <= 1.0, r
+        # Every request k6 planned was answered, and every one reached exactly one worker.
+        assert r["expected_requests"] and r["requests"] == r["expected_requests"], r
+        assert sum(r["worker_requests"]) == r["requests"], r
+        assert 0 < r["ttft"]["med"] <= r["ttft"]["p(99)"] <= r["e2e"]["max"], r
+        assert r["max_over_mean"] >= 1.0
+    by = {r["router"]: r for r in rows}
+    # Cache-aware routing reuses more prefix cache than round robin even at smoke sizing.
+    assert by["prefix_router_2t"]["hit_rate"] > by["round_robin"]["hit_rate"]
