@@ -1,0 +1,146 @@
+"""Worker faults under load, through the real Envoy + filter with an envoy/gen config (active
+health checks every 0.5 s, outlier detection, retries to the cluster's fallback priority) in front
+of real simulated SGLang workers.
+
+The filter does not know worker health (proxy-wasm exposes no cluster/host health to filters): it
+keeps choosing the dead worker's cluster for that worker's prefixes, and Envoy moves the request:
+first by retry (connect failure/reset -> the cluster's priority-1 fallbacks, never the failed
+host), then, once the health check or outlier detection marks the worker down, by priority
+failover with no failed attempt at all. These tests measure exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .common import chat_body, gen_stack, one_request, rng, run_load, vm_failures, wait_inflight_zero
+
+SIM = ["--time-scale", "0.2", "--max-running-requests", "64"]
+
+
+@pytest.fixture
+def workdir():
+    # kept after the run (Envoy + simulator logs) for post-mortems; /tmp is the OS's to clean
+    return Path(tempfile.mkdtemp(prefix="prefix-router-rel-"))
+
+
+def _summary(results) -> dict:
+    return {
+        "sent": len(results),
+        "succeeded": sum(r.ok for r in results),
+        "failed": sum(not r.ok for r in results),
+        "errors": Counter(r.error.split(":")[0] for r in results if not r.ok),
+    }
+
+
+def test_killed_worker_only_loses_its_in_flight_requests_and_rejoins(workdir, capsys):
+    s = gen_stack(workdir, 4, SIM, None, "--health-interval", "0.5s")
+    try:
+        port = s.envoy.listen
+        groups = 24
+        # Warm-up: every prefix group gets an owner (sequentially: deterministic ownership).
+        owner = {}
+        for g in range(groups):
+            r = one_request(port, chat_body(g, 0, False), group=g)
+            assert r.ok, r
+            owner[g] = r.cluster
+        counts = Counter(owner.values())
+        victim_cluster = counts.most_common(1)[0][0]
+        victim = next(w for w, c in s.clusters.items() if c == victim_cluster)
+        victim_groups = [g for g, c in owner.items() if c == victim_cluster]
+
+        results: list = []
+        lock = threading.Lock()
+        r0 = rng("kill")
+        t0 = time.monotonic()
+        phase = {"pre": 3.0, "down": 6.0, "up": 6.0}
+        stop_at = t0 + sum(phase.values())
+
+        def make(k):
+            g = r0.randrange(groups)
+            return chat_body(g, k, stream=k % 2 == 0, max_tokens=16 + k % 16), g, {}
+
+        threads = run_load(port, threads=8, stop_at=stop_at, max_requests=20_000, make=make,
+                           results=results, lock=lock)
+        time.sleep(phase["pre"])
+        t_kill = time.monotonic()
+        s.fleet.kill(victim)  # SIGKILL: a crash, connections reset, port refuses
+        time.sleep(phase["down"])
+        t_restart = time.monotonic()
+        s.fleet.start(victim)
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+
+        summary = _summary(results)
+        # 1. Only requests in flight on the victim when it died may fail.
+        failed = [r for r in results if not r.ok]
+        bad = [r for r in failed if not (r.start <= t_kill <= r.end and r.cluster == victim_cluster)]
+        assert not bad, (summary, bad[:5])
+        # 2. Its prefixes keep being routed to its cluster (the filter does not know health) and
+        #    are served elsewhere while it is down: every request after the kill succeeds.
+        down = [r for r in results if t_kill < r.start and r.end < t_restart]
+        assert down and all(r.ok for r in down), _summary(down)
+        assert all(r.served_by != victim for r in down)
+        victim_down = [r for r in down if r.group in victim_groups]
+        # (the load bound spreads hot groups over several workers, so not all of them still name
+        # the victim's cluster; those that do are served by its fallbacks)
+        assert victim_down and any(r.cluster == victim_cluster for r in victim_down)
+        # 3. New requests stop *trying* the dead worker: after detection, requests on its cluster
+        #    need one attempt (priority failover, no connect failure + retry).
+        retried = [r for r in down if r.attempts > 1]
+        last_retry = max((r.start for r in retried), default=t_kill) - t_kill
+        assert last_retry < 4.0, f"requests still tried the dead worker {last_retry:.1f}s after the kill"
+        late = [r for r in down if r.cluster == victim_cluster and r.start > t_kill + last_retry + 0.01]
+        assert late and all(r.attempts == 1 for r in late)
+        # 4. It rejoins: once healthy again its cluster's requests are served by it.
+        back = [r for r in results if r.start > t_restart and r.cluster == victim_cluster]
+        assert back and all(r.ok for r in back)
+        served_back = [r for r in back if r.served_by == victim]
+        assert served_back, "the restarted worker never served again"
+        rejoin = min(r.start for r in served_back) - t_restart
+        assert rejoin < 5.0, rejoin
+        with capsys.disabled():
+            print(f"\n[worker kill] {summary}; victim {victim} ({len(victim_groups)}/{groups} groups); "
+                  f"failed in flight {len(failed)}; retries after kill {len(retried)}; last retried request "
+                  f"{last_retry:.2f}s after the kill; served by the restarted worker {rejoin:.2f}s after restart")
+        assert wait_inflight_zero(s.envoy) and all(v == 0 for v in wait_inflight_zero(s.envoy).values())
+        assert not vm_failures(s.envoy)
+    finally:
+        s.close()
+
+
+def test_slow_worker_gets_less_traffic(workdir, capsys):
+    """A worker that takes 300 ms longer per request accumulates in-flight load; the load bound
+    (gen's load_eps 0.25) makes it ineligible, so distinct prompts spill to the others."""
+    s = gen_stack(workdir, 4, SIM, {"w2": ["--slow-ms", "300"]}, "--health-interval", "0.5s")
+    try:
+        results: list = []
+        lock = threading.Lock()
+        n = int(os.environ.get("PREFIX_ROUTER_SLOW_REQUESTS", "400"))
+
+        def make(k):
+            return chat_body(1000 + k, k, stream=False, max_tokens=8), 1000 + k, {}
+
+        threads = run_load(s.envoy.listen, threads=8, stop_at=time.monotonic() + 60, max_requests=n,
+                           make=make, results=results, lock=lock)
+        for t in threads:
+            t.join(timeout=120)
+        assert all(r.ok for r in results), _summary(results)
+        served = Counter(r.served_by for r in results)
+        reasons = Counter(r.reason for r in results)
+        others = [served[w] for w in ("w0", "w1", "w3")]
+        with capsys.disabled():
+            print(f"\n[slow worker] {len(results)} distinct prompts, served {dict(served)}, reasons {dict(reasons)}")
+        assert served["w2"] < 0.5 * min(others), served
+        assert reasons["load_spill"] > 0, reasons
+        assert all(v == 0 for v in wait_inflight_zero(s.envoy).values())
+    finally:
+        s.close()
