@@ -169,36 +169,54 @@ pub fn default_wasm_path() -> PathBuf {
     target.join("wasm32-wasip1/release/prefix_router.wasm")
 }
 
-/// The filter's `.wasm`: from `PREFIX_ROUTER_WASM` if set, else the standard path, building it
-/// (`cargo build -p prefix-router --target wasm32-wasip1 --release`) when missing.
+/// The filter's `.wasm`: from `PREFIX_ROUTER_WASM` if set, else the standard path
+/// (`target/wasm32-wasip1/release/prefix_router.wasm`). When that is missing it is built with
+/// `cargo build -p prefix-router --target wasm32-wasip1 --release` into a separate target
+/// directory (`target/proxy-wasm-host`), so a `cargo test` holding the main target dir's lock
+/// cannot deadlock on it.
 pub fn filter_wasm() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("PREFIX_ROUTER_WASM") {
         return Ok(PathBuf::from(p));
     }
     let p = default_wasm_path();
-    if !p.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let st = std::process::Command::new(cargo)
-            .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
-            .args([
-                "build",
-                "-p",
-                "prefix-router",
-                "--target",
-                "wasm32-wasip1",
-                "--release",
-            ])
-            .status()
-            .context("running cargo to build the filter")?;
-        if !st.success() || !p.exists() {
-            bail!(
-                "{} is missing and building it failed: run `cargo build -p prefix-router \
-                 --target wasm32-wasip1 --release`",
-                p.display()
-            );
-        }
+    if p.exists() {
+        return Ok(p);
     }
-    Ok(p)
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let own = p
+        .ancestors()
+        .nth(3)
+        .map_or_else(|| root.join("target"), Path::to_path_buf)
+        .join("proxy-wasm-host");
+    let built = own.join("wasm32-wasip1/release/prefix_router.wasm");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!(
+        "{} is missing: building it into {}",
+        p.display(),
+        own.display()
+    );
+    let st = std::process::Command::new(cargo)
+        .current_dir(&root)
+        .args([
+            "build",
+            "-p",
+            "prefix-router",
+            "--target",
+            "wasm32-wasip1",
+            "--release",
+        ])
+        .arg("--target-dir")
+        .arg(&own)
+        .status()
+        .context("running cargo to build the filter")?;
+    if !st.success() || !built.exists() {
+        bail!(
+            "{} is missing and building it failed: run `cargo build -p prefix-router \
+             --target wasm32-wasip1 --release`",
+            p.display()
+        );
+    }
+    Ok(built)
 }
 
 impl Host {
