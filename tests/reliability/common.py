@@ -29,7 +29,13 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import tests.integration.harness as _it_harness  # noqa: E402
 from tests.integration.harness import envoy_binary, free_port, parse_prometheus, wasm_path  # noqa: E402
+
+# Imported here as `tests.integration.harness`, a second module object beside the integration
+# suite's `integration.harness`: move its Envoy base-id sequence away from the one the
+# integration suite's session Envoy uses (same pid, sequence 0 -> same base id otherwise).
+_it_harness._ENVOY_SEQ = itertools.count(40)
 from tests.sim.conftest import sim_binary  # noqa: E402
 
 GEN = REPO / "envoy" / "gen"
