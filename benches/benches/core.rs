@@ -78,6 +78,7 @@ fn index_view(entries: usize) -> Index<'static> {
         buckets: (entries / 4) as u32,
         ttl: 6000,
         cas_retries: 4,
+        cache_ttl: 0,
     }
 }
 

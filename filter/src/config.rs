@@ -82,6 +82,9 @@ pub struct IndexConfig {
     /// CAS attempts per index bucket write before the update is dropped (counted).
     #[serde(default = "default_cas_retries")]
     pub cas_retries: u32,
+    /// How long a VM reuses a probe result before asking shared data again (0 disables).
+    #[serde(default = "default_local_cache_ms")]
+    pub local_cache_ms: u32,
 }
 
 impl Default for IndexConfig {
@@ -90,6 +93,7 @@ impl Default for IndexConfig {
             capacity: default_capacity(),
             ttl_seconds: default_ttl_seconds(),
             cas_retries: default_cas_retries(),
+            local_cache_ms: default_local_cache_ms(),
         }
     }
 }
@@ -162,6 +166,9 @@ fn default_ttl_seconds() -> u32 {
 }
 fn default_cas_retries() -> u32 {
     4
+}
+fn default_local_cache_ms() -> u32 {
+    1000
 }
 fn default_load_eps() -> f64 {
     1.0
@@ -382,6 +389,9 @@ impl Config {
         }
         if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
             return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
+        }
+        if idx.local_cache_ms > 60_000 {
+            return Err(err("index.local_cache_ms", "must be between 0 and 60000"));
         }
         if idx.cas_retries == 0 || idx.cas_retries > 64 {
             return Err(err("index.cas_retries", "must be between 1 and 64"));

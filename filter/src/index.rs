@@ -16,6 +16,13 @@
 //! longest matched checkpoint is found by galloping (probe 0, 1, 3, 7, ...) then binary search:
 //! at most `2·ceil(log2(m+1)) + 1` probes, i.e. O(log log n) host calls — 1 probe for a prompt
 //! nobody has seen, at most 9 for a 4k-token (256-block) prompt, at most 11 for 128k tokens.
+//!
+//! Each VM also keeps a small direct-mapped cache of recent probe results ([`ProbeCache`], 4096
+//! slots, `index.local_cache_ms`): a hot prefix is then matched with no host call at all. What the
+//! cache can miss is another thread's record made within the last `local_cache_ms`; the cost is a
+//! slightly stale match (never a wrong worker: holders are still verified against the config),
+//! and a miss for a brand-new prefix falls back to rendezvous hashing, which every thread and
+//! replica computes identically.
 
 use crate::blocks::{checkpoints_upto, nth_checkpoint};
 use crate::store::Store;
@@ -130,6 +137,8 @@ pub struct Index<'a> {
     /// Holder lifetime in time units (the caller's clock, 100 ms in the filter).
     pub ttl: u32,
     pub cas_retries: u32,
+    /// Lifetime of VM-local probe results (same time unit as `ttl`); 0 disables the cache.
+    pub cache_ttl: u32,
 }
 
 /// Reusable buffers so lookups and writes do not allocate in steady state.
@@ -137,6 +146,48 @@ pub struct Index<'a> {
 pub struct Scratch {
     key: String,
     buf: Vec<u8>,
+    cache: ProbeCache,
+}
+
+const CACHE_SLOTS: usize = 4096;
+
+/// One cached probe result: the holders of `tag` as last read or written by this VM (all zero
+/// holders = the checkpoint was absent).
+#[derive(Clone, Copy, Default)]
+struct Cached {
+    tag: u64,
+    at: u32,
+    valid: bool,
+    holders: [(u32, u32); HOLDERS],
+}
+
+/// VM-local, direct-mapped cache of probe results (allocated on first use, ~200 KiB).
+#[derive(Default)]
+pub struct ProbeCache {
+    slots: Vec<Cached>,
+}
+
+impl ProbeCache {
+    fn slot(h: u64) -> usize {
+        (h >> 40) as usize % CACHE_SLOTS
+    }
+    fn get(&self, tag: u64, now: u32, ttl: u32) -> Option<[(u32, u32); HOLDERS]> {
+        let c = self.slots.get(Self::slot(tag))?;
+        (c.valid && c.tag == tag && age(now, c.at) <= ttl).then_some(c.holders)
+    }
+    fn put(&mut self, tag: u64, now: u32, holders: [(u32, u32); HOLDERS]) {
+        if self.slots.is_empty() {
+            self.slots = vec![Cached::default(); CACHE_SLOTS];
+        }
+        if let Some(c) = self.slots.get_mut(Self::slot(tag)) {
+            *c = Cached {
+                tag,
+                at: now,
+                valid: true,
+                holders,
+            };
+        }
+    }
 }
 
 impl Index<'_> {
@@ -161,18 +212,33 @@ impl Index<'_> {
         let Some(&h) = hashes.get(blocks.wrapping_sub(1)) else {
             return false;
         };
-        out.probes += 1;
-        self.key_for(h, &mut sc.key);
-        if store.get(&sc.key, &mut sc.buf).is_none() {
-            return false;
-        }
         let tag = tag_of(h);
-        let bucket = decode(&sc.buf);
-        let Some(e) = bucket.iter().find(|e| e.tag == tag) else {
-            return false;
+        let cached = if self.cache_ttl > 0 {
+            sc.cache.get(tag, now, self.cache_ttl)
+        } else {
+            None
+        };
+        let holders = match cached {
+            Some(hs) => hs,
+            None => {
+                out.probes += 1;
+                self.key_for(h, &mut sc.key);
+                let found = match store.get(&sc.key, &mut sc.buf) {
+                    Some(_) => decode(&sc.buf)
+                        .iter()
+                        .find(|e| e.tag == tag)
+                        .map(|e| e.holders),
+                    None => None,
+                };
+                let hs = found.unwrap_or_default();
+                if self.cache_ttl > 0 {
+                    sc.cache.put(tag, now, hs);
+                }
+                hs
+            }
         };
         let mut hit = false;
-        for &(id, t) in &e.holders {
+        for &(id, t) in &holders {
             if id != 0 && age(now, t) <= self.ttl {
                 out.note(id, blocks as u32, t);
                 hit = true;
@@ -263,11 +329,14 @@ impl Index<'_> {
         for _ in 0..self.cas_retries {
             let cas = store.get(&sc.key, &mut sc.buf).unwrap_or(0);
             let mut bucket = decode(&sc.buf);
-            upsert(&mut bucket, tag, worker, now);
+            let i = upsert(&mut bucket, tag, worker, now);
             encode(&bucket, &mut enc);
             match store.set(&sc.key, &enc, cas) {
                 Ok(()) => {
                     st.writes += 1;
+                    if self.cache_ttl > 0 {
+                        sc.cache.put(tag, now, bucket[i].holders);
+                    }
                     return;
                 }
                 Err(_) => st.conflicts += 1,
@@ -277,8 +346,9 @@ impl Index<'_> {
     }
 }
 
-/// Inserts or refreshes `worker` as a holder of `tag` in the bucket (LRU replacement).
-fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) {
+/// Inserts or refreshes `worker` as a holder of `tag` in the bucket (LRU replacement); returns
+/// the entry's position.
+fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) -> usize {
     let recency = |e: &Entry| {
         e.holders
             .iter()
@@ -306,7 +376,7 @@ fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) {
     let e = &mut bucket[idx];
     if let Some(h) = e.holders.iter_mut().find(|h| h.0 == worker) {
         h.1 = now;
-        return;
+        return idx;
     }
     // Empty slot, else the oldest holder.
     let slot = e
@@ -316,6 +386,7 @@ fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) {
         .max_by_key(|(_, h)| if h.0 == 0 { u32::MAX } else { age(now, h.1) })
         .map_or(0, |(i, _)| i);
     e.holders[slot] = (worker, now);
+    idx
 }
 
 #[cfg(test)]
@@ -336,6 +407,7 @@ mod tests {
             buckets,
             ttl: 6000,
             cas_retries: 4,
+            cache_ttl: 0,
         }
     }
 
@@ -470,5 +542,32 @@ mod tests {
         let a = hashes(b"abc");
         let st = ix1.record(&s, &a, 1, (0, 0), 1, &mut sc);
         assert!(st.dropped > 0 || st.writes > 0);
+    }
+
+    #[test]
+    fn probe_cache_saves_host_calls_and_expires() {
+        let s = MemStore::new();
+        let ix = Index {
+            cache_ttl: 10,
+            ..idx(1 << 12)
+        };
+        let mut sc = Scratch::default();
+        let mut m = Matches::default();
+        let a = hashes(&b"c".repeat(8 * 100));
+        ix.lookup(&s, &a, 100, &mut sc, &mut m);
+        assert_eq!((m.deepest, m.probes), (0, 1));
+        ix.record(&s, &a, 5, (0, 0), 100, &mut sc);
+        // Everything this VM wrote is served from its cache: no host call.
+        let (gets, _) = s.calls();
+        ix.lookup(&s, &a, 105, &mut sc, &mut m);
+        assert_eq!((m.deepest, m.probes, s.calls().0), (96, 0, gets));
+        // Another VM (empty cache) records a second holder: we see it once our entries expire.
+        let mut other = Scratch::default();
+        ix.record(&s, &a, 6, (0, 0), 106, &mut other);
+        ix.lookup(&s, &a, 108, &mut sc, &mut m);
+        assert_eq!(m.blocks_for(6), 0, "stale by design within cache_ttl");
+        ix.lookup(&s, &a, 117, &mut sc, &mut m);
+        assert_eq!(m.blocks_for(6), 96);
+        assert!(m.probes > 0);
     }
 }

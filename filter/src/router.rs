@@ -249,6 +249,7 @@ impl Router {
             buckets: cfg.index_buckets,
             ttl: cfg.index.ttl_seconds.saturating_mul(10),
             cas_retries: cfg.index.cas_retries,
+            cache_ttl: cfg.index.local_cache_ms / 100,
         };
         ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
         // Map holders (by id) to this config's workers; ids of removed workers are ignored.

@@ -45,8 +45,11 @@ fn generate(tokens: usize, group: u64, id: u64) -> Vec<u8> {
     format!(r#"{{"input_ids":[{}]}}"#, ids.join(",")).into_bytes()
 }
 
+/// Makes the body of request `id` in prefix group `group`.
+type BodyFn = Box<dyn Fn(u64, u64) -> Vec<u8>>;
+
 fn bench(c: &mut Criterion) {
-    let cases: Vec<(&str, usize, &str, Box<dyn Fn(u64, u64) -> Vec<u8>>)> = vec![
+    let cases: Vec<(&str, usize, &str, BodyFn)> = vec![
         (
             "chat_chars",
             1024,
