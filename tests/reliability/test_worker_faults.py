@@ -60,7 +60,7 @@ def test_killed_worker_only_loses_its_in_flight_requests_and_rejoins(workdir, ca
         lock = threading.Lock()
         r0 = rng("kill")
         t0 = time.monotonic()
-        phase = {"pre": 3.0, "down": 6.0, "up": 6.0}
+        phase = {"pre": 3.0, "down": 6.0, "up": 8.0}
         stop_at = t0 + sum(phase.values())
 
         def make(k):
@@ -106,7 +106,7 @@ def test_killed_worker_only_loses_its_in_flight_requests_and_rejoins(workdir, ca
         served_back = [r for r in back if r.served_by == victim]
         assert served_back, "the restarted worker never served again"
         rejoin = min(r.start for r in served_back) - t_restart
-        assert rejoin < 5.0, rejoin
+        assert rejoin < 7.0, rejoin
         with capsys.disabled():
             print(f"\n[worker kill] {summary}; victim {victim} ({len(victim_groups)}/{groups} groups); "
                   f"failed in flight {len(failed)}; retries after kill {len(retried)}; last retried request "
