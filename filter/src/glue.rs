@@ -13,7 +13,7 @@ use crate::store::{CasMismatch, Store};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fmt::Write;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -50,64 +50,90 @@ impl Store for EnvoyStore {
     }
 }
 
-fn counter(name: &str) -> u32 {
-    hostcalls::define_metric(MetricType::Counter, name).unwrap_or(0)
-}
-
-fn gauge(name: &str) -> u32 {
-    hostcalls::define_metric(MetricType::Gauge, name).unwrap_or(0)
-}
-
-fn bump(id: u32, by: i64) {
-    if id != 0 && by != 0 {
-        let _ = hostcalls::increment_metric(id, by);
-    }
-}
-
-/// Metric ids, defined once per VM in `on_configure`.
+/// Metric ids plus VM-local pending increments.
+///
+/// Increments are summed locally and sent to Envoy at most once per 100 ms (at the next decision)
+/// and on every 200 ms tick, instead of 6-8 `increment_metric` host calls per request. Counters
+/// and gauges therefore lag by at most one tick; the routing state itself (shared data) never
+/// lags.
 struct Metrics {
-    reasons: [u32; Reason::ALL.len()],
-    blocks_prompt: u32,
-    blocks_matched: u32,
-    index_writes: u32,
-    index_conflicts: u32,
-    index_dropped: u32,
-    index_probes: u32,
-    truncated: u32,
-    /// Per model, per worker: (in-flight requests, in-flight tokens) gauges.
-    inflight: Vec<Vec<(u32, u32)>>,
+    ids: Vec<u32>,
+    pending: RefCell<Vec<i64>>,
+    last_flush: Cell<u32>,
+    reasons: [usize; Reason::ALL.len()],
+    blocks_prompt: usize,
+    blocks_matched: usize,
+    index_writes: usize,
+    index_conflicts: usize,
+    index_dropped: usize,
+    index_probes: usize,
+    truncated: usize,
+    /// Per model, per worker: (in-flight requests, in-flight tokens) gauge slots.
+    inflight: Vec<Vec<(usize, usize)>>,
 }
 
 impl Metrics {
     fn define(cfg: &Config) -> Metrics {
-        let mut reasons = [0u32; Reason::ALL.len()];
+        let mut ids = Vec::new();
+        let mut def = |t: MetricType, name: &str| {
+            ids.push(hostcalls::define_metric(t, name).unwrap_or(0));
+            ids.len() - 1
+        };
+        let mut reasons = [0usize; Reason::ALL.len()];
         for r in Reason::ALL {
-            reasons[r.index()] = counter(&format!("prefix_router.requests.{}", r.as_str()));
+            reasons[r.index()] = def(
+                MetricType::Counter,
+                &format!("prefix_router.requests.{}", r.as_str()),
+            );
         }
+        let blocks_prompt = def(MetricType::Counter, "prefix_router.blocks.prompt");
+        let blocks_matched = def(MetricType::Counter, "prefix_router.blocks.matched");
+        let index_writes = def(MetricType::Counter, "prefix_router.index.writes");
+        let index_conflicts = def(MetricType::Counter, "prefix_router.index.cas_conflicts");
+        let index_dropped = def(MetricType::Counter, "prefix_router.index.dropped_updates");
+        let index_probes = def(MetricType::Counter, "prefix_router.index.probes");
+        let truncated = def(MetricType::Counter, "prefix_router.prompts.truncated");
+        let inflight = cfg
+            .models
+            .iter()
+            .map(|m| {
+                m.workers
+                    .iter()
+                    .map(|w| {
+                        (
+                            def(
+                                MetricType::Gauge,
+                                &format!("prefix_router.inflight_requests.{}", w.cluster),
+                            ),
+                            def(
+                                MetricType::Gauge,
+                                &format!("prefix_router.inflight_tokens.{}", w.cluster),
+                            ),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let n = ids.len();
         Metrics {
+            ids,
+            pending: RefCell::new(vec![0; n]),
+            last_flush: Cell::new(0),
             reasons,
-            blocks_prompt: counter("prefix_router.blocks.prompt"),
-            blocks_matched: counter("prefix_router.blocks.matched"),
-            index_writes: counter("prefix_router.index.writes"),
-            index_conflicts: counter("prefix_router.index.cas_conflicts"),
-            index_dropped: counter("prefix_router.index.dropped_updates"),
-            index_probes: counter("prefix_router.index.probes"),
-            truncated: counter("prefix_router.prompts.truncated"),
-            inflight: cfg
-                .models
-                .iter()
-                .map(|m| {
-                    m.workers
-                        .iter()
-                        .map(|w| {
-                            (
-                                gauge(&format!("prefix_router.inflight_requests.{}", w.cluster)),
-                                gauge(&format!("prefix_router.inflight_tokens.{}", w.cluster)),
-                            )
-                        })
-                        .collect()
-                })
-                .collect(),
+            blocks_prompt,
+            blocks_matched,
+            index_writes,
+            index_conflicts,
+            index_dropped,
+            index_probes,
+            truncated,
+            inflight,
+        }
+    }
+
+    fn add(&self, slot: usize, by: i64) {
+        if let Some(p) = self.pending.borrow_mut().get_mut(slot) {
+            *p += by;
         }
     }
 
@@ -117,8 +143,27 @@ impl Metrics {
             .get(usize::from(d.model))
             .and_then(|m| m.get(usize::from(d.worker)))
         {
-            bump(r, sign * i64::from(d.charged_reqs));
-            bump(t, sign * i64::from(d.charged_tokens));
+            self.add(r, sign * i64::from(d.charged_reqs));
+            self.add(t, sign * i64::from(d.charged_tokens));
+        }
+    }
+
+    /// Sends pending increments to Envoy (gauges take signed deltas).
+    fn flush(&self) {
+        let mut pending = self.pending.borrow_mut();
+        for (&id, p) in self.ids.iter().zip(pending.iter_mut()) {
+            if *p != 0 && id != 0 {
+                let _ = hostcalls::increment_metric(id, *p);
+            }
+            *p = 0;
+        }
+    }
+
+    /// Flushes when at least one clock unit (100 ms) passed since the last flush.
+    fn maybe_flush(&self, now: u32) {
+        if now != self.last_flush.get() {
+            self.last_flush.set(now);
+            self.flush();
         }
     }
 }
@@ -163,12 +208,13 @@ impl RootContext for Root {
             router: RefCell::new(router),
             metrics,
         }));
-        let _ = hostcalls::set_tick_period(Duration::from_secs(1));
+        let _ = hostcalls::set_tick_period(Duration::from_millis(200));
         true
     }
 
     fn on_tick(&mut self) {
         if let Some(s) = &self.shared {
+            s.metrics.flush();
             if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.flush_pending(&EnvoyStore);
             }
@@ -218,7 +264,8 @@ impl Stream {
         let m = &self.shared.metrics;
         match outcome {
             Outcome::Reject { status, body } => {
-                bump(m.reasons[Reason::Rejected.index()], 1);
+                m.add(m.reasons[Reason::Rejected.index()], 1);
+                m.maybe_flush(now);
                 let _ = hostcalls::send_http_response(
                     status,
                     vec![("content-type", "application/json")],
@@ -227,17 +274,16 @@ impl Stream {
                 Action::Pause
             }
             Outcome::Route(d) => {
-                bump(m.reasons[d.reason.index()], 1);
-                bump(m.blocks_prompt, i64::from(d.total_blocks));
-                bump(m.blocks_matched, i64::from(d.matched_blocks));
-                bump(m.index_writes, i64::from(d.index.writes));
-                bump(m.index_conflicts, i64::from(d.index.conflicts));
-                bump(m.index_dropped, i64::from(d.index.dropped));
-                bump(m.index_probes, i64::from(d.probes));
-                if d.truncated {
-                    bump(m.truncated, 1);
-                }
+                m.add(m.reasons[d.reason.index()], 1);
+                m.add(m.blocks_prompt, i64::from(d.total_blocks));
+                m.add(m.blocks_matched, i64::from(d.matched_blocks));
+                m.add(m.index_writes, i64::from(d.index.writes));
+                m.add(m.index_conflicts, i64::from(d.index.conflicts));
+                m.add(m.index_dropped, i64::from(d.index.dropped));
+                m.add(m.index_probes, i64::from(d.probes));
+                m.add(m.truncated, i64::from(d.truncated));
                 m.inflight(&d, 1);
+                m.maybe_flush(now);
                 self.charged = true;
                 let r = self.shared.router.borrow();
                 let _ = hostcalls::add_map_value(
@@ -285,7 +331,8 @@ impl HttpContext for Stream {
             }
             return Action::Pause;
         }
-        bump(self.shared.metrics.reasons[Reason::Passthrough.index()], 1);
+        let m = &self.shared.metrics;
+        m.add(m.reasons[Reason::Passthrough.index()], 1);
         let mut r = self.shared.router.borrow_mut();
         let d = r.passthrough();
         let cluster = match (&d, &r.cfg.passthrough_cluster) {

@@ -25,7 +25,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
-use wasmtime::{Caller, Config, Engine, Instance, Linker, Memory, Module, Store, TypedFunc, Val};
+use wasmtime::{
+    CallHook, Caller, Config, Engine, Instance, Linker, Memory, Module, Store, TypedFunc, Val,
+};
 
 /// proxy-wasm status codes.
 pub mod status {
@@ -258,6 +260,14 @@ impl Host {
             ..State::default()
         };
         let mut store = Store::new(&self.engine, state);
+        store.call_hook(|mut s, hook| {
+            match hook {
+                CallHook::CallingHost => s.data_mut().host_calls += 1,
+                CallHook::CallingWasm => s.data_mut().guest_calls += 1,
+                _ => {}
+            }
+            Ok(())
+        });
         if self.opts.fuel {
             store.set_fuel(u64::MAX / 2)?;
         }
@@ -313,6 +323,10 @@ pub struct State {
     pub logs: Vec<(i32, String)>,
     pub tick_period_ms: u32,
     pub effective_context: i32,
+    /// Calls from the module into the host (each one a host call in Envoy) and from the host
+    /// into the module (callbacks, including the allocator the host calls to return data).
+    pub host_calls: u64,
+    pub guest_calls: u64,
 }
 
 impl State {

@@ -33,6 +33,12 @@ fn cluster(vm: &mut Vm, body: &[u8]) -> (i32, String) {
     (r.context, c)
 }
 
+fn tick_all(vms: &mut [Vm]) {
+    for vm in vms {
+        vm.tick().expect("tick");
+    }
+}
+
 fn inflight(h: &Host) -> i64 {
     (0..4)
         .map(|i| {
@@ -61,6 +67,8 @@ fn vms_sharing_data_agree_and_release_every_charge() {
         assert_eq!(c, first, "vm {i} follows the shared index");
         vm.finish(ctx, &[]).unwrap();
     }
+    // Metrics are batched per VM and flushed on the tick (as Envoy's timer would).
+    tick_all(&mut vms);
     assert_eq!(inflight(&h), 0);
     assert_eq!(h.stats.get("prefix_router.requests.prefix_hit"), Some(4));
 
@@ -72,6 +80,7 @@ fn vms_sharing_data_agree_and_release_every_charge() {
         let (ctx, c) = cluster(&mut vms[v], &chat(&sys, &format!("u{k}")));
         open.push((v, ctx, c));
     }
+    tick_all(&mut vms);
     assert_eq!(inflight(&h), 32);
     let mut per = std::collections::BTreeMap::new();
     for (_, _, c) in &open {
@@ -85,6 +94,7 @@ fn vms_sharing_data_agree_and_release_every_charge() {
             vms[v].finish(ctx, &[]).unwrap();
         }
     }
+    tick_all(&mut vms);
     assert_eq!(inflight(&h), 0, "{:?}", h.stats.all());
     for vm in &vms {
         assert!(
@@ -117,6 +127,7 @@ fn threads_hammering_one_store_keep_counters_consistent() {
                 for c in open {
                     vm.finish(c, &[]).unwrap();
                 }
+                vm.tick().unwrap();
             })
         })
         .collect();

@@ -91,6 +91,8 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
     // streams still running on the old config while the new one serves (Envoy drains the old
     // filter chain): they are charged under the old config and released after the reload
     let open: Vec<(i32, String)> = (0..6).map(|i| route(&mut old, &body(i, "open"))).collect();
+    old.tick().unwrap(); // metrics are flushed on the tick
+    new.tick().unwrap();
     assert_eq!(inflight(&h), 6);
     // the new config sees the old streams' load (same load vector, records by worker id)
     let (v, _) = h.shared.get("pr/l/llama").unwrap();
@@ -113,6 +115,8 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
             old.abort(ctx).unwrap();
         }
     }
+    old.tick().unwrap();
+    new.tick().unwrap();
     assert_eq!(inflight(&h), 0, "{:?}", h.stats.all());
     assert!(
         h.stats

@@ -28,6 +28,8 @@ DEFAULT_WASM = REPO_ROOT / "target" / "wasm32-wasip1" / "release" / "prefix_rout
 BUILD_CMD = "cargo build -p prefix-router --target wasm32-wasip1 --release"
 CLUSTER_HEADER = "x-prefix-router-cluster"
 DEBUG_HEADER = "x-prefix-router-decision"
+# The filter's metric flush period (tick) plus margin; see Envoy.stats().
+METRICS_FLUSH_S = 0.3
 
 
 def envoy_binary() -> str:
@@ -410,7 +412,11 @@ class Envoy:
             conn.close()
 
     def stats(self) -> dict:
-        """/stats/prometheus as {name: value} for unlabelled samples, {name{labels}: value} otherwise."""
+        """/stats/prometheus as {name: value} for unlabelled samples, {name{labels}: value} otherwise.
+
+        The filter batches metric increments per VM and flushes them on its 200 ms tick, so this
+        waits one flush period first: what it returns includes every request already answered."""
+        time.sleep(METRICS_FLUSH_S)
         status, text = self.admin_get("/stats/prometheus")
         assert status == 200, text
         return parse_prometheus(text)

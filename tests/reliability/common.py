@@ -153,6 +153,8 @@ class EnvoyProc:
             c.close()
 
     def stats(self) -> dict:
+        # The filter flushes its batched metric increments on a 200 ms tick: wait one period.
+        time.sleep(0.3)
         status, text = self.admin_get("/stats/prometheus")
         assert status == 200, text
         return parse_prometheus(text)
