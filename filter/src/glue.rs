@@ -171,6 +171,20 @@ impl Metrics {
 struct Shared {
     router: RefCell<Router>,
     metrics: Metrics,
+    /// Set when the root context is done (plugin removed: a config update drained its filter
+    /// chain, or shutdown) or replaced: no tick will flush this VM's batched metrics any more,
+    /// so streams still ending flush at once.
+    closing: Cell<bool>,
+}
+
+impl Shared {
+    /// Sends everything this VM still holds: parked load deltas and batched metric increments.
+    fn flush_all(&self) {
+        if let Ok(mut r) = self.router.try_borrow_mut() {
+            r.flush_pending(&EnvoyStore);
+        }
+        self.metrics.flush();
+    }
 }
 
 struct Root {
@@ -185,7 +199,19 @@ fn now_ticks() -> (u32, u64) {
     ((t.as_millis() / 100) as u32, t.as_nanos() as u64)
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // Envoy is removing this plugin (its filter chain drained after a config update, or
+        // shutdown). Without this, the in-flight gauge decrements of the last streams (batched
+        // until the next tick, which never comes) and any parked load deltas would be lost, and
+        // the gauges would stay above zero for good.
+        if let Some(s) = &self.shared {
+            s.closing.set(true);
+            s.flush_all();
+        }
+        true
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
@@ -204,9 +230,16 @@ impl RootContext for Root {
         let metrics = Metrics::define(&cfg);
         let mut router = Router::new(cfg, nanos);
         router.init_store(&EnvoyStore);
+        if let Some(old) = &self.shared {
+            // Reconfigured in place: streams of the old configuration release into the old
+            // state, which no tick flushes any more.
+            old.closing.set(true);
+            old.flush_all();
+        }
         self.shared = Some(Rc::new(Shared {
             router: RefCell::new(router),
             metrics,
+            closing: Cell::new(false),
         }));
         let _ = hostcalls::set_tick_period(Duration::from_millis(200));
         true
@@ -306,6 +339,9 @@ impl Stream {
                 r.release(&EnvoyStore, d);
             }
             self.shared.metrics.inflight(d, -1);
+            if self.shared.closing.get() {
+                self.shared.flush_all();
+            }
         }
     }
 }

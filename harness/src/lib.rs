@@ -525,6 +525,15 @@ impl Vm {
     pub fn tick(&mut self) -> Result<()> {
         self.f.tick.call(&mut self.store, ROOT_CONTEXT)
     }
+
+    /// Tears the plugin down as Envoy does when its configuration is removed (a listener update
+    /// drained the old filter chain) or at shutdown: `proxy_on_done` then `proxy_on_delete` on
+    /// the root context. Returns what `on_done` answered (true: done now).
+    pub fn shutdown(&mut self) -> Result<bool> {
+        let done = self.f.done.call(&mut self.store, ROOT_CONTEXT)? != 0;
+        self.f.delete.call(&mut self.store, ROOT_CONTEXT)?;
+        Ok(done)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

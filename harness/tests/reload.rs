@@ -115,7 +115,12 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
             old.abort(ctx).unwrap();
         }
     }
-    old.tick().unwrap();
+    // ...then Envoy removes the old plugin (root on_done + on_delete), with no tick in between:
+    // whatever the old VM still held (batched metric deltas) must reach Envoy by then, and a
+    // stream that outlives the root still releases its charge.
+    let (late, _) = route(&mut old, &body(2000, "late"));
+    assert!(old.shutdown().unwrap());
+    old.finish(late, &[]).unwrap();
     new.tick().unwrap();
     assert_eq!(inflight(&h), 0, "{:?}", h.stats.all());
     assert!(
