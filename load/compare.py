@@ -422,6 +422,15 @@ def plots(rows: list[dict], scenario: str, outdir: Path) -> list[str]:
     return names
 
 
+def git_rev() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    rev = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "filter", "Cargo.lock")
+    return rev + (" + uncommitted filter changes" if dirty else "")
+
+
 def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_args: list[str], kv: int,
                  policy: dict, command: str, outdir: Path, no_plots: bool) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
@@ -434,7 +443,8 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         f"Workload (`load/{scen['script']}`): " + ", ".join(f"{k}={v}" for k, v in k6_env.items()) + ".",
         f"Fleet per router: {WORKERS} fresh `sglang-sim` workers (model per worker: {' '.join(scen['models'])}), "
         f"`{' '.join(sim_args)}`: KV capacity {kv} tokens per worker.",
-        f"prefix-router policy: `{json.dumps(policy)}` (on top of the filter defaults).",
+        f"prefix-router policy: `{json.dumps(policy)}` (on top of the filter defaults); "
+        f"filter built from commit {git_rev()}.",
         "Measured on a shared 2-core machine (simulated workers, routers and k6 all on it): "
         "noisy, compare within one table only.",
         "",
