@@ -25,6 +25,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import string
 import subprocess
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=None, help="sglang-sim --time-scale (default 1, quick 0.2)")
     ap.add_argument("--out", default=str(LOAD / "results"), help="output directory")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep every run's work directory (logs, k6 samples)")
     ap.add_argument("--set", action="append", default=[], metavar="K=V", help="override a k6 env parameter")
     args = ap.parse_args(argv)
 
@@ -502,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(f"\nwrote {path}")
     bad = [r["label"] for r in rows if r["errors"] or r["k6_exit"] != 0]
+    for r in rows:  # keep the logs (Envoy, smg, workers, k6, samples) of failed runs only
+        if r["label"] not in bad and not args.keep:
+            shutil.rmtree(r["workdir"], ignore_errors=True)
     if bad:
         print(f"compare: errors or failed k6 thresholds for: {', '.join(bad)}", file=sys.stderr)
         return 1
