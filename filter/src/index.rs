@@ -29,6 +29,8 @@ use crate::store::Store;
 use std::fmt::Write;
 
 pub const ENTRIES: usize = 4;
+/// Most message-boundary probes per lookup (see [`Index::lookup_bounds`]).
+pub const BOUNDARY_PROBES: usize = 4;
 pub const HOLDERS: usize = 4;
 const HOLDER_BYTES: usize = 8;
 const ENTRY_BYTES: usize = 8 + HOLDERS * HOLDER_BYTES;
@@ -142,11 +144,20 @@ pub struct Index<'a> {
 }
 
 /// Reusable buffers so lookups and writes do not allocate in steady state.
-#[derive(Default)]
 pub struct Scratch {
     key: String,
     buf: Vec<u8>,
     cache: ProbeCache,
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Scratch {
+            key: String::with_capacity(64),
+            buf: Vec::with_capacity(BUCKET_BYTES),
+            cache: ProbeCache::default(),
+        }
+    }
 }
 
 const CACHE_SLOTS: usize = 4096;
@@ -208,7 +219,19 @@ impl Index<'_> {
         sc: &mut Scratch,
         out: &mut Matches,
     ) -> bool {
-        let blocks = nth_checkpoint(j);
+        self.probe_blocks(store, hashes, nth_checkpoint(j), now, sc, out)
+    }
+
+    /// Probes the prefix of `blocks` blocks and records its live holders in `out`.
+    fn probe_blocks<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[u64],
+        blocks: usize,
+        now: u32,
+        sc: &mut Scratch,
+        out: &mut Matches,
+    ) -> bool {
         let Some(&h) = hashes.get(blocks.wrapping_sub(1)) else {
             return false;
         };
@@ -285,6 +308,54 @@ impl Index<'_> {
                 hi = mid;
             }
         }
+    }
+
+    /// After [`Index::lookup`]: probes the message boundaries `ends` (block counts, ascending)
+    /// that lie deeper than the match found so far, deepest first, and stops at the first hit.
+    /// A conversation's previous turn ended exactly at one of them (it was recorded there by
+    /// [`Index::record_end`]), so a long conversation matches its whole history, not just the
+    /// nearest checkpoint below it. At most [`BOUNDARY_PROBES`] probes.
+    pub fn lookup_bounds<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[u64],
+        ends: &[usize],
+        now: u32,
+        sc: &mut Scratch,
+        out: &mut Matches,
+    ) {
+        let floor = out.deepest as usize;
+        for &blocks in ends
+            .iter()
+            .rev()
+            .filter(|&&b| b > floor)
+            .take(BOUNDARY_PROBES)
+        {
+            if self.probe_blocks(store, hashes, blocks, now, sc, out) {
+                return;
+            }
+        }
+    }
+
+    /// Records `worker` as a holder of the prefix of `blocks` blocks (the end of a chat prompt)
+    /// unless it is a checkpoint (recorded by [`Index::record`] already).
+    pub fn record_end<S: Store>(
+        &self,
+        store: &S,
+        hashes: &[u64],
+        blocks: usize,
+        worker: u32,
+        now: u32,
+        sc: &mut Scratch,
+    ) -> WriteStats {
+        let mut st = WriteStats::default();
+        let is_checkpoint = blocks > 0 && nth_checkpoint(checkpoints_upto(blocks) - 1) == blocks;
+        if !is_checkpoint {
+            if let Some(&h) = hashes.get(blocks.wrapping_sub(1)) {
+                self.add_holder(store, h, worker, now, sc, &mut st);
+            }
+        }
+        st
     }
 
     /// Records `worker` as a holder of every checkpoint deeper than `known` blocks (what the
@@ -569,5 +640,29 @@ mod tests {
         ix.lookup(&s, &a, 117, &mut sc, &mut m);
         assert_eq!(m.blocks_for(6), 96);
         assert!(m.probes > 0);
+    }
+
+    #[test]
+    fn conversation_ends_are_matched_beyond_checkpoints() {
+        let s = MemStore::new();
+        let ix = idx(1 << 12);
+        let mut sc = Scratch::default();
+        let mut m = Matches::default();
+        // Turn 1: 70 blocks; recorded at its checkpoints (deepest 64) and at its end (70).
+        let turn1 = b"t".repeat(8 * 70);
+        let a = hashes(&turn1);
+        ix.record(&s, &a, 3, (0, 0), 10, &mut sc);
+        let st = ix.record_end(&s, &a, 70, 3, 10, &mut sc);
+        assert_eq!(st.writes, 1);
+        // Turn 2 resends turn 1 and adds 20 blocks; its message ends are at 70, 80 and 90.
+        let mut turn2 = turn1.clone();
+        turn2.extend_from_slice(&b"u".repeat(8 * 20));
+        let b = hashes(&turn2);
+        ix.lookup(&s, &b, 11, &mut sc, &mut m);
+        assert_eq!(m.deepest, 64, "checkpoints alone stop at 64");
+        ix.lookup_bounds(&s, &b, &[10, 70, 80, 90], 11, &mut sc, &mut m);
+        assert_eq!((m.deepest, m.blocks_for(3)), (70, 70));
+        // Checkpoint ends are not written twice.
+        assert_eq!(ix.record_end(&s, &b, 64, 3, 12, &mut sc).writes, 0);
     }
 }

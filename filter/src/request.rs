@@ -77,10 +77,25 @@ pub fn parse<'a>(
     canon: &mut Vec<u8>,
     limit: usize,
 ) -> Result<Parsed<'a>, ParseError> {
+    parse_with_bounds(endpoint, body, canon, &mut Vec::new(), limit)
+}
+
+/// [`parse`], also recording in `bounds` (cleared first) the canonical length after each chat
+/// message. A conversation's next turn resends every message, so the previous turn's prompt ends
+/// exactly at one of these boundaries: the index probes them to match whole previous turns.
+pub fn parse_with_bounds<'a>(
+    endpoint: Endpoint,
+    body: &'a [u8],
+    canon: &mut Vec<u8>,
+    bounds: &mut Vec<usize>,
+    limit: usize,
+) -> Result<Parsed<'a>, ParseError> {
     canon.clear();
+    bounds.clear();
     let mut de = serde_json::Deserializer::from_slice(body);
     let mut sink = Sink {
         out: canon,
+        bounds,
         limit,
         truncated: false,
         tokens: 0,
@@ -100,6 +115,7 @@ pub fn parse<'a>(
 /// The canonical-bytes writer, bounded by `limit`.
 struct Sink<'o> {
     out: &'o mut Vec<u8>,
+    bounds: &'o mut Vec<usize>,
     limit: usize,
     truncated: bool,
     tokens: usize,
@@ -395,6 +411,8 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
                 }
             }
         }
+        let end = self.0.out.len();
+        self.0.bounds.push(end);
         Ok(())
     }
 }
@@ -685,6 +703,30 @@ mod tests {
     fn escapes_are_unescaped_into_canonical_bytes() {
         let (a, _, _) = canon(Endpoint::Completions, r#"{"prompt":"a\nb\u00e9"}"#).unwrap();
         assert_eq!(a, "a\nbé".as_bytes());
+    }
+
+    #[test]
+    fn message_bounds_mark_previous_turns() {
+        let t1 = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"}]}"#;
+        let t2 = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q1"},{"role":"assistant","content":"a1"},{"role":"user","content":"q2"}]}"#;
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let (mut ba, mut bb) = (Vec::new(), Vec::new());
+        parse_with_bounds(Endpoint::Chat, t1.as_bytes(), &mut a, &mut ba, 1 << 20).unwrap();
+        parse_with_bounds(Endpoint::Chat, t2.as_bytes(), &mut b, &mut bb, 1 << 20).unwrap();
+        assert_eq!(ba.len(), 2);
+        assert_eq!(bb.len(), 4);
+        assert_eq!(*ba.last().unwrap(), a.len());
+        assert!(bb.contains(&a.len()), "turn 1 ends at a turn-2 boundary");
+        // Completions have no message bounds.
+        parse_with_bounds(
+            Endpoint::Completions,
+            br#"{"prompt":"x"}"#,
+            &mut a,
+            &mut ba,
+            99,
+        )
+        .unwrap();
+        assert!(ba.is_empty());
     }
 
     mod props {

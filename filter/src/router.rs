@@ -54,6 +54,9 @@ struct Pending {
 pub struct Router {
     pub cfg: Config,
     canon: Vec<u8>,
+    /// Canonical length after each chat message, and those boundaries as block counts.
+    bounds: Vec<usize>,
+    ends: Vec<usize>,
     hashes: Vec<u64>,
     buf: Vec<u8>,
     sc: Scratch,
@@ -94,10 +97,16 @@ impl Router {
             .unwrap_or(0);
         Router {
             canon: Vec::with_capacity(64 * 1024),
+            bounds: Vec::with_capacity(64),
+            ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
             buf: Vec::with_capacity(4096),
             sc: Scratch::default(),
-            matches: Matches::default(),
+            // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
+            matches: Matches {
+                workers: Vec::with_capacity(128),
+                ..Matches::default()
+            },
             reqs: Vec::with_capacity(max_workers),
             tokens: Vec::with_capacity(max_workers),
             matched: Vec::with_capacity(max_workers),
@@ -172,7 +181,13 @@ impl Router {
             .max()
             .unwrap_or(64)
             .saturating_mul(cfg.max_prompt_blocks);
-        let parsed = match request::parse(endpoint, body, &mut self.canon, limit) {
+        let parsed = match request::parse_with_bounds(
+            endpoint,
+            body,
+            &mut self.canon,
+            &mut self.bounds,
+            limit,
+        ) {
             Ok(p) => p,
             Err(_) => {
                 let est = (body.len() / cpt) as u32;
@@ -214,6 +229,16 @@ impl Router {
                 cfg.max_prompt_blocks,
                 &mut self.hashes,
             );
+        // Message boundaries as block counts (full blocks only), for whole-turn matches.
+        self.ends.clear();
+        if parsed.kind == PromptKind::Text {
+            for &b in &self.bounds {
+                let c = b / block_bytes;
+                if c >= 1 && c <= self.hashes.len() && self.ends.last() != Some(&c) {
+                    self.ends.push(c);
+                }
+            }
+        }
         let n = model.workers.len();
         let n_blocks = self.hashes.len() as u32;
         let mut d = match cfg.policy.name {
@@ -252,6 +277,14 @@ impl Router {
             cache_ttl: cfg.index.local_cache_ms / 100,
         };
         ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
+        ix.lookup_bounds(
+            store,
+            &self.hashes,
+            &self.ends,
+            now,
+            &mut self.sc,
+            &mut self.matches,
+        );
         // Map holders (by id) to this config's workers; ids of removed workers are ignored.
         self.matched.clear();
         self.matched.resize(model.workers.len(), 0);
@@ -310,7 +343,7 @@ impl Router {
             .iter()
             .find(|e| e.0 == id)
             .map_or((0, 0), |e| (e.1, e.2));
-        let stats = ix.record(
+        let mut stats = ix.record(
             store,
             &self.hashes,
             id,
@@ -318,6 +351,14 @@ impl Router {
             now,
             &mut self.sc,
         );
+        if let Some(&end) = self.ends.last() {
+            if end as u32 > known {
+                let e = ix.record_end(store, &self.hashes, end, id, now, &mut self.sc);
+                stats.writes += e.writes;
+                stats.conflicts += e.conflicts;
+                stats.dropped += e.dropped;
+            }
+        }
         Decision {
             model: mi as u16,
             worker: w as u16,
@@ -653,6 +694,35 @@ mod tests {
             let d = routed(new.route(&s, Endpoint::Chat, &body, 2));
             assert_ne!(new.cluster(&d), holder);
             new.release(&s, &d);
+        }
+    }
+
+    #[test]
+    fn multi_turn_matches_the_whole_previous_turn() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 11);
+        r.init_store(&s);
+        let mut msgs = vec![serde_json::json!({"role": "system", "content": "sys ".repeat(300)})];
+        let mut prev_blocks = 0u32;
+        let mut worker = None;
+        for turn in 0..5 {
+            msgs.push(serde_json::json!({"role": "user", "content": format!("question {turn} ").repeat(20)}));
+            let body = serde_json::json!({"model": "llama", "messages": &msgs}).to_string();
+            let d = routed(r.route(&s, Endpoint::Chat, body.as_bytes(), 1));
+            if turn > 0 {
+                assert_eq!(Some(d.worker), worker, "turn {turn} stays");
+                assert!(
+                    d.matched_blocks >= prev_blocks,
+                    "turn {turn}: matched {} < previous turn's {prev_blocks} full blocks",
+                    d.matched_blocks
+                );
+            }
+            worker = Some(d.worker);
+            r.release(&s, &d);
+            let mut canon = Vec::new();
+            request::parse(Endpoint::Chat, body.as_bytes(), &mut canon, 1 << 20).unwrap();
+            prev_blocks = (canon.len() / 64) as u32;
+            msgs.push(serde_json::json!({"role": "assistant", "content": format!("answer {turn} ").repeat(15)}));
         }
     }
 }
