@@ -116,6 +116,10 @@ pub struct PolicyConfig {
     /// `in_flight + 1 <= (1 + load_eps) * weighted_mean(in_flight incl. this one) + 1`.
     #[serde(default = "default_load_eps")]
     pub load_eps: f64,
+    /// The bound's absolute slack (the `+ 1` above, in requests): matters at low concurrency,
+    /// where a relative slack alone would spill the second or third request on a hot prefix.
+    #[serde(default = "default_load_slack")]
+    pub load_slack: f64,
     /// Weight of a worker's in-flight (estimated uncached) prompt tokens in its cost.
     #[serde(default = "default_load_weight")]
     pub load_weight: f64,
@@ -135,6 +139,7 @@ impl Default for PolicyConfig {
         PolicyConfig {
             name: PolicyName::default(),
             load_eps: default_load_eps(),
+            load_slack: default_load_slack(),
             load_weight: default_load_weight(),
             request_cost_tokens: default_request_cost_tokens(),
             affinity_blocks: default_affinity_blocks(),
@@ -169,6 +174,9 @@ fn default_cas_retries() -> u32 {
 }
 fn default_local_cache_ms() -> u32 {
     1000
+}
+fn default_load_slack() -> f64 {
+    3.0
 }
 fn default_load_eps() -> f64 {
     1.0
@@ -403,6 +411,9 @@ impl Config {
         let p = &raw.policy;
         if !(p.load_eps.is_finite() && p.load_eps >= 0.0 && p.load_eps <= 100.0) {
             return Err(err("policy.load_eps", "must be between 0 and 100"));
+        }
+        if !(p.load_slack.is_finite() && p.load_slack >= 0.0 && p.load_slack <= 1e6) {
+            return Err(err("policy.load_slack", "must be between 0 and 1000000"));
         }
         if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
             return Err(err("policy.load_weight", "must be a finite number >= 0"));

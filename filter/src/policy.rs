@@ -3,9 +3,11 @@
 //! `cache_aware` (default), for a prompt of `P` estimated tokens in `B` blocks:
 //!
 //! * **Load bound.** Worker `i` (weight `w_i`, total weight `W`) is eligible only while
-//!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + 1`, where `R` is the model's total
-//!   in-flight requests. A hot prefix therefore spills to a second worker instead of piling onto
-//!   one (bounded-load consistent hashing).
+//!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + s_i`, where `R` is the model's total
+//!   in-flight requests, and the slack `s_i` is `load_slack` (default 3) when worker `i` holds
+//!   part of the prompt and 1 otherwise. A hot prefix therefore spills to a second worker instead
+//!   of piling onto one (bounded-load consistent hashing), while at low concurrency a holder may
+//!   take a few requests more before its cached prefix is recomputed elsewhere.
 //! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
 //!   of the hash of the first `affinity_blocks` blocks picks the top eligible worker. Sibling
 //!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
@@ -96,10 +98,16 @@ pub struct Inputs<'a> {
     pub affinity: u64,
 }
 
-fn cap_ok(p: &PolicyConfig, model: &Model, reqs: &[u32], total: f64, i: usize) -> bool {
+/// The load bound. The absolute slack is `load_slack` for a worker that holds part of the
+/// prompt (reuse is worth a little queueing) and 1 otherwise, so a slow or busy worker still
+/// stops receiving *new* prefixes at low concurrency.
+fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
+    let model = inp.model;
     let w = model.workers[i].weight / model.total_weight;
-    let r = f64::from(reqs.get(i).copied().unwrap_or(0));
-    r + 1.0 <= (1.0 + p.load_eps) * (total + 1.0) * w + 1.0
+    let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+    let holds = inp.matched.get(i).copied().unwrap_or(0) > 0;
+    let slack = if holds { p.load_slack } else { 1.0 };
+    r + 1.0 <= (1.0 + p.load_eps) * (total + 1.0) * w + slack
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.
@@ -131,7 +139,7 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             top_score = score;
             top = i;
         }
-        if !cap_ok(p, model, inp.reqs, total, i) {
+        if !cap_ok(p, inp, total, i) {
             continue;
         }
         let cost = if inp.deepest == 0 {
@@ -240,9 +248,11 @@ mod tests {
         );
         assert_eq!((w, r), (0, Reason::PrefixHit));
         // The load bound is strict: with eps = 0.25 and one request in flight among 4 idle
-        // workers, a second one on the same worker would exceed (1+eps)*mean+1, so it spills.
+        // workers, a second one on the same worker would exceed (1+eps)*mean+1, so it spills
+        // (with load_slack 1; the default 3 lets a hot prefix take a few requests first).
         let strict = PolicyConfig {
             load_eps: 0.25,
+            load_slack: 1.0,
             ..PolicyConfig::default()
         };
         let (w, r) = choose(
@@ -274,7 +284,7 @@ mod tests {
             for _ in 0..1000 {
                 let (w, _) = choose(&p, &inputs(&m, &reqs, &tokens, &matched, 42));
                 let total: u32 = reqs.iter().sum();
-                let bound = (1.0 + p.load_eps) * f64::from(total + 1) / n as f64 + 1.0;
+                let bound = (1.0 + p.load_eps) * f64::from(total + 1) / n as f64 + p.load_slack;
                 assert!(f64::from(reqs[w] + 1) <= bound, "n={n} reqs={reqs:?}");
                 reqs[w] += 1;
                 matched[w] = 100; // the worker now holds the prefix too
@@ -282,7 +292,7 @@ mod tests {
             let max = *reqs.iter().max().unwrap() as f64;
             let mean = 1000.0 / n as f64;
             assert!(
-                max <= (1.0 + p.load_eps) * mean + 1.0,
+                max <= (1.0 + p.load_eps) * mean + p.load_slack,
                 "n={n} reqs={reqs:?}"
             );
         }

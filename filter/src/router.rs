@@ -563,7 +563,7 @@ mod tests {
             let total: u32 = loads.iter().map(|l| l.0).sum();
             let max = loads.iter().map(|l| l.0).max().unwrap();
             assert!(
-                f64::from(max) <= 2.0 * f64::from(total) / 4.0 + 1.0,
+                f64::from(max) <= 2.0 * f64::from(total) / 4.0 + 3.0,
                 "{loads:?}"
             );
             open.push(d);

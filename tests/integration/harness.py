@@ -502,6 +502,10 @@ class Stack:
     def load_eps(self) -> float:
         return float(self.plugin.get("policy", {}).get("load_eps", 1.0))
 
+    @property
+    def load_slack(self) -> float:
+        return float(self.plugin.get("policy", {}).get("load_slack", 3.0))
+
 
 def _worker_names(cfg: dict) -> list:
     names = []
