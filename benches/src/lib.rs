@@ -99,7 +99,7 @@ pub fn decide_and_release(
 ) -> u16 {
     match r.route(s, ep, body, now) {
         Outcome::Route(d) => {
-            r.release(s, &d);
+            r.release(&d);
             d.worker
         }
         Outcome::Reject { status, .. } => panic!("unexpected reject {status}"),

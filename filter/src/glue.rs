@@ -336,7 +336,7 @@ impl Stream {
         }
         if let Some(d) = &self.decision {
             if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(&EnvoyStore, d);
+                r.release(d);
             }
             self.shared.metrics.inflight(d, -1);
             if self.shared.closing.get() {

@@ -111,7 +111,7 @@ impl Router {
             tokens: Vec::with_capacity(max_workers),
             matched: Vec::with_capacity(max_workers),
             ids,
-            pending: Vec::new(),
+            pending: Vec::with_capacity(max_workers.max(4)),
             rr: (seed as usize) % 1024,
             rng: seed | 1,
             load_underflows: 0,
@@ -170,7 +170,6 @@ impl Router {
         body: &[u8],
         now: u32,
     ) -> Outcome {
-        self.flush_pending(store);
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
@@ -306,6 +305,7 @@ impl Router {
         let mut charged = false;
         for _ in 0..LOAD_RETRIES {
             let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
+            apply_parked(cfg, &self.pending, mi, &mut self.buf);
             load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
             let inp = Inputs {
                 model,
@@ -328,13 +328,11 @@ impl Router {
             }
         }
         let (w, reason, tok) = chosen;
-        if !charged {
-            self.pending.push(Pending {
-                model: mi as u16,
-                worker: w as u16,
-                dreq: 1,
-                dtok: i64::from(tok),
-            });
+        if charged {
+            // The write carried this model's parked deltas too.
+            self.pending.retain(|p| usize::from(p.model) != mi);
+        } else {
+            park(&mut self.pending, mi, w, 1, i64::from(tok));
         }
         let id = model.workers[w].id;
         let (known, known_time) = self
@@ -400,12 +398,15 @@ impl Router {
     ) -> Decision {
         let model = &self.cfg.models[mi];
         store.get(&model.load_key, &mut self.buf);
+        apply_parked(&self.cfg, &self.pending, mi, &mut self.buf);
         load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
         self.rr = self.rr.wrapping_add(1);
         let w = policy::least_loaded(&self.reqs, &self.tokens, self.rr);
         self.charge_fixed(store, mi, w, reason, tokens.max(1), 0)
     }
 
+    /// Adds a delta to worker `w` of model `mi` in shared data, together with the model's parked
+    /// deltas, in one CAS read-modify-write; parks it if the CAS keeps losing.
     fn add_load<S: Store>(&mut self, store: &S, mi: usize, w: usize, dreq: i64, dtok: i64) {
         let Some(model) = self.cfg.models.get(mi) else {
             return;
@@ -413,30 +414,35 @@ impl Router {
         let Some(worker) = model.workers.get(w) else {
             return;
         };
-        let delta = load::Delta {
-            id: worker.id,
-            hint: w,
-            dreq,
-            dtok,
-        };
-        let ok = load::update(store, &model.load_key, &mut self.buf, delta, LOAD_RETRIES);
-        if !ok {
-            self.pending.push(Pending {
-                model: mi as u16,
-                worker: w as u16,
-                dreq,
-                dtok,
-            });
+        for _ in 0..LOAD_RETRIES {
+            let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
+            apply_parked(&self.cfg, &self.pending, mi, &mut self.buf);
+            load::apply(&mut self.buf, worker.id, w, dreq, dtok);
+            if store.set(&model.load_key, &self.buf, cas).is_ok() {
+                self.pending.retain(|p| usize::from(p.model) != mi);
+                return;
+            }
         }
+        self.park(mi, w, dreq, dtok);
+    }
+
+    /// Keeps a delta for the next write of this model's load vector (coalesced per worker, so
+    /// the list stays bounded by the number of workers).
+    fn park(&mut self, mi: usize, w: usize, dreq: i64, dtok: i64) {
+        park(&mut self.pending, mi, w, dreq, dtok);
     }
 
     /// Undoes a decision's load charge; call exactly once when its stream ends.
-    pub fn release<S: Store>(&mut self, store: &S, d: &Decision) {
+    ///
+    /// The release is parked and rides on this VM's next load-vector write (its next decision,
+    /// usually microseconds later on a busy proxy) or on the next tick ([`Router::flush_pending`],
+    /// every 200 ms in Envoy): two shared-data host calls fewer per request. Until then this
+    /// VM's decisions already see it; other threads see the worker slightly busier.
+    pub fn release(&mut self, d: &Decision) {
         if d.charged_reqs == 0 && d.charged_tokens == 0 {
             return;
         }
-        self.add_load(
-            store,
+        self.park(
             usize::from(d.model),
             usize::from(d.worker),
             -i64::from(d.charged_reqs),
@@ -444,23 +450,15 @@ impl Router {
         );
     }
 
-    /// Retries parked load deltas (called before each decision and on the VM's tick).
+    /// Writes every parked delta (the VM's tick, and shutdown).
     pub fn flush_pending<S: Store>(&mut self, store: &S) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let mut parked = std::mem::take(&mut self.pending);
-        for p in parked.drain(..) {
-            self.add_load(
-                store,
-                usize::from(p.model),
-                usize::from(p.worker),
-                p.dreq,
-                p.dtok,
-            );
-        }
-        if self.pending.is_empty() {
-            self.pending = parked; // keep the allocation
+        let mut k = 0;
+        while let Some(p) = self.pending.get(k).copied() {
+            let before = self.pending.len();
+            self.add_load(store, usize::from(p.model), usize::from(p.worker), 0, 0);
+            if self.pending.len() == before {
+                k += 1; // still parked (CAS kept losing): try the next model
+            }
         }
     }
 
@@ -473,12 +471,45 @@ impl Router {
     pub fn loads<S: Store>(&mut self, store: &S, mi: usize) -> Vec<(u32, u32)> {
         let model = &self.cfg.models[mi];
         store.get(&model.load_key, &mut self.buf);
+        apply_parked(&self.cfg, &self.pending, mi, &mut self.buf);
         load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
         self.reqs
             .iter()
             .copied()
             .zip(self.tokens.iter().copied())
             .collect()
+    }
+}
+
+/// Parks a delta, coalesced per (model, worker).
+fn park(pending: &mut Vec<Pending>, mi: usize, w: usize, dreq: i64, dtok: i64) {
+    let (model, worker) = (mi as u16, w as u16);
+    match pending
+        .iter_mut()
+        .find(|p| p.model == model && p.worker == worker)
+    {
+        Some(p) => {
+            p.dreq += dreq;
+            p.dtok += dtok;
+        }
+        None => pending.push(Pending {
+            model,
+            worker,
+            dreq,
+            dtok,
+        }),
+    }
+}
+
+/// Applies model `mi`'s parked deltas to a load value just read.
+fn apply_parked(cfg: &Config, pending: &[Pending], mi: usize, buf: &mut Vec<u8>) {
+    let Some(model) = cfg.models.get(mi) else {
+        return;
+    };
+    for p in pending.iter().filter(|p| usize::from(p.model) == mi) {
+        if let Some(w) = model.workers.get(usize::from(p.worker)) {
+            load::apply(buf, w.id, usize::from(p.worker), p.dreq, p.dtok);
+        }
     }
 }
 
@@ -525,7 +556,7 @@ mod tests {
         let sys = "You are a meticulous assistant. ".repeat(40);
         let first = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, "q0"), 100));
         assert_eq!(first.reason, Reason::HashAffinity);
-        r.release(&s, &first);
+        r.release(&first);
         for i in 1..50 {
             let d = routed(r.route(
                 &s,
@@ -535,7 +566,7 @@ mod tests {
             ));
             assert_eq!((d.worker, d.reason), (first.worker, Reason::PrefixHit));
             assert!(d.matched_blocks * 3 >= (d.total_blocks - 1) * 2);
-            r.release(&s, &d);
+            r.release(&d);
         }
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
@@ -550,10 +581,10 @@ mod tests {
         b.init_store(&s);
         let sys = "Shared system prompt for everyone. ".repeat(30);
         let d0 = routed(a.route(&s, Endpoint::Chat, &chat("llama", &sys, "x"), 5));
-        a.release(&s, &d0);
+        a.release(&d0);
         let d1 = routed(b.route(&s, Endpoint::Chat, &chat("llama", &sys, "y"), 5));
         assert_eq!((d1.worker, d1.reason), (d0.worker, Reason::PrefixHit));
-        b.release(&s, &d1);
+        b.release(&d1);
         // Hold 40 requests open: the load bound spreads them.
         let mut open = Vec::new();
         for i in 0..40 {
@@ -571,11 +602,12 @@ mod tests {
         assert!(open.iter().any(|d| d.reason == Reason::LoadSpill));
         for (i, d) in open.iter().enumerate() {
             if i % 2 == 0 {
-                a.release(&s, d)
+                a.release(d)
             } else {
-                b.release(&s, d)
+                b.release(d)
             }
         }
+        b.flush_pending(&s); // b's releases ride on its next write or tick
         assert!(a.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
 
@@ -590,7 +622,7 @@ mod tests {
             ds.push(routed(r.route(&s, Endpoint::Chat, &body, 9)));
         }
         for d in &ds {
-            r.release(&s, d);
+            r.release(d);
         }
         r.flush_pending(&s);
         assert_eq!(r.pending_len(), 0);
@@ -630,17 +662,17 @@ mod tests {
         // A real prompt first, so stale per-request state would show up below.
         let d = routed(r.route(&s, Endpoint::Chat, &chat("llama", &"x".repeat(999), "u"), 1));
         assert!(d.total_blocks > 10);
-        r.release(&s, &d);
+        r.release(&d);
         for body in [&b"{not json"[..], b"", b"[1,2]", b"{\"messages\":7}"] {
             let d = routed(r.route(&s, Endpoint::Chat, body, 1));
             assert_eq!(d.reason, Reason::ParseError);
             assert_eq!((d.total_blocks, d.matched_blocks), (0, 0));
             assert_eq!(d.charged_reqs, 1);
-            r.release(&s, &d);
+            r.release(&d);
         }
         let d = routed(r.route(&s, Endpoint::Chat, br#"{"messages":[]}"#, 1));
         assert_eq!(d.reason, Reason::Fallback);
-        r.release(&s, &d);
+        r.release(&d);
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
 
@@ -677,7 +709,7 @@ mod tests {
         let body = chat("llama", &"held by someone ".repeat(20), "u");
         let d = routed(old.route(&s, Endpoint::Chat, &body, 1));
         let holder = old.cluster(&d).to_string();
-        old.release(&s, &d);
+        old.release(&d);
         // New config without the holder: its index entries must be ignored.
         let others: Vec<String> = ["w0", "w1", "w2", "w3"]
             .iter()
@@ -693,7 +725,7 @@ mod tests {
         for _ in 0..20 {
             let d = routed(new.route(&s, Endpoint::Chat, &body, 2));
             assert_ne!(new.cluster(&d), holder);
-            new.release(&s, &d);
+            new.release(&d);
         }
     }
 
@@ -718,7 +750,7 @@ mod tests {
                 );
             }
             worker = Some(d.worker);
-            r.release(&s, &d);
+            r.release(&d);
             let mut canon = Vec::new();
             request::parse(Endpoint::Chat, body.as_bytes(), &mut canon, 1 << 20).unwrap();
             prev_blocks = (canon.len() / 64) as u32;

@@ -67,6 +67,8 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
         old.finish(ctx, &[]).unwrap();
         owner.insert(i, c);
     }
+    // Envoy's 200 ms timer: the old VM's last parked release reaches shared data.
+    old.tick().unwrap();
     assert!(owner.values().any(|c| c == "w1"), "{owner:?}");
     let mut new = h.vm(NEW).unwrap();
     let mut kept_hits = 0;
