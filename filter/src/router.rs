@@ -67,6 +67,10 @@ pub struct Router {
     /// Per model: `(worker id, index)` sorted by id, to map index holders to workers in O(log n).
     ids: Vec<Vec<(u32, u16)>>,
     pending: Vec<Pending>,
+    /// Decisions since the last tick, and whether the last tick found this VM busy enough to
+    /// park releases (see [`Router::release`]).
+    decisions: u32,
+    busy: bool,
     rr: usize,
     rng: u64,
     /// Decrements that found a counter already at zero (should stay 0; exported as a metric).
@@ -112,6 +116,8 @@ impl Router {
             matched: Vec::with_capacity(max_workers),
             ids,
             pending: Vec::with_capacity(max_workers.max(4)),
+            decisions: 0,
+            busy: false,
             rr: (seed as usize) % 1024,
             rng: seed | 1,
             load_underflows: 0,
@@ -170,6 +176,7 @@ impl Router {
         body: &[u8],
         now: u32,
     ) -> Outcome {
+        self.decisions = self.decisions.saturating_add(1);
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
@@ -434,20 +441,31 @@ impl Router {
 
     /// Undoes a decision's load charge; call exactly once when its stream ends.
     ///
-    /// The release is parked and rides on this VM's next load-vector write (its next decision,
-    /// usually microseconds later on a busy proxy) or on the next tick ([`Router::flush_pending`],
-    /// every 200 ms in Envoy): two shared-data host calls fewer per request. Until then this
-    /// VM's decisions already see it; other threads see the worker slightly busier.
-    pub fn release(&mut self, d: &Decision) {
+    /// On a busy VM (at least `policy.batch_releases_min_rps` decisions per second over the last
+    /// tick) the release is parked and rides on this VM's next load-vector write, usually
+    /// milliseconds later, or on the next tick ([`Router::tick`]): two shared-data host calls
+    /// fewer per request. This VM's own decisions see it at once; other threads see the worker
+    /// busier by about one request per busy VM until then. On a quiet VM it is written at once.
+    pub fn release<S: Store>(&mut self, store: &S, d: &Decision) {
         if d.charged_reqs == 0 && d.charged_tokens == 0 {
             return;
         }
-        self.park(
-            usize::from(d.model),
-            usize::from(d.worker),
-            -i64::from(d.charged_reqs),
-            -i64::from(d.charged_tokens),
-        );
+        let (mi, w) = (usize::from(d.model), usize::from(d.worker));
+        let (dreq, dtok) = (-i64::from(d.charged_reqs), -i64::from(d.charged_tokens));
+        if self.busy {
+            self.park(mi, w, dreq, dtok);
+        } else {
+            self.add_load(store, mi, w, dreq, dtok);
+        }
+    }
+
+    /// The VM's timer: decides from the decisions of the last `elapsed_ms` whether releases are
+    /// parked until the next tick, and writes every parked delta.
+    pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32) {
+        let rate = f64::from(self.decisions) * 1000.0 / f64::from(elapsed_ms.max(1));
+        self.busy = rate >= self.cfg.policy.batch_releases_min_rps;
+        self.decisions = 0;
+        self.flush_pending(store);
     }
 
     /// Writes every parked delta (the VM's tick, and shutdown).
@@ -556,7 +574,7 @@ mod tests {
         let sys = "You are a meticulous assistant. ".repeat(40);
         let first = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, "q0"), 100));
         assert_eq!(first.reason, Reason::HashAffinity);
-        r.release(&first);
+        r.release(&s, &first);
         for i in 1..50 {
             let d = routed(r.route(
                 &s,
@@ -566,7 +584,7 @@ mod tests {
             ));
             assert_eq!((d.worker, d.reason), (first.worker, Reason::PrefixHit));
             assert!(d.matched_blocks * 3 >= (d.total_blocks - 1) * 2);
-            r.release(&d);
+            r.release(&s, &d);
         }
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
@@ -581,10 +599,10 @@ mod tests {
         b.init_store(&s);
         let sys = "Shared system prompt for everyone. ".repeat(30);
         let d0 = routed(a.route(&s, Endpoint::Chat, &chat("llama", &sys, "x"), 5));
-        a.release(&d0);
+        a.release(&s, &d0);
         let d1 = routed(b.route(&s, Endpoint::Chat, &chat("llama", &sys, "y"), 5));
         assert_eq!((d1.worker, d1.reason), (d0.worker, Reason::PrefixHit));
-        b.release(&d1);
+        b.release(&s, &d1);
         // Hold 40 requests open: the load bound spreads them.
         let mut open = Vec::new();
         for i in 0..40 {
@@ -602,13 +620,58 @@ mod tests {
         assert!(open.iter().any(|d| d.reason == Reason::LoadSpill));
         for (i, d) in open.iter().enumerate() {
             if i % 2 == 0 {
-                a.release(d)
+                a.release(&s, d)
             } else {
-                b.release(d)
+                b.release(&s, d)
             }
         }
-        b.flush_pending(&s); // b's releases ride on its next write or tick
         assert!(a.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn quiet_vms_release_at_once_busy_vms_park_until_the_next_write() {
+        let s = MemStore::new();
+        let mut a = Router::new(cfg(""), 1);
+        let mut b = Router::new(cfg(""), 2);
+        a.init_store(&s);
+        let body = chat("llama", &"quiet ".repeat(50), "u");
+        // Quiet VM (no tick has seen 200 decisions/s): the release reaches shared data at once,
+        // so another thread sees an idle fleet.
+        let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        a.release(&s, &d);
+        assert_eq!(a.pending_len(), 0);
+        assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+        // Busy VM: 20 decisions in a 50 ms tick = 400/s >= 200/s.
+        for _ in 0..20 {
+            let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+            a.release(&s, &d);
+        }
+        a.tick(&s, 50);
+        let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        a.release(&s, &d);
+        assert_eq!(a.pending_len(), 1);
+        assert_eq!(
+            b.loads(&s, 0)[usize::from(d.worker)].0,
+            1,
+            "parked: others see it"
+        );
+        assert!(
+            a.loads(&s, 0).iter().all(|&l| l == (0, 0)),
+            "own decisions do not"
+        );
+        // The next decision carries it.
+        let d2 = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        assert_eq!(a.pending_len(), 0);
+        let l = b.loads(&s, 0);
+        assert_eq!(l.iter().map(|l| l.0).sum::<u32>(), 1, "{l:?}");
+        a.release(&s, &d2);
+        // A tick that saw 1 decision in 50 ms (20/s) flushes and makes the VM quiet again.
+        a.tick(&s, 50);
+        assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+        let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        a.release(&s, &d);
+        assert_eq!(a.pending_len(), 0);
+        assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
 
     #[test]
@@ -622,7 +685,7 @@ mod tests {
             ds.push(routed(r.route(&s, Endpoint::Chat, &body, 9)));
         }
         for d in &ds {
-            r.release(d);
+            r.release(&s, d);
         }
         r.flush_pending(&s);
         assert_eq!(r.pending_len(), 0);
@@ -662,17 +725,17 @@ mod tests {
         // A real prompt first, so stale per-request state would show up below.
         let d = routed(r.route(&s, Endpoint::Chat, &chat("llama", &"x".repeat(999), "u"), 1));
         assert!(d.total_blocks > 10);
-        r.release(&d);
+        r.release(&s, &d);
         for body in [&b"{not json"[..], b"", b"[1,2]", b"{\"messages\":7}"] {
             let d = routed(r.route(&s, Endpoint::Chat, body, 1));
             assert_eq!(d.reason, Reason::ParseError);
             assert_eq!((d.total_blocks, d.matched_blocks), (0, 0));
             assert_eq!(d.charged_reqs, 1);
-            r.release(&d);
+            r.release(&s, &d);
         }
         let d = routed(r.route(&s, Endpoint::Chat, br#"{"messages":[]}"#, 1));
         assert_eq!(d.reason, Reason::Fallback);
-        r.release(&d);
+        r.release(&s, &d);
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
 
@@ -709,7 +772,7 @@ mod tests {
         let body = chat("llama", &"held by someone ".repeat(20), "u");
         let d = routed(old.route(&s, Endpoint::Chat, &body, 1));
         let holder = old.cluster(&d).to_string();
-        old.release(&d);
+        old.release(&s, &d);
         // New config without the holder: its index entries must be ignored.
         let others: Vec<String> = ["w0", "w1", "w2", "w3"]
             .iter()
@@ -725,7 +788,7 @@ mod tests {
         for _ in 0..20 {
             let d = routed(new.route(&s, Endpoint::Chat, &body, 2));
             assert_ne!(new.cluster(&d), holder);
-            new.release(&d);
+            new.release(&s, &d);
         }
     }
 
@@ -750,7 +813,7 @@ mod tests {
                 );
             }
             worker = Some(d.worker);
-            r.release(&d);
+            r.release(&s, &d);
             let mut canon = Vec::new();
             request::parse(Endpoint::Chat, body.as_bytes(), &mut canon, 1 << 20).unwrap();
             prev_blocks = (canon.len() / 64) as u32;

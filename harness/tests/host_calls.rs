@@ -42,7 +42,23 @@ fn host_calls_per_request() {
             &chat(&system, &format!("q{i}")),
         );
     }
-    rows.push(("shared prefix, new suffix (steady state)", hit));
+    rows.push((
+        "shared prefix, new suffix (steady state, quiet thread: release written at once)",
+        hit,
+    ));
+    // 20 decisions since start, then a 50 ms tick: >= 200/s, so the VM parks its releases.
+    vm.tick().expect("tick");
+    for i in 20..30 {
+        hit = calls(
+            &mut vm,
+            "/v1/chat/completions",
+            &chat(&system, &format!("q{i}")),
+        );
+    }
+    rows.push((
+        "shared prefix, new suffix (steady state, busy thread: release rides on the next decision)",
+        hit,
+    ));
     let same = chat(&system, "same");
     calls(&mut vm, "/v1/chat/completions", &same);
     rows.push((
@@ -67,7 +83,13 @@ fn host_calls_per_request() {
     // Regression guards (counts, deterministic): the steady-state hit must stay cheap.
     assert!(hit.0 <= 24, "steady-state hit made {} host calls", hit.0);
     assert!(
-        rows[4].1 .0 <= 10,
+        hit.0 < rows[1].1 .0,
+        "a busy thread's release should ride on its next decision: {} vs {}",
+        hit.0,
+        rows[1].1 .0
+    );
+    assert!(
+        rows[5].1 .0 <= 10,
         "passthrough made {} host calls",
         rows[4].1 .0
     );

@@ -321,3 +321,14 @@ def test_generated_config_routes_and_retries_on_another_worker(live):
     assert b"prefix_router_requests_prefix_hit" in text
     # the stats listener exposes nothing else of the admin
     assert get(live["stats"], "/config_dump")[0] == 404
+
+
+def test_ip_workers_get_static_clusters_names_get_strict_dns():
+    """IP literals need no resolver: STATIC clusters exist, health-checked, before the listener
+    opens (STRICT_DNS sent some requests to the fallbacks for ~1 s after start-up; a mix of names
+    and IPs in one cluster stays STRICT_DNS)."""
+    ips = run_gen("--model", "llama=127.0.0.1:30000,10.0.0.2:30001", "--listen", "127.0.0.1:10000")
+    assert ips.count("type: STATIC") == 3  # two workers + the admin cluster
+    assert "STRICT_DNS" not in ips
+    mixed = run_gen("--model", "llama=127.0.0.1:30000,w1:30000", "--listen", "127.0.0.1:10000")
+    assert mixed.count("type: STRICT_DNS") == 2
