@@ -103,11 +103,12 @@ pub struct Inputs<'a> {
 /// stops receiving *new* prefixes at low concurrency.
 fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
     let model = inp.model;
-    let w = model.workers[i].weight / model.total_weight;
     let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
     let holds = inp.matched.get(i).copied().unwrap_or(0) > 0;
     let slack = if holds { p.load_slack } else { 1.0 };
-    r + 1.0 <= (1.0 + p.load_eps) * (total + 1.0) * w + slack
+    // Same operation order as the uniform path's `share`, so both round alike.
+    let share = (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
+    r + 1.0 <= share + slack
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.
@@ -126,7 +127,111 @@ pub fn uncached_tokens(inp: &Inputs, i: usize) -> u32 {
 }
 
 /// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
+///
+/// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
+/// Both make the same choice (tested), so replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let n = inp.model.workers.len();
+    if inp.model.uniform_weights
+        && inp.reqs.len() == n
+        && inp.tokens.len() == n
+        && inp.matched.len() == n
+    {
+        choose_uniform(p, inp)
+    } else {
+        choose_general(p, inp)
+    }
+}
+
+/// The per-request scan over every worker, so its cost per worker is what keeps a decision
+/// nearly flat from 4 to 256 workers: the load bound becomes two integer thresholds computed
+/// once, rendezvous scores stay integers, and only holders pay the uncached-token division.
+fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let model = inp.model;
+    let n = model.workers.len();
+    let total: u64 = inp.reqs.iter().map(|&r| u64::from(r)).sum();
+    let share = (1.0 + p.load_eps) * (total as f64 + 1.0) / n as f64;
+    // `r + 1 <= share + slack` for an integer r  <=>  `r + 1 <= floor(share + slack)`.
+    let cap = |slack: f64| -> u64 {
+        let c = (share + slack).floor();
+        if c >= 1.0 {
+            c as u64
+        } else {
+            0
+        }
+    };
+    let (cap_holder, cap_other) = (cap(p.load_slack), cap(1.0));
+    let rows = model
+        .workers
+        .iter()
+        .zip(inp.reqs.iter().zip(inp.tokens.iter()))
+        .zip(inp.matched.iter())
+        .enumerate();
+    if inp.deepest == 0 {
+        // Nobody holds the prompt (so every cap is `cap_other`): the eligible worker with the
+        // highest rendezvous score, and the overall top to tell affinity from spill.
+        let (mut top, mut top_score) = (0usize, 0u64);
+        let mut best: Option<(usize, u64)> = None;
+        for (i, ((w, (&r, _)), _)) in rows {
+            let score = mix(inp.affinity, w.id);
+            if i == 0 || score > top_score {
+                (top, top_score) = (i, score);
+            }
+            if u64::from(r) < cap_other && best.is_none_or(|(_, s)| score > s) {
+                best = Some((i, score));
+            }
+        }
+        return match best {
+            Some((chosen, _)) => (chosen, reason_of(inp, chosen, top)),
+            None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
+        };
+    }
+    // Someone holds a prefix: lowest cost; rendezvous scores only to break exact ties.
+    let prompt = f64::from(inp.prompt_tokens);
+    let mut best: Option<(usize, f64, u32)> = None;
+    for (i, ((w, (&r, &t)), &m)) in rows {
+        let cap = if m > 0 { cap_holder } else { cap_other };
+        if u64::from(r) >= cap {
+            continue;
+        }
+        let uncached = if m == 0 {
+            prompt
+        } else {
+            f64::from(uncached_tokens(inp, i))
+        };
+        let cost = uncached + p.load_weight * f64::from(t) + p.request_cost_tokens * f64::from(r);
+        let better = match best {
+            None => true,
+            Some((_, c, b)) => {
+                cost < c || (cost == c && mix(inp.affinity, w.id) > mix(inp.affinity, b))
+            }
+        };
+        if better {
+            best = Some((i, cost, w.id));
+        }
+    }
+    match best {
+        Some((chosen, _, _)) => (chosen, reason_of(inp, chosen, 0)),
+        None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
+    }
+}
+
+fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
+    if inp.deepest == 0 {
+        if chosen == top {
+            Reason::HashAffinity
+        } else {
+            Reason::LoadSpill
+        }
+    } else if inp.matched.get(chosen).copied().unwrap_or(0) >= inp.deepest {
+        Reason::PrefixHit
+    } else {
+        Reason::LoadSpill
+    }
+}
+
+/// Any weights; also the reference the uniform fast path is tested against.
+fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
     let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
@@ -163,18 +268,7 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         // defined answer beats a panic.
         return (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill);
     };
-    let reason = if inp.deepest == 0 {
-        if chosen == top {
-            Reason::HashAffinity
-        } else {
-            Reason::LoadSpill
-        }
-    } else if inp.matched.get(chosen).copied().unwrap_or(0) >= inp.deepest {
-        Reason::PrefixHit
-    } else {
-        Reason::LoadSpill
-    };
-    (chosen, reason)
+    (chosen, reason_of(inp, chosen, top))
 }
 
 /// Fewest in-flight requests, then fewest tokens; scanning from `start` spreads ties.
@@ -358,6 +452,50 @@ mod tests {
         }
         let frac = f64::from(b) / 8000.0;
         assert!((frac - 0.75).abs() < 0.03, "{frac}");
+    }
+
+    #[test]
+    fn uniform_fast_path_matches_the_general_policy() {
+        use proptest::prelude::*;
+        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+            cases: 2000,
+            ..Default::default()
+        });
+        let models: Vec<Model> = [1usize, 2, 3, 4, 7, 16, 64]
+            .iter()
+            .map(|&n| model(n))
+            .collect();
+        let strat = (
+            0usize..7,
+            proptest::collection::vec(
+                (0u32..12, 0u32..20_000, prop_oneof![Just(0u32), 1u32..100]),
+                64,
+            ),
+            any::<u64>(),
+            prop_oneof![Just(0.0), Just(0.25), Just(1.0), 0.0f64..3.0],
+            prop_oneof![Just(1.0), Just(3.0), 0.0f64..5.0],
+            any::<bool>(),
+        );
+        runner
+            .run(&strat, |(mi, rows, key, eps, slack, miss)| {
+                let m = &models[mi];
+                let n = m.workers.len();
+                let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
+                let tokens: Vec<u32> = rows[..n].iter().map(|r| r.1).collect();
+                let matched: Vec<u32> = rows[..n]
+                    .iter()
+                    .map(|r| if miss { 0 } else { r.2 })
+                    .collect();
+                let p = PolicyConfig {
+                    load_eps: eps,
+                    load_slack: slack,
+                    ..PolicyConfig::default()
+                };
+                let inp = inputs(m, &reqs, &tokens, &matched, key);
+                prop_assert_eq!(choose_uniform(&p, &inp), choose_general(&p, &inp));
+                Ok(())
+            })
+            .unwrap();
     }
 
     #[test]
