@@ -526,6 +526,16 @@ impl Vm {
         self.f.tick.call(&mut self.store, ROOT_CONTEXT)
     }
 
+    /// As many timer calls as Envoy would make in `ms` at the module's tick period (at least
+    /// one); the clock is left alone.
+    pub fn elapse(&mut self, ms: u32) -> Result<()> {
+        let period = self.store.data().tick_period_ms.max(1);
+        for _ in 0..(ms / period).max(1) {
+            self.tick()?;
+        }
+        Ok(())
+    }
+
     /// Tears the plugin down as Envoy does when its configuration is removed (a listener update
     /// drained the old filter chain) or at shutdown: `proxy_on_done` then `proxy_on_delete` on
     /// the root context. Returns what `on_done` answered (true: done now).

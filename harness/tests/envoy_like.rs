@@ -35,7 +35,7 @@ fn cluster(vm: &mut Vm, body: &[u8]) -> (i32, String) {
 
 fn tick_all(vms: &mut [Vm]) {
     for vm in vms {
-        vm.tick().expect("tick");
+        vm.elapse(200).expect("tick");
     }
 }
 
@@ -127,7 +127,7 @@ fn threads_hammering_one_store_keep_counters_consistent() {
                 for c in open {
                     vm.finish(c, &[]).unwrap();
                 }
-                vm.tick().unwrap();
+                vm.elapse(200).unwrap();
             })
         })
         .collect();

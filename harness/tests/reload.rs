@@ -68,7 +68,7 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
         owner.insert(i, c);
     }
     // Envoy's 200 ms timer: the old VM's last parked release reaches shared data.
-    old.tick().unwrap();
+    old.elapse(200).unwrap();
     assert!(owner.values().any(|c| c == "w1"), "{owner:?}");
     let mut new = h.vm(NEW).unwrap();
     let mut kept_hits = 0;
@@ -93,8 +93,8 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
     // streams still running on the old config while the new one serves (Envoy drains the old
     // filter chain): they are charged under the old config and released after the reload
     let open: Vec<(i32, String)> = (0..6).map(|i| route(&mut old, &body(i, "open"))).collect();
-    old.tick().unwrap(); // metrics are flushed on the tick
-    new.tick().unwrap();
+    old.elapse(200).unwrap(); // metrics are flushed on the tick
+    new.elapse(200).unwrap();
     assert_eq!(inflight(&h), 6);
     // the new config sees the old streams' load (same load vector, records by worker id)
     let (v, _) = h.shared.get("pr/l/llama").unwrap();
@@ -123,7 +123,7 @@ fn reload_never_routes_to_removed_workers_and_keeps_kept_holders() {
     let (late, _) = route(&mut old, &body(2000, "late"));
     assert!(old.shutdown().unwrap());
     old.finish(late, &[]).unwrap();
-    new.tick().unwrap();
+    new.elapse(200).unwrap();
     assert_eq!(inflight(&h), 0, "{:?}", h.stats.all());
     assert!(
         h.stats
