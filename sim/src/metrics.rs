@@ -71,6 +71,11 @@ impl Histogram {
 pub struct Stats {
     pub num_running: usize,
     pub num_waiting: usize,
+    /// Prompt tokens of waiting requests that are not cached (SGLang's
+    /// `num_waiting_uncached_tokens`).
+    pub waiting_uncached_tokens: usize,
+    /// Prompt tokens of waiting requests (cached or not).
+    pub waiting_tokens: usize,
     /// Tokens in use by running requests (locked cache paths + generated tokens).
     pub used_tokens: usize,
     pub cache_tokens: usize,
@@ -94,6 +99,8 @@ impl Stats {
         Stats {
             num_running: 0,
             num_waiting: 0,
+            waiting_uncached_tokens: 0,
+            waiting_tokens: 0,
             used_tokens: 0,
             cache_tokens: 0,
             evictable_tokens: 0,

@@ -182,6 +182,26 @@ impl RadixCache {
         (pos, node)
     }
 
+    /// Length of the longest cached prefix of `tokens`, read-only: no split, no LRU touch
+    /// (used to estimate the uncached tokens of waiting requests for `/v1/loads`).
+    pub fn peek_prefix(&self, tokens: &[u32]) -> usize {
+        let mut node = ROOT;
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let Some(&child) = self.nodes[node].children.get(&tokens[pos]) else {
+                break;
+            };
+            let key = &self.nodes[child].key;
+            let n = common_len(key, &tokens[pos..]);
+            pos += n;
+            if n < key.len() {
+                break;
+            }
+            node = child;
+        }
+        pos
+    }
+
     /// Inserts `tokens`; returns (length that was already cached, node of the full sequence).
     /// Touches the whole path (LRU).
     pub fn insert(&mut self, tokens: &[u32]) -> (usize, NodeId) {
@@ -304,6 +324,26 @@ mod tests {
         assert_eq!(c.match_prefix(&[2]).0, 0);
         assert_eq!(c.insert(&[1, 2]).0, 2);
         assert_eq!(c.total_size(), 6);
+    }
+
+    #[test]
+    fn peek_matches_like_match_prefix_without_changing_the_tree() {
+        let mut c = RadixCache::new();
+        c.insert(&[1, 2, 3, 4]);
+        c.insert(&[1, 2, 7]);
+        let nodes = c.node_count();
+        for (q, want) in [
+            (vec![1, 2, 3, 4, 5], 4),
+            (vec![1, 2, 3, 9], 3),
+            (vec![1, 2, 7], 3),
+            (vec![1, 9], 1),
+            (vec![5], 0),
+            (vec![], 0),
+        ] {
+            assert_eq!(c.peek_prefix(&q), want, "{q:?}");
+        }
+        assert_eq!(c.node_count(), nodes, "peek never splits");
+        assert_eq!(c.match_prefix(&[1, 2, 3, 9]).0, 3);
     }
 
     #[test]

@@ -58,6 +58,13 @@ pub enum Cmd {
     Flush(oneshot::Sender<bool>),
 }
 
+/// A request in the waiting queue with its uncached prompt tokens (estimated when it arrives,
+/// refreshed when admission looks at it: SGLang's `num_matched_prefix_tokens` works the same way).
+struct Waiting {
+    req: SimRequest,
+    uncached: usize,
+}
+
 struct Running {
     req: SimRequest,
     /// Locked cache node.
@@ -71,7 +78,7 @@ struct Running {
 pub struct Scheduler {
     cfg: Config,
     pub cache: RadixCache,
-    waiting: VecDeque<SimRequest>,
+    waiting: VecDeque<Waiting>,
     running: Vec<Running>,
     /// KV tokens reserved for the outputs of running requests.
     reserved: usize,
@@ -103,7 +110,10 @@ impl Scheduler {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Submit(r) => self.waiting.push_back(r),
+            Cmd::Submit(req) => {
+                let uncached = req.prompt.len() - self.cache.peek_prefix(&req.prompt);
+                self.waiting.push_back(Waiting { req, uncached });
+            }
             Cmd::Flush(reply) => {
                 let ok = self.idle();
                 if ok {
@@ -138,18 +148,19 @@ impl Scheduler {
         let mut batch = Vec::new();
         let mut new_tokens = 0usize;
         // requests whose client went away before being scheduled are dropped
-        self.waiting.retain(|r| !r.tx.is_closed());
-        while let Some(r) = self.waiting.front() {
+        self.waiting.retain(|w| !w.req.tx.is_closed());
+        while let Some(w) = self.waiting.front_mut() {
             if self.running.len() + batch.len() >= self.cfg.max_running_requests {
                 break;
             }
-            let (matched, node) = self.cache.match_prefix(&r.prompt);
-            let uncached = r.prompt.len() - matched;
+            let (matched, node) = self.cache.match_prefix(&w.req.prompt);
+            let uncached = w.req.prompt.len() - matched;
+            w.uncached = uncached;
+            let need = uncached + w.req.output.len();
             if !batch.is_empty() && new_tokens + uncached > self.cfg.max_prefill_tokens {
                 break;
             }
             self.cache.inc_lock(node);
-            let need = uncached + r.output.len();
             let used = self.cache.total_size() + self.reserved;
             let avail = self.cfg.max_total_tokens.saturating_sub(used);
             if need > avail {
@@ -164,7 +175,7 @@ impl Scheduler {
             // reserve it now together with the output.
             self.reserved += need;
             new_tokens += uncached;
-            let Some(req) = self.waiting.pop_front() else {
+            let Some(Waiting { req, .. }) = self.waiting.pop_front() else {
                 break;
             };
             batch.push(Running {
@@ -196,6 +207,8 @@ impl Scheduler {
         if let Ok(mut s) = self.stats.lock() {
             s.num_running = self.running.len();
             s.num_waiting = self.waiting.len();
+            s.waiting_uncached_tokens = self.waiting.iter().map(|w| w.uncached).sum();
+            s.waiting_tokens = self.waiting.iter().map(|w| w.req.prompt.len()).sum();
             s.used_tokens = self.cache.protected_size() + generated;
             s.cache_tokens = self.cache.total_size();
             s.evictable_tokens = self.cache.evictable_size();

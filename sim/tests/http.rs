@@ -604,3 +604,151 @@ async fn multi_turn_chat_hits_through_previous_answer() {
         Some(p1 + 11)
     );
 }
+
+const LOAD_CORE_FIELDS: [&str; 12] = [
+    "dp_rank",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_uncached_tokens",
+    "num_used_tokens",
+    "num_total_tokens",
+    "max_total_num_tokens",
+    "max_running_requests",
+    "token_usage",
+    "gen_throughput",
+    "cache_hit_rate",
+    "utilization",
+];
+
+/// The single rank of `/v1/loads`, after checking SGLang's envelope.
+async fn load_rank(a: SocketAddr) -> Value {
+    let r = get(a, "/v1/loads").await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_worker(&r);
+    let v = r.json();
+    let ts = v["timestamp"].as_str().expect("ISO-8601 timestamp");
+    assert!(ts.ends_with("+00:00") && ts.len() == 32, "{ts}");
+    assert!(v["version"].is_string());
+    assert!(v.get("aggregate").is_none(), "no server-side aggregate");
+    let loads = v["loads"].as_array().expect("loads");
+    assert_eq!(loads.len(), 1, "{v}");
+    let l = loads[0].clone();
+    for k in LOAD_CORE_FIELDS {
+        assert!(l[k].is_number(), "{k}: {l}");
+    }
+    assert!(l["timestamp"].as_f64().unwrap() > 1.6e9, "{l}");
+    l
+}
+
+#[tokio::test]
+async fn v1_loads_reports_sglang_shape_and_queue() {
+    let cfg = Config {
+        time_scale: 1.0,
+        max_running_requests: 1,
+        max_total_tokens: 50_000,
+        ..fast()
+    };
+    let (a, _) = start(cfg).await;
+    let l = load_rank(a).await;
+    assert_eq!(l["dp_rank"], 0);
+    assert_eq!(l["num_running_reqs"], 0);
+    assert_eq!(l["num_waiting_reqs"], 0);
+    assert_eq!(l["num_waiting_uncached_tokens"], 0);
+    assert_eq!(l["max_total_num_tokens"], 50_000);
+    assert_eq!(l["max_running_requests"], 1);
+    assert_eq!(l["queues"]["waiting"], 0);
+
+    // cache prompt A (400 chars = BOS + 100 tokens)
+    let a_prompt = "a".repeat(400);
+    let r = post(
+        a,
+        "/v1/completions",
+        json!({"prompt": a_prompt, "max_tokens": 2, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    // B runs (slow), then C (uncached) and A (cached) wait behind it
+    let b = tokio::spawn(post(
+        a,
+        "/v1/completions",
+        json!({"prompt": "b".repeat(400), "max_tokens": 60, "ignore_eos": true}),
+    ));
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let mut hs = vec![b];
+    for p in ["c".repeat(400), a_prompt.clone()] {
+        hs.push(tokio::spawn(post(
+            a,
+            "/v1/completions",
+            json!({"prompt": p, "max_tokens": 2, "ignore_eos": true}),
+        )));
+    }
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let l = load_rank(a).await;
+    assert_eq!(l["num_running_reqs"], 1, "{l}");
+    assert_eq!(l["num_waiting_reqs"], 2, "{l}");
+    assert_eq!(l["queues"]["waiting"], 2, "{l}");
+    // C: 100 uncached tokens (BOS is cached); A: fully cached
+    assert_eq!(l["num_waiting_uncached_tokens"], 100, "{l}");
+    let used = l["num_used_tokens"].as_u64().unwrap();
+    assert!(used >= 101, "B's prompt is locked: {l}");
+    assert_eq!(
+        l["num_total_tokens"].as_u64().unwrap(),
+        used + 2 * 101,
+        "{l}"
+    );
+    assert!(l["token_usage"].as_f64().unwrap() > 0.0, "{l}");
+    assert!(
+        l["utilization"].as_f64().unwrap() >= 1.0,
+        "1 of 1 slots: {l}"
+    );
+    // API-router pollers' variants
+    let r = get(a, "/v1/loads?include=core").await;
+    let v = r.json();
+    assert_eq!(v["loads"][0]["num_waiting_reqs"], 2);
+    assert!(v["loads"][0].get("queues").is_none(), "{v}");
+    let r = get(a, "/v1/loads?format=prometheus&include=core,queues").await;
+    assert_eq!(r.status, 200);
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
+    assert!(
+        r.body.contains(
+            "# TYPE sglang_num_waiting_reqs gauge\nsglang_num_waiting_reqs{dp_rank=\"0\"} 2\n"
+        ),
+        "{}",
+        r.body
+    );
+    assert!(
+        r.body.contains("sglang_queues_waiting{dp_rank=\"0\"} 2\n"),
+        "{}",
+        r.body
+    );
+    assert!(r
+        .body
+        .contains("sglang_num_waiting_uncached_tokens{dp_rank=\"0\"} 100\n"));
+    for h in hs {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let l = load_rank(a).await;
+    assert_eq!(l["num_running_reqs"], 0, "{l}");
+    assert_eq!(l["num_waiting_reqs"], 0, "{l}");
+    assert_eq!(l["num_waiting_uncached_tokens"], 0, "{l}");
+}
+
+#[tokio::test]
+async fn v1_loads_query_errors_and_ranks() {
+    let (a, _) = start(fast()).await;
+    let v = get(a, "/v1/loads?dp_rank=0").await.json();
+    assert_eq!(v["loads"].as_array().unwrap().len(), 1);
+    let v = get(a, "/v1/loads?dp_rank=3").await.json();
+    assert_eq!(v["loads"], json!([]), "out-of-range rank: empty, as SGLang");
+    let r = get(a, "/v1/loads?dp_rank=x").await;
+    assert_eq!(r.status, 422);
+    let r = get(a, "/v1/loads?include=core%2Cbogus").await;
+    assert_eq!(r.status, 400);
+    let d = r.json()["detail"].as_str().unwrap().to_string();
+    assert!(d.starts_with("Invalid include sections: {'bogus'}"), "{d}");
+    let r = call(a, "POST", "/v1/loads", None, "").await;
+    assert_eq!(r.status, 405);
+}
