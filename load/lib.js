@@ -7,10 +7,11 @@
 // (`res.timings.duration`, whole stream), `tpot` ((e2e - ttft) / (completion tokens - 1)),
 // `errors` (non-200 or a stream without `[DONE]`), `ok` (rate), `out_tokens` (counter).
 //
-// Common env: TARGET (http://127.0.0.1:10000) or TARGETS (comma-separated: VU n uses target
-// (n-1) mod len, so two targets each get half the VUs), MODEL or MODELS (comma-separated), SEED,
-// CONCURRENCY, OUT_TOKENS, SUMMARY (path of the JSON summary), MAX_DURATION, and optional extra
-// thresholds TTFT_P99_MS / E2E_P99_MS.
+// Common env: TARGET (http://127.0.0.1:10000) or TARGETS (comma-separated router replicas: each
+// request goes to a random one, or with PIN=1 every request of a conversation / prompt group goes to
+// the replica its id hashes to), MODEL or MODELS (comma-separated), SEED, CONCURRENCY, OUT_TOKENS,
+// SUMMARY (path of the JSON summary), MAX_DURATION, and optional extra thresholds TTFT_P99_MS /
+// E2E_P99_MS.
 import http from 'k6/http';
 import { check } from 'k6';
 import { Trend, Counter, Rate } from 'k6/metrics';
@@ -33,9 +34,29 @@ export const metrics = {
   outTokens: new Counter('out_tokens'),
 };
 
-/// The target of the current VU (clients split evenly over several router replicas).
-export function target() {
-  return TARGETS[(exec.vu.idInTest - 1) % TARGETS.length];
+export const PIN = ['1', 'true', 'yes'].includes(env('PIN', '0').toLowerCase());
+
+/// FNV-1a (32 bit) of a string: the replica a pinned key goes to.
+export function fnv1a(str) {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < str.length; i++) {
+    h ^= str.charCodeAt(i);
+    h = Math.imul(h, 0x01000193) >>> 0;
+  }
+  return h >>> 0;
+}
+
+let pickRng = null; // per VU, seeded: the same VU makes the same random picks in every run
+
+/// The router replica for one request. One target: that one. Several: with PIN and a `key` (the
+/// conversation or prompt group id), the replica the key hashes to, so all its requests meet the
+/// same replica; otherwise a uniformly random replica per request (a load balancer spraying
+/// requests over the replicas, as an L4 balancer in front of a gateway fleet does).
+export function target(key) {
+  if (TARGETS.length === 1) return TARGETS[0];
+  if (PIN && key !== undefined && key !== null) return TARGETS[fnv1a(String(key)) % TARGETS.length];
+  if (pickRng === null) pickRng = rng(envInt('SEED', 1) * 7777 + exec.vu.idInTest);
+  return TARGETS[Math.floor(pickRng() * TARGETS.length)];
 }
 
 /// Thresholds every scenario carries, plus optional latency ones from the environment.
@@ -130,8 +151,9 @@ export function parseStream(body) {
 }
 
 /// One streaming chat request; records ttft/e2e/tpot/errors. Returns the assistant's answer
-/// (as streamed by the server) or null on error.
-export function chat(model, messages, outTokens, url) {
+/// (as streamed by the server) or null on error. `key`: the conversation / prompt group id that
+/// PIN=1 keeps on one router replica (see target()).
+export function chat(model, messages, outTokens, key) {
   const body = JSON.stringify({
     model,
     messages,
@@ -140,7 +162,7 @@ export function chat(model, messages, outTokens, url) {
     stream: true,
     stream_options: { include_usage: true },
   });
-  const res = http.post(`${url || target()}/v1/chat/completions`, body, {
+  const res = http.post(`${target(key)}/v1/chat/completions`, body, {
     // x-model lets a body-blind router (Envoy-native load balancing) route several models by header.
     headers: { 'content-type': 'application/json', 'x-model': model },
     timeout: '600s',
@@ -171,6 +193,7 @@ export function summarize(scenario, params, data) {
     scenario,
     params,
     targets: TARGETS.length,
+    pin: PIN,
     requests: m('http_reqs').count || 0,
     rps: m('http_reqs').rate || 0,
     errors: m('errors').count || 0,
@@ -252,7 +275,7 @@ export function groupWorkload(scenario, defaults) {
       chat(MODELS[g % MODELS.length], [
         { role: 'system', content: system(g) },
         { role: 'user', content: question },
-      ], p.OUT_TOKENS);
+      ], p.OUT_TOKENS, `group-${g}`);
     },
     handleSummary(data) {
       return summarize(scenario, p, data);

@@ -44,7 +44,7 @@ export default function () {
   const messages = [{ role: 'system', content: systems[id % p.APPS] }];
   for (let t = 0; t < p.TURNS; t++) {
     messages.push({ role: 'user', content: `User ${user} conversation ${conv} turn ${t}: ` + text(r, p.Q_TOKENS) });
-    const answer = chat(MODELS[id % MODELS.length], messages, p.OUT_TOKENS);
+    const answer = chat(MODELS[id % MODELS.length], messages, p.OUT_TOKENS, `conv-${id}`);
     if (answer === null) return; // the conversation cannot go on without the answer
     messages.push({ role: 'assistant', content: answer });
   }
