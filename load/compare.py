@@ -1,30 +1,46 @@
 """Side-by-side comparison of routers on one k6 scenario (run it through `load/compare`).
 
-For each router: a fresh fleet of 8 `sglang-sim` workers (KV capacity per scenario below, chosen so
-that one worker cannot hold every prefix of the scenario but the fleet can), the router in front of
-them, one k6 run of `load/<scenario>.js` (per-request samples with `--out csv`), then the workers'
-`/metrics`. Writes `load/results/<scenario>.md` (table + parameters) and two PNGs (TTFT CDF per
-router, requests per worker), plus the raw rows as `<scenario>.json` (git-ignored).
+For each router: a fresh fleet of `sglang-sim` workers (8, or 16 for `agentic`; KV capacity per
+scenario below, chosen so that one worker cannot hold every prefix of the scenario but the fleet
+can), the router in front of them, one k6 run of `load/<scenario>.js` (per-request samples with
+`--out csv`), then the workers' `/metrics`. Writes `load/results/<scenario>.md` (table +
+parameters; `<scenario>-<N>replicas[-pin].md` with --replicas N > 1 / --pin) and two PNGs (TTFT
+CDF per router, requests per worker), plus the raw rows as `<scenario>*.json` (git-ignored).
 
-Routers:
+Routers (--replicas N: N separate router processes, each a full router of the whole fleet; k6
+sends every request to a random replica, or with --pin every request of a conversation / prompt
+group to the replica its id hashes to):
   round_robin, least_request   Envoy-native load balancing: one cluster with every worker as an
-                               endpoint, a plain `cluster:` route, no Wasm (load/envoy-lb.yaml)
+                               endpoint, a plain `cluster:` route, no Wasm (load/envoy-lb.yaml);
+                               always ONE Envoy (2 threads), whatever --replicas says
   smg_cache_aware, smg_power_of_two
-                               `smg launch --policy ...` (smg==1.13.0 in .venv-smg), defaults
+                               `smg launch --policy ...` (smg==1.13.0 in .venv-smg), defaults;
+                               N smg processes, each with the full worker list
   prefix_router_1t, prefix_router_2t
-                               Envoy (1 or 2 worker threads) + the prefix-router filter, config
-                               rendered from envoy/envoy.yaml
-  prefix_router_2replicas      two separate Envoy processes (1 thread each) + filter; k6 VUs split
-                               evenly between them (each replica has its own index and load view)
+                               N Envoy processes (1 or 2 worker threads each) + the prefix-router
+                               filter, configs from envoy/gen (loopback listeners, no rate limit, no
+                               stats listener; --policy merged into the plugin JSON). When envoy/gen
+                               has --peers, N > 1 replicas are one fleet: each gets --peers = every
+                               replica's peer listener, its own --peer-listen and a shared
+                               --peer-secret (and gen's default --load-poll-ms)
+  prefix_router_standalone     N Envoy processes (2 threads) + filter, without --peers and with
+                               --load-poll-ms 0 where gen has it: every replica routes on its own
+                               index and load view only (the scale-out features off)
+
+Environment: PREFIX_ROUTER_WASM=path runs that filter build (load/compare then builds no filter),
+SGLANG_SIM_BIN=path that simulator, ENVOY_GEN=path that config generator (e.g. an older envoy/gen
+whose output an older filter build accepts).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import string
@@ -39,11 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runner import REPO, Fleet, log, run_k6  # noqa: E402
 
-from tests.integration.harness import DEMO_CONFIG, Envoy, free_port, render_config, wasm_path  # noqa: E402
+from tests.integration.harness import _PLUGIN_BLOCK, Envoy, free_port, wasm_path  # noqa: E402
 
 LOAD = REPO / "load"
+GEN = Path(os.environ.get("ENVOY_GEN", REPO / "envoy" / "gen"))
 SMG = REPO / ".venv-smg" / "bin" / "smg"
-WORKERS = 8
+WORKERS = 8  # per scenario: len(SCENARIOS[s]["models"])
 
 # --------------------------------------------------------------------------------------------
 # Scenarios: k6 script, env (full and --quick), simulator flags, model per worker.
@@ -94,6 +111,22 @@ SCENARIOS = {
         "kv": 98304, "kv_quick": 40960,
         "sim": ["--context-length", "65536"], "models": ["llama"] * WORKERS,
     },
+    "agentic": {
+        "script": "agentic.js",
+        "env": dict(CONVERSATIONS=40, MAX_TURNS=12, REQUESTS=360, ZIPF_S=1.0, SYS_TOKENS=3000, TASK_TOKENS=200,
+                    TOOL_TOKENS=256, OUT_TOKENS=128, CONCURRENCY=16),
+        "quick": dict(CONVERSATIONS=12, MAX_TURNS=4, REQUESTS=36, ZIPF_S=1.0, SYS_TOKENS=1000, TASK_TOKENS=50,
+                      TOOL_TOKENS=64, OUT_TOKENS=16, CONCURRENCY=8),
+        # 16 workers. One shared 3k-token system prompt; a conversation's own part grows by
+        # 128 + 256 = 384 tokens a turn to 200 + 12 x 384 = ~4.8k tokens (its last prompt ~7.6k with
+        # the system prompt). 360 turns over 40 conversations (Zipf: the 16 hottest reach 12
+        # turns) = ~3k + 40 x 200 + 360 x 384 = ~150k tokens of histories. One worker (16k) holds
+        # the system prompt + ~3 full conversations; the fleet (262k) holds all 40, ~2.5 per
+        # worker, only if each conversation stays on one worker. Quick: 12 conversations x <= 4
+        # turns of 16 + 64 tokens on a 1k system prompt (~2.5k tokens) vs 2k per worker.
+        "kv": 16384, "kv_quick": 2048,
+        "sim": ["--context-length", "16384"], "models": ["llama"] * 16,
+    },
 }
 
 ROUTERS = [
@@ -103,7 +136,7 @@ ROUTERS = [
     "smg_power_of_two",
     "prefix_router_1t",
     "prefix_router_2t",
-    "prefix_router_2replicas",
+    "prefix_router_standalone",
 ]
 LABELS = {
     "round_robin": "Envoy round_robin",
@@ -112,8 +145,10 @@ LABELS = {
     "smg_power_of_two": "smg power_of_two",
     "prefix_router_1t": "prefix-router (1 thread)",
     "prefix_router_2t": "prefix-router (2 threads)",
-    "prefix_router_2replicas": "prefix-router (2 replicas)",
+    "prefix_router_standalone": "prefix-router standalone (2 threads, no peers, no load poll)",
 }
+# Routers that run one process whatever --replicas says.
+SINGLE = ("round_robin", "least_request")
 
 # --------------------------------------------------------------------------------------------
 # Routers
@@ -172,32 +207,59 @@ def envoy_lb_config(fleet: Fleet, lb_policy: str, listener: int, admin: int) -> 
     )
 
 
-def prefix_router_config(fleet: Fleet, policy: dict, listener: int, admin: int) -> str:
-    """envoy/envoy.yaml with one cluster per worker (w0..w7) and the fleet's models."""
-    template = DEMO_CONFIG.read_text()
-    head, sep, _ = template.partition("\n  clusters:\n")
-    assert sep, "envoy/envoy.yaml: clusters section not found"
-    clusters = "\n".join(_cluster_yaml(n, [30000 + i]) for i, n in enumerate(fleet.names))
-    template = head + sep + clusters + "\n"
+def gen_flags() -> set[str]:
+    """The scale-out flags this checkout's envoy/gen knows (its --help)."""
+    out = subprocess.run([sys.executable, str(GEN), "--help"], capture_output=True, text=True, timeout=30).stdout
+    return {f for f in ("--peers", "--peer-listen", "--peer-secret", "--load-poll-ms") if f in out}
+
+
+def merge_plugin_config(text: str, overrides: dict) -> str:
+    """Merges `overrides` into every prefix-router plugin JSON of a config (the StringValue blocks
+    whose JSON has `models`: the client listener's, and the peer listener's where there is one);
+    envoy/gen has no option for policy overrides."""
+    out, pos, found = [], 0, 0
+    for m in _PLUGIN_BLOCK.finditer(text):
+        try:
+            cfg = json.loads(m.group("body"))
+        except ValueError:
+            continue
+        if not isinstance(cfg, dict) or "models" not in cfg:
+            continue
+        cfg = _merge(cfg, overrides)
+        ind = m.group("indent") + "  "
+        out += [text[pos: m.start("body")], "".join(ind + line + "\n" for line in json.dumps(cfg, indent=2).splitlines())]
+        pos = m.end("body")
+        found += 1
+    if not found:
+        raise RuntimeError("envoy/gen output: prefix-router plugin configuration not found")
+    return "".join(out) + text[pos:]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def prefix_router_config(fleet: Fleet, policy: dict, listener: int, admin: int, extra: list[str]) -> str:
+    """envoy/gen output for the fleet (one cluster per worker, its models), loopback listeners."""
     groups = _by_model(fleet)
-    models_json = json.dumps({m: {"workers": ws} for m, ws in groups.items()})
-    old_models = '"llama": { "workers": ["w0", "w1", "w2", "w3"] }'
-    assert template.count(old_models) == 1, "envoy/envoy.yaml: plugin models line changed"
-    template = template.replace(old_models, models_json[1:-1])
-    template = template.replace('"default_model": "llama"', f'"default_model": "{next(iter(groups))}"', 1)
-    text, _ = render_config(
-        template,
-        listener_port=listener,
-        admin_port=admin,
-        worker_ports=fleet.ports,
-        wasm=wasm_path(),
-        plugin_overrides={"policy": policy},
-    )
-    return text
+    args = [sys.executable, str(GEN)]
+    for model, names in groups.items():
+        args += ["--model", model + "=" + ",".join(f"127.0.0.1:{fleet.ports[n]}" for n in names)]
+    args += ["--default-model", next(iter(groups)), "--listen", f"127.0.0.1:{listener}",
+             "--admin", f"127.0.0.1:{admin}", "--stats-listen", "none", "--rate-limit", "0",
+             "--wasm", str(wasm_path()), *extra]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"envoy/gen failed ({r.returncode}): {r.stderr.strip()}\n  {' '.join(args)}")
+    return merge_plugin_config(r.stdout, {"policy": policy}) if policy else r.stdout
 
 
 class Smg:
     def __init__(self, fleet: Fleet, policy: str, workdir: Path):
+        workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.fleet = fleet
         self.policy = policy
@@ -244,37 +306,60 @@ class Smg:
                 self.proc.wait()
 
 
-def start_router(router: str, fleet: Fleet, policy: dict, workdir: Path) -> tuple[list, list[str]]:
-    """Starts the router; returns (processes to stop, target URLs)."""
-    if router in ("round_robin", "least_request"):
-        listener, admin = free_port(), free_port()
-        cfg = envoy_lb_config(fleet, router.upper(), listener, admin)
-        e = Envoy(cfg, listener_port=listener, admin_port=admin, workdir=workdir, concurrency=2)
-        e.start()
-        return [e], [e.base_url]
-    if router.startswith("smg_"):
-        ensure_smg()
-        s = Smg(fleet, router[len("smg_"):], workdir)
-        s.start()
-        return [s], [s.base_url]
-    if router.startswith("prefix_router_"):
-        replicas, threads = (2, 1) if router.endswith("2replicas") else (1, int(router[-2]))
-        procs, urls = [], []
-        try:
+def start_router(router: str, fleet: Fleet, policy: dict, workdir: Path, replicas: int = 1) -> tuple[list, list[str], str]:
+    """Starts the router (`replicas` processes where the router scales out); returns (processes to
+    stop, target URLs, a note on how the replicas were configured)."""
+    procs: list = []
+    try:
+        if router in SINGLE:
+            listener, admin = free_port(), free_port()
+            cfg = envoy_lb_config(fleet, router.upper(), listener, admin)
+            e = Envoy(cfg, listener_port=listener, admin_port=admin, workdir=workdir, concurrency=2)
+            e.start()
+            return [e], [e.base_url], "one Envoy (2 threads)"
+        if router.startswith("smg_"):
+            ensure_smg()
+            for k in range(replicas):
+                s = Smg(fleet, router[len("smg_"):], workdir / f"smg{k}")
+                procs.append(s)
+                s.start()
+            return procs, [p.base_url for p in procs], f"{replicas} smg process(es), each with every worker"
+        if router.startswith("prefix_router_"):
+            threads = 1 if router == "prefix_router_1t" else 2
+            flags = gen_flags()
+            per_replica: list[list[str]] = [[] for _ in range(replicas)]
+            if router == "prefix_router_standalone":
+                note = "no --peers"
+                if "--load-poll-ms" in flags:
+                    for extra in per_replica:
+                        extra += ["--load-poll-ms", "0"]
+                    note += ", --load-poll-ms 0"
+                else:
+                    note += " (envoy/gen has no --load-poll-ms)"
+            elif replicas > 1 and {"--peers", "--peer-listen", "--peer-secret"} <= flags:
+                ports = [free_port() for _ in range(replicas)]
+                peers = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+                secret = secrets.token_hex(16)
+                for extra, port in zip(per_replica, ports):
+                    extra += ["--peers", peers, "--peer-listen", f"127.0.0.1:{port}", "--peer-secret", secret]
+                note = "--peers (every replica's peer listener), own --peer-listen, shared --peer-secret"
+            elif replicas > 1:
+                note = "no --peers (envoy/gen has none yet): independent replicas"
+            else:
+                note = "one replica"
             for k in range(replicas):
                 listener, admin = free_port(), free_port()
                 d = workdir / f"envoy{k}"
                 d.mkdir()
-                e = Envoy(prefix_router_config(fleet, policy, listener, admin), listener_port=listener,
-                          admin_port=admin, workdir=d, concurrency=threads)
-                e.start()
+                e = Envoy(prefix_router_config(fleet, policy, listener, admin, per_replica[k]),
+                          listener_port=listener, admin_port=admin, workdir=d, concurrency=threads)
                 procs.append(e)
-                urls.append(e.base_url)
-        except Exception:
-            for p in procs:
-                p.stop()
-            raise
-        return procs, urls
+                e.start()
+            return procs, [e.base_url for e in procs], f"{replicas} Envoy process(es), {threads} threads each, {note}"
+    except Exception:
+        for p in procs:
+            p.stop()
+        raise
     raise SystemExit(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
 
 
@@ -302,21 +387,45 @@ def k6_samples(path: Path, metric: str) -> list[float]:
     return out
 
 
-def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: dict) -> dict:
+def k6_requests_per_target(path: Path, urls: list[str]) -> list[int]:
+    """http_reqs samples per router replica (by the request URL's scheme://host:port)."""
+    counts = dict.fromkeys(urls, 0)
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("metric_name") != "http_reqs":
+                continue
+            m = re.match(r"^(https?://[^/]+)", row.get("url", ""))
+            if m and m.group(1) in counts:
+                counts[m.group(1)] += int(float(row["metric_value"]))
+    return [counts[u] for u in urls]
+
+
+def router_label(router: str, replicas: int, pin: bool) -> str:
     label = LABELS.get(router, router)
+    if router in SINGLE or replicas == 1:
+        return label
+    return f"{label} x{replicas} replicas" + (" (pinned)" if pin else "")
+
+
+def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: dict, replicas: int = 1,
+            pin: bool = False) -> dict:
+    label = router_label(router, replicas, pin)
+    workers = len(scen["models"])
     workdir = Path(tempfile.mkdtemp(prefix=f"compare-{router}-"))
-    fleet = Fleet(WORKERS, sim_args, scen["models"], workdir)
+    fleet = Fleet(workers, sim_args, scen["models"], workdir)
     procs = []
     try:
         fleet.start()
-        procs, urls = start_router(router, fleet, policy, workdir)
-        log(f"{label}: 8 workers up, router at {', '.join(urls)}; k6 {scen['script']} running")
+        procs, urls, how = start_router(router, fleet, policy, workdir, replicas)
+        log(f"{label}: {workers} workers up, router at {', '.join(urls)} ({how}); k6 {scen['script']} running")
+        env = dict(k6_env, TARGETS=",".join(urls), PIN="1" if pin else "0")
         t0 = time.monotonic()
-        summary = run_k6(LOAD / scen["script"], dict(k6_env, TARGETS=",".join(urls)), workdir / "summary.json",
+        summary = run_k6(LOAD / scen["script"], env, workdir / "summary.json",
                          workdir, extra_args=["--out", f"csv={workdir / 'samples.csv'}"])
         wall = time.monotonic() - t0
         m = fleet.metrics()
         ttfts = k6_samples(workdir / "samples.csv", "ttft")
+        per_target = k6_requests_per_target(workdir / "samples.csv", urls)
     finally:
         for p in procs:
             p.stop()
@@ -342,6 +451,11 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
         "worker_requests": reqs,
         "worker_prompt_tokens": [m[n].get("sglang:prompt_tokens_total", 0) for n in fleet.names],
         "max_over_mean": (max(reqs) / mean) if mean else 0.0,
+        "workers_used": sum(1 for x in reqs if x > 0),
+        "replicas": len(urls),
+        "replica_requests": per_target,
+        "replica_mode": "one" if len(urls) == 1 else ("pinned" if pin else "random"),
+        "router_setup": how,
         "k6_exit": summary.get("k6_exit"),
         "thresholds_ok": summary.get("thresholds_ok"),
         "wall_s": wall,
@@ -352,7 +466,8 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
     t = row["ttft"]
     log(f"{label}: {row['requests']} requests in {wall:.0f}s, errors {row['errors']}, hit rate "
         f"{row['hit_rate']:.1%}, TTFT p50/p99 {t.get('med', 0):.0f}/{t.get('p(99)', 0):.0f} ms, "
-        f"max/mean load {row['max_over_mean']:.2f}")
+        f"max/mean load {row['max_over_mean']:.2f}, workers used {row['workers_used']}/{workers}, "
+        f"requests per replica {'/'.join(map(str, per_target))}")
     return row
 
 
@@ -362,23 +477,27 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| router | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | E2E p99 | req/s | out tok/s "
-            "| errors | max/mean load | requests per worker |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| router | replicas | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | E2E p50 | E2E p99 | req/s | out tok/s "
+            "| errors | workers used | max/mean load | requests per worker |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         t, e = r["ttft"], r["e2e"]
-        mean = sum(r["worker_requests"]) / len(r["worker_requests"])
+        reqs = r["worker_requests"]
+        mean = sum(reqs) / len(reqs)
+        n = r.get("replicas", 1)
+        replicas = str(n) if n == 1 else f"{n} {r.get('replica_mode', '')} ({' / '.join(map(str, r.get('replica_requests', [])))})"
         lines.append(
-            f"| {r['label']} | {r['hit_rate']:.1%} | {t.get('med', 0):.0f} ms | {t.get('p(90)', 0):.0f} ms "
+            f"| {r['label']} | {replicas} | {r['hit_rate']:.1%} | {t.get('med', 0):.0f} ms | {t.get('p(90)', 0):.0f} ms "
             f"| {t.get('p(99)', 0):.0f} ms | {e.get('med', 0):.0f} ms | {e.get('p(99)', 0):.0f} ms "
             f"| {r['rps']:.1f} | {r['out_tokens_per_s']:.0f} | {r['errors']} "
-            f"| {r['max_over_mean']:.2f} (max {max(r['worker_requests']):.0f}, mean {mean:.0f}) "
-            f"| {' / '.join(str(int(x)) for x in r['worker_requests'])} |"
+            f"| {r.get('workers_used', sum(1 for x in reqs if x > 0))}/{len(reqs)} "
+            f"| {r['max_over_mean']:.2f} (max {max(reqs):.0f}, mean {mean:.1f}) "
+            f"| {' / '.join(str(int(x)) for x in reqs)} |"
         )
     return "\n".join(lines)
 
 
-def plots(rows: list[dict], scenario: str, outdir: Path) -> list[str]:
+def plots(rows: list[dict], scenario: str, stem: str, outdir: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -395,11 +514,12 @@ def plots(rows: list[dict], scenario: str, outdir: Path) -> list[str]:
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, log scale)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"{scenario}: TTFT CDF (8 simulated workers)")
+    workers = len(rows[0]["worker_requests"]) if rows else WORKERS
+    ax.set_title(f"{stem}: TTFT CDF ({workers} simulated workers)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p = outdir / f"{scenario}-ttft-cdf.png"
+    p = outdir / f"{stem}-ttft-cdf.png"
     fig.savefig(p, dpi=90)
     plt.close(fig)
     names.append(p.name)
@@ -410,13 +530,13 @@ def plots(rows: list[dict], scenario: str, outdir: Path) -> list[str]:
     for k, r in enumerate(rows):
         reqs = r["worker_requests"]
         ax.bar([i + k * width - 0.4 + width / 2 for i in range(len(reqs))], reqs, width, label=r["label"])
-    ax.set_xticks(range(WORKERS))
-    ax.set_xticklabels([f"w{i}" for i in range(WORKERS)])
+    ax.set_xticks(range(workers))
+    ax.set_xticklabels([f"w{i}" for i in range(workers)])
     ax.set_ylabel("requests served")
-    ax.set_title(f"{scenario}: requests per worker")
+    ax.set_title(f"{stem}: requests per worker")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    p = outdir / f"{scenario}-worker-load.png"
+    p = outdir / f"{stem}-worker-load.png"
     fig.savefig(p, dpi=90)
     plt.close(fig)
     names.append(p.name)
@@ -427,40 +547,63 @@ def git_rev() -> str:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
+    wasm = wasm_path()
+    digest = hashlib.sha256(wasm.read_bytes()).hexdigest()[:12]
+    if os.environ.get("PREFIX_ROUTER_WASM"):
+        return f"PREFIX_ROUTER_WASM={wasm} (sha256 {digest}), checkout at {git('rev-parse', '--short', 'HEAD')}"
     rev = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--", "filter", "Cargo.lock")
-    return rev + (" + uncommitted filter changes" if dirty else "")
+    return rev + (" + uncommitted filter changes" if dirty else "") + f" (wasm sha256 {digest})"
 
 
 def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_args: list[str], kv: int,
-                 policy: dict, command: str, outdir: Path, no_plots: bool) -> Path:
+                 policy: dict, command: str, outdir: Path, no_plots: bool, stem: str | None = None,
+                 replicas: int = 1, pin: bool = False) -> Path:
+    stem = stem or scenario
     outdir.mkdir(parents=True, exist_ok=True)
-    pngs = [] if no_plots else plots(rows, scenario, outdir)
+    pngs = [] if no_plots else plots(rows, scenario, stem, outdir)
+    flags = gen_flags()
+    if replicas > 1:
+        spread = ("k6 sends every request of a conversation / prompt group to the replica its id hashes to (--pin)"
+                  if pin else "k6 sends each request to a random replica")
+        replica_line = (f"Router replicas: {replicas} for smg and prefix-router (Envoy round_robin / least_request: one "
+                        f"Envoy); {spread}. envoy/gen scale-out flags: "
+                        f"{', '.join(sorted(flags)) if flags else 'none (replicas are independent)'}.")
+    else:
+        replica_line = "Router replicas: 1."
+    models = ", ".join(f"{m} x{scen['models'].count(m)}" for m in dict.fromkeys(scen["models"]))
     md = [
-        f"# {scenario}",
+        f"# {stem}",
         "",
         f"Command: `{command}`",
         "",
         f"Workload (`load/{scen['script']}`): " + ", ".join(f"{k}={v}" for k, v in k6_env.items()) + ".",
-        f"Fleet per router: {WORKERS} fresh `sglang-sim` workers (model per worker: {' '.join(scen['models'])}), "
+        f"Fleet per router: {len(scen['models'])} fresh `sglang-sim` workers (models: {models}), "
         f"`{' '.join(sim_args)}`: KV capacity {kv} tokens per worker.",
+        replica_line,
         f"prefix-router policy: `{json.dumps(policy)}` (on top of the filter defaults); "
-        f"filter built from commit {git_rev()}.",
+        f"filter built from commit {git_rev()}; configs from "
+        f"{'ENVOY_GEN=' + str(GEN) if os.environ.get('ENVOY_GEN') else 'envoy/gen'}.",
         "Measured on a shared 2-core machine (simulated workers, routers and k6 all on it): "
         "noisy, compare within one table only.",
         "",
         "Hit rate = sum of the workers' `sglang:cached_tokens_total` / `sglang:prompt_tokens_total`; "
-        "TTFT = k6 time to first byte of a streaming chat response; load = requests served per worker.",
+        "TTFT = k6 time to first byte of a streaming chat response; load = requests served per worker; "
+        "workers used = workers that served at least one request; replicas: how many router processes, "
+        "how k6 spread requests over them and how many each got.",
         "",
         table(rows),
         "",
     ]
+    for r in rows:
+        md.append(f"- {r['label']}: {r.get('router_setup', '')}")
+    md.append("")
     for p in pngs:
         md.append(f"![{p}]({p})")
-    path = outdir / f"{scenario}.md"
+    path = outdir / f"{stem}.md"
     path.write_text("\n".join(md) + "\n")
     raw = [{k: v for k, v in r.items() if k != "ttft_samples"} for r in rows]
-    (outdir / f"{scenario}.json").write_text(json.dumps(raw, indent=2))
+    (outdir / f"{stem}.json").write_text(json.dumps(raw, indent=2))
     return path
 
 
@@ -470,6 +613,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", default="shared_prefix", choices=sorted(SCENARIOS))
     ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS))
     ap.add_argument("--quick", action="store_true", help="smoke sizing (seconds per router)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="router processes per smg / prefix-router router (Envoy round_robin/least_request: always 1)")
+    ap.add_argument("--pin", action="store_true",
+                    help="with --replicas > 1: keep each conversation / prompt group on one replica (hash of its id) "
+                    "instead of a random replica per request")
     ap.add_argument("--policy", default="{}", help="prefix-router `policy` overrides as JSON, e.g. '{\"load_eps\": 0.5}'")
     ap.add_argument("--time-scale", type=float, default=None, help="sglang-sim --time-scale (default 1, quick 0.2)")
     ap.add_argument("--out", default=str(LOAD / "results"), help="output directory")
@@ -479,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     scen = SCENARIOS[args.scenario]
+    if args.replicas < 1:
+        ap.error("--replicas must be >= 1")
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     for r in routers:
         if r not in ROUTERS:
@@ -494,12 +644,14 @@ def main(argv: list[str] | None = None) -> int:
     sim_args = ["--max-total-tokens", str(kv), "--time-scale", str(ts), *scen["sim"]]
     command = "load/compare " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
                                          for a in (argv if argv is not None else sys.argv[1:]))
-    log(f"scenario {args.scenario}{' (quick)' if args.quick else ''}: routers {', '.join(routers)}")
+    stem = args.scenario + (f"-{args.replicas}replicas" if args.replicas > 1 else "") + ("-pin" if args.pin else "")
+    log(f"scenario {args.scenario}{' (quick)' if args.quick else ''}: routers {', '.join(routers)}"
+        f"{f', {args.replicas} replicas' if args.replicas > 1 else ''}{' (pinned)' if args.pin else ''}")
     rows = []
     for r in routers:
-        rows.append(run_one(r, scen, k6_env, sim_args, policy))
+        rows.append(run_one(r, scen, k6_env, sim_args, policy, args.replicas, args.pin))
     path = write_report(rows, args.scenario, scen, k6_env, sim_args, kv, policy, command, Path(args.out),
-                        args.no_plots)
+                        args.no_plots, stem, args.replicas, args.pin)
     print()
     print(table(rows))
     print(f"\nwrote {path}")
