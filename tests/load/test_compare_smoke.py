@@ -1,7 +1,8 @@
 """CI smoke of the router comparison: `load/compare --quick` on the shared-prefix scenario for
 Envoy round robin, prefix-router (2 threads) and smg cache_aware (installed into .venv-smg on
-first use, ~25 s). Seconds per router; the full comparison (all routers, full sizing) is not a CI
-step (README "Results" has its command)."""
+first use, ~25 s); then `--replicas 2` on the agentic scenario for prefix-router and smg (two
+router processes each, k6 spraying requests over both). Seconds per router; the full comparison
+(all routers, full sizing) is not a CI step (README "Results" has its command)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,34 @@ def test_compare_quick_produces_sane_results(repo_root, tmp_path):
     by = {r["router"]: r for r in rows}
     # Cache-aware routing reuses more prefix cache than round robin even at smoke sizing.
     assert by["prefix_router_2t"]["hit_rate"] > by["round_robin"]["hit_rate"]
+
+
+REPLICA_ROUTERS = ["prefix_router_2t", "smg_cache_aware"]
+
+
+def test_compare_quick_two_replicas_agentic(repo_root, tmp_path):
+    """`--replicas 2` on the agentic scenario (16 workers): two Envoy processes / two smg processes,
+    k6 spreading requests over both at random."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [str(repo_root / "load" / "compare"), "--quick", "--scenario", "agentic", "--replicas", "2",
+         "--routers", ",".join(REPLICA_ROUTERS), "--out", str(out), "--no-plots"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    sys.stdout.write(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    md = (out / "agentic-2replicas.md").read_text()
+    rows = json.loads((out / "agentic-2replicas.json").read_text())
+    assert [r["router"] for r in rows] == REPLICA_ROUTERS
+    for r in rows:
+        assert r["label"] in md and "x2 replicas" in r["label"], r["label"]
+        assert r["errors"] == 0 and r["k6_exit"] == 0, r
+        assert r["expected_requests"] and r["requests"] == r["expected_requests"], r
+        assert sum(r["worker_requests"]) == r["requests"], r
+        assert len(r["worker_requests"]) == 16 and 1 <= r["workers_used"] <= 16, r
+        # Two router processes, and k6 sent requests to both.
+        assert r["replicas"] == 2 and r["replica_mode"] == "random", r
+        assert len(r["replica_requests"]) == 2 and min(r["replica_requests"]) > 0, r
+        assert sum(r["replica_requests"]) == r["requests"], r
+        assert 0.0 <= r["hit_rate"] <= 1.0 and r["max_over_mean"] >= 1.0, r
