@@ -45,8 +45,21 @@ COMPOSE_ARGS = [
 ]
 
 
+# envoy/scale-out.yaml: the INGRESS_ARGS fleet behind 3 Envoy replicas that are each other's peers
+# (envoy/k8s/statefulset.yaml); the secret is a placeholder the pod's init container replaces.
+SCALE_OUT_ARGS = INGRESS_ARGS + [
+    "--peers",
+    ",".join(f"http://prefix-router-{i}.prefix-router-peers.llm.svc.cluster.local:15100" for i in range(3)),
+    "--peer-listen",
+    "0.0.0.0:15100",
+    "--peer-secret",
+    "__PREFIX_ROUTER_PEER_SECRET__",
+]
+
+
 @pytest.mark.parametrize(
-    "name,args", [("ingress.yaml", INGRESS_ARGS), ("compose.yaml", COMPOSE_ARGS)]
+    "name,args",
+    [("ingress.yaml", INGRESS_ARGS), ("compose.yaml", COMPOSE_ARGS), ("scale-out.yaml", SCALE_OUT_ARGS)],
 )
 def test_checked_in_config_is_generator_output(name, args):
     checked_in = (REPO / "envoy" / name).read_text()
@@ -96,6 +109,9 @@ def test_ingress_structure():
     assert plugin["default_model"] == "llama"
     assert "passthrough_cluster" not in plugin  # round robin over the default model's workers
     assert plugin["debug_header"] is None  # production default: no decision header to clients
+    assert plugin["load_poll"] == {"interval_ms": 100}  # --load-poll-ms default
+    assert "peers" not in plugin and "peer_listener" not in plugin  # standalone: no --peers
+    assert "    - name: peers\n" not in text and "prefix_router_peer_" not in text
 
 
 def plugin_config(text: str) -> dict:
@@ -117,7 +133,7 @@ def test_compose_config_plugin():
     assert plugin["debug_header"] == "x-prefix-router-decision"
 
 
-@pytest.mark.parametrize("name", ["ingress.yaml", "compose.yaml"])
+@pytest.mark.parametrize("name", ["ingress.yaml", "compose.yaml", "scale-out.yaml"])
 def test_checked_in_config_validates(name, tmp_path):
     text = (REPO / "envoy" / name).read_text()
     envoy_validate(with_local_wasm(text, CONTAINER_WASM), tmp_path, name)

@@ -9,11 +9,12 @@ import subprocess
 import pytest
 
 from .conftest import REPO
+from .test_ingress import plugin_config
 
 K8S = REPO / "envoy" / "k8s"
 PLUGIN_KEYS = {"models", "default_model", "unknown_model", "passthrough_cluster", "cluster_header",
                "debug_header", "text_block_bytes", "token_block_size", "max_prompt_blocks", "index",
-               "policy"}
+               "policy", "load_poll", "peers", "peer_listener"}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def check_plugin_config(cfg: dict) -> list[str]:
 
 
 def test_files_and_kinds(docs):
-    assert sorted(docs) == ["envoy-gateway.yaml", "istio-wasmplugin.yaml"]
+    assert sorted(docs) == ["envoy-gateway.yaml", "istio-wasmplugin.yaml", "statefulset.yaml"]
     assert [(d["apiVersion"], d["kind"]) for d in docs["istio-wasmplugin.yaml"]] == [
         ("extensions.istio.io/v1alpha1", "WasmPlugin"),
         ("networking.istio.io/v1alpha3", "EnvoyFilter"),
@@ -50,6 +51,12 @@ def test_files_and_kinds(docs):
     assert [(d["apiVersion"], d["kind"]) for d in docs["envoy-gateway.yaml"]] == [
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"),
+    ]
+    assert [(d["apiVersion"], d["kind"]) for d in docs["statefulset.yaml"]] == [
+        ("v1", "Service"),
+        ("v1", "Service"),
+        ("apps/v1", "StatefulSet"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
     ]
     for ds in docs.values():
         for d in ds:
@@ -107,6 +114,74 @@ def test_envoy_gateway(docs):
               if p["type"].endswith("RouteConfiguration")}
     assert routes["/virtual_hosts/0/routes/0/route/cluster_header"] == wasm["config"]["cluster_header"]
     assert routes["/virtual_hosts/0/routes/0/request_body_buffer_limit"] == 16 * 1024 * 1024
+
+
+def test_load_poll_in_gateway_examples(docs):
+    for cfg in (by_kind(docs, "istio-wasmplugin.yaml", "WasmPlugin")["spec"]["pluginConfig"],
+                by_kind(docs, "envoy-gateway.yaml", "EnvoyExtensionPolicy")["spec"]["wasm"][0]["config"]):
+        assert cfg["load_poll"] == {"interval_ms": 100}
+        assert "peers" not in cfg and "peer_listener" not in cfg
+
+
+def test_statefulset_matches_scale_out_config(docs):
+    """envoy/k8s/statefulset.yaml runs envoy/scale-out.yaml on N pods: the config's peers are
+    exactly the StatefulSet's pods through the headless service, on the pod's peer port."""
+    peers_svc, client_svc = [d for d in docs["statefulset.yaml"] if d["kind"] == "Service"]
+    sts = by_kind(docs, "statefulset.yaml", "StatefulSet")
+    ns, name, spec = sts["metadata"]["namespace"], sts["metadata"]["name"], sts["spec"]
+    assert peers_svc["metadata"]["name"] == spec["serviceName"] == "prefix-router-peers"
+    assert peers_svc["spec"]["clusterIP"] == "None" and peers_svc["spec"]["publishNotReadyAddresses"] is True
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"] == labels
+    assert peers_svc["spec"]["selector"] == labels == client_svc["spec"]["selector"]
+    pod = spec["template"]["spec"]
+    (envoy,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
+    assert ports == {"http": 10000, "metrics": 9902, "peers": 15100}
+    assert [(p["port"], p["targetPort"]) for p in peers_svc["spec"]["ports"]] == [(15100, "peers")]
+    assert {p["targetPort"] for p in client_svc["spec"]["ports"]} == {"http", "metrics"}
+    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
+    assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+
+    text = (REPO / "envoy" / "scale-out.yaml").read_text()
+    # listeners: client 10000, stats 9902, peers 15100 (what the container ports say)
+    for lname, port in (("ingress", 10000), ("stats", 9902), ("peers", 15100)):
+        assert re.search(rf"- name: {lname}\n\s+address:\n\s+socket_address: {{ address: 0\.0\.0\.0, "
+                         rf"port_value: {port} }}", text), lname
+    plugin = plugin_config(text)
+    check_plugin_config(plugin)
+    replicas = spec["replicas"]
+    assert plugin["peers"]["clusters"] == [f"prefix_router_peer_{i}" for i in range(replicas)]
+    for i in range(replicas):
+        cluster = text.split(f"    - name: prefix_router_peer_{i}\n", 1)[1].split("\n    - name: ", 1)[0]
+        assert "type: STRICT_DNS" in cluster
+        host = f"{name}-{i}.{spec['serviceName']}.{ns}.svc.cluster.local"
+        assert f'socket_address: {{ address: "{host}", port_value: 15100 }}' in cluster, cluster
+    # secret: a placeholder in the ConfigMap, replaced from the Secret by the init container
+    placeholder = plugin["peers"]["secret"]
+    assert placeholder == "__PREFIX_ROUTER_PEER_SECRET__"
+    (init,) = pod["initContainers"]
+    script = init["command"][-1]
+    assert f"gsub(/{placeholder}/, s)" in script
+    assert "/secret/secret /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
+    assert "cp /wasm/prefix_router.wasm /etc/prefix-router/prefix_router.wasm" in script
+    assert "filename: /etc/prefix-router/prefix_router.wasm" in text
+    assert envoy["args"][:2] == ["-c", "/etc/prefix-router/envoy.yaml"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["peer-secret"]["secret"]["secretName"] == "prefix-router-peer-secret"
+    assert vols["config"]["configMap"]["name"] == "prefix-router-envoy"
+    assert vols["run"]["emptyDir"]["medium"] == "Memory"
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert mounts == {"config": "/config", "peer-secret": "/secret", "run": "/etc/prefix-router"}
+    assert {m["name"]: m["mountPath"] for m in envoy["volumeMounts"]} == {"run": "/etc/prefix-router"}
+    header = (REPO / "envoy" / "k8s" / "statefulset.yaml").read_text()
+    assert "--from-file=envoy.yaml=envoy/scale-out.yaml" in header
+    assert "create secret generic prefix-router-peer-secret --from-literal=secret=" in header
+    # the peer port is open to prefix-router pods only
+    netpol = by_kind(docs, "statefulset.yaml", "NetworkPolicy")["spec"]
+    assert netpol["podSelector"]["matchLabels"] == labels
+    peer_rule = [r for r in netpol["ingress"] if {"port": 15100} in r["ports"]]
+    assert peer_rule == [{"from": [{"podSelector": {"matchLabels": labels}}], "ports": [{"port": 15100}]}]
 
 
 def test_readme_publishing_steps():
