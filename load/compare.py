@@ -550,10 +550,10 @@ def git_rev() -> str:
     wasm = wasm_path()
     digest = hashlib.sha256(wasm.read_bytes()).hexdigest()[:12]
     if os.environ.get("PREFIX_ROUTER_WASM"):
-        return f"PREFIX_ROUTER_WASM={wasm} (sha256 {digest}), checkout at {git('rev-parse', '--short', 'HEAD')}"
+        return f"the build PREFIX_ROUTER_WASM names (sha256 {digest}; checkout at {git('rev-parse', '--short', 'HEAD')})"
     rev = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--", "filter", "Cargo.lock")
-    return rev + (" + uncommitted filter changes" if dirty else "") + f" (wasm sha256 {digest})"
+    return "built from commit " + rev + (" + uncommitted filter changes" if dirty else "") + f" (wasm sha256 {digest})"
 
 
 def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_args: list[str], kv: int,
@@ -582,7 +582,7 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         f"`{' '.join(sim_args)}`: KV capacity {kv} tokens per worker.",
         replica_line,
         f"prefix-router policy: `{json.dumps(policy)}` (on top of the filter defaults); "
-        f"filter built from commit {git_rev()}; configs from "
+        f"filter: {git_rev()}; configs from "
         f"{'ENVOY_GEN=' + str(GEN) if os.environ.get('ENVOY_GEN') else 'envoy/gen'}.",
         "Measured on a shared 2-core machine (simulated workers, routers and k6 all on it): "
         "noisy, compare within one table only.",
@@ -642,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     kv = scen["kv_quick"] if args.quick else scen["kv"]
     ts = args.time_scale if args.time_scale is not None else (0.2 if args.quick else 1.0)
     sim_args = ["--max-total-tokens", str(kv), "--time-scale", str(ts), *scen["sim"]]
-    command = "load/compare " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
+    envs = [f"{k}={os.environ[k]}" for k in ("PREFIX_ROUTER_WASM", "SGLANG_SIM_BIN", "ENVOY_GEN") if os.environ.get(k)]
+    command = " ".join(envs + ["load/compare"]) + " " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
                                          for a in (argv if argv is not None else sys.argv[1:]))
     stem = args.scenario + (f"-{args.replicas}replicas" if args.replicas > 1 else "") + ("-pin" if args.pin else "")
     log(f"scenario {args.scenario}{' (quick)' if args.quick else ''}: routers {', '.join(routers)}"
