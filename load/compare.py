@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runner import REPO, Fleet, log, run_k6  # noqa: E402
 
-from tests.integration.harness import _PLUGIN_BLOCK, Envoy, free_port, wasm_path  # noqa: E402
+from tests.integration.harness import _PLUGIN_BLOCK, METRICS_FLUSH_S, Envoy, free_port, wasm_path  # noqa: E402
 
 LOAD = REPO / "load"
 GEN = Path(os.environ.get("ENVOY_GEN", REPO / "envoy" / "gen"))
@@ -400,6 +400,32 @@ def k6_requests_per_target(path: Path, urls: list[str]) -> list[int]:
     return [counts[u] for u in urls]
 
 
+def envoy_peer_stats(procs: list) -> dict:
+    """Saves each Envoy's /stats next to its log (kept with --keep or on failure) and sums the
+    upstream requests to its peer clusters (prefix_router_peer_*): index-record batches sent, 2xx."""
+    sent = ok = 0
+    if any(isinstance(p, Envoy) for p in procs):
+        time.sleep(METRICS_FLUSH_S)  # the filter flushes its metrics every 200 ms
+    for p in procs:
+        if not isinstance(p, Envoy):
+            continue
+        try:
+            status, text = p.admin_get("/stats", timeout=5)
+        except OSError:
+            continue
+        if status != 200:
+            continue
+        (p.workdir / "stats.txt").write_text(text)
+        for line in text.splitlines():
+            m = re.match(r"^cluster\.prefix_router_peer_\d+\.upstream_rq_(total|2xx): (\d+)$", line)
+            if m:
+                if m.group(1) == "total":
+                    sent += int(m.group(2))
+                else:
+                    ok += int(m.group(2))
+    return {"sent": sent, "ok": ok}
+
+
 def router_label(router: str, replicas: int, pin: bool) -> str:
     label = LABELS.get(router, router)
     if router in SINGLE or replicas == 1:
@@ -426,6 +452,7 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
         m = fleet.metrics()
         ttfts = k6_samples(workdir / "samples.csv", "ttft")
         per_target = k6_requests_per_target(workdir / "samples.csv", urls)
+        peer = envoy_peer_stats(procs)
     finally:
         for p in procs:
             p.stop()
@@ -455,7 +482,9 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
         "replicas": len(urls),
         "replica_requests": per_target,
         "replica_mode": "one" if len(urls) == 1 else ("pinned" if pin else "random"),
-        "router_setup": how,
+        "router_setup": how + (f"; peer record batches sent {peer['sent']}, answered 2xx {peer['ok']}"
+                               if peer["sent"] or peer["ok"] else ""),
+        "peer_batches": peer,
         "k6_exit": summary.get("k6_exit"),
         "thresholds_ok": summary.get("thresholds_ok"),
         "wall_s": wall,
