@@ -37,6 +37,97 @@ pub struct RawConfig {
     pub index: IndexConfig,
     #[serde(default)]
     pub policy: PolicyConfig,
+    #[serde(default)]
+    pub load_poll: LoadPollConfig,
+    #[serde(default)]
+    pub peers: Option<PeersConfig>,
+    /// True only on the filter of the peer listener: it accepts peers' index records (and
+    /// nothing else) there. The client listener never accepts them.
+    #[serde(default)]
+    pub peer_listener: bool,
+}
+
+/// Polling every worker's own load (`/v1/loads`, else `/get_load`), so several Envoy replicas
+/// and traffic that bypasses Envoy are seen as one load. See `poll.rs`.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct LoadPollConfig {
+    /// Poll period per worker; 0 disables polling (each Envoy sees only its own requests).
+    #[serde(default = "default_poll_interval_ms")]
+    pub interval_ms: u32,
+    #[serde(default = "default_poll_path")]
+    pub path: String,
+    /// Tried for a worker whose `path` answered 404 (older SGLang).
+    #[serde(default = "default_poll_fallback_path")]
+    pub fallback_path: String,
+    #[serde(default = "default_poll_timeout_ms")]
+    pub timeout_ms: u32,
+    /// A worker whose last good poll is older than this counts as unknown, not idle.
+    #[serde(default = "default_poll_stale_ms")]
+    pub stale_ms: u32,
+}
+
+impl Default for LoadPollConfig {
+    fn default() -> Self {
+        LoadPollConfig {
+            interval_ms: default_poll_interval_ms(),
+            path: default_poll_path(),
+            fallback_path: default_poll_fallback_path(),
+            timeout_ms: default_poll_timeout_ms(),
+            stale_ms: default_poll_stale_ms(),
+        }
+    }
+}
+
+/// Other Envoy replicas that receive this replica's index records. See `peers.rs`.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct PeersConfig {
+    /// One Envoy cluster per peer, each pointing at that peer's peer listener.
+    #[serde(default)]
+    pub clusters: Vec<String>,
+    /// Shared by every replica; sent in [`PEER_SECRET_HEADER`] and checked by the receiver.
+    pub secret: String,
+    /// How often a VM sends the records it made since its last batch.
+    #[serde(default = "default_peer_flush_ms")]
+    pub flush_ms: u32,
+    #[serde(default = "default_peer_timeout_ms")]
+    pub timeout_ms: u32,
+    /// Records a VM keeps for its next batch; more are dropped (counted).
+    #[serde(default = "default_peer_max_batch")]
+    pub max_batch: usize,
+}
+
+/// Header carrying the peers' shared secret.
+pub const PEER_SECRET_HEADER: &str = "x-prefix-router-peer-secret";
+/// Path peers POST record batches to.
+pub const PEER_PATH: &str = "/prefix-router/v1/records";
+/// Shortest accepted peer secret.
+pub const MIN_SECRET_LEN: usize = 16;
+
+fn default_poll_interval_ms() -> u32 {
+    100
+}
+fn default_poll_path() -> String {
+    "/v1/loads".into()
+}
+fn default_poll_fallback_path() -> String {
+    "/get_load".into()
+}
+fn default_poll_timeout_ms() -> u32 {
+    250
+}
+fn default_poll_stale_ms() -> u32 {
+    1000
+}
+fn default_peer_flush_ms() -> u32 {
+    100
+}
+fn default_peer_timeout_ms() -> u32 {
+    250
+}
+fn default_peer_max_batch() -> usize {
+    4096
 }
 
 #[derive(Debug, Deserialize)]
@@ -251,6 +342,10 @@ pub struct Model {
     /// Shared-data key prefixes for this model's index buckets and load vector.
     pub index_key_prefix: String,
     pub load_key: String,
+    /// Shared-data key of the workers' polled loads (`poll.rs`).
+    pub poll_key: String,
+    /// Model identity in peer record batches (hash of the name, like worker ids).
+    pub peer_key: u32,
     /// True when all weights are equal (rendezvous can skip the logarithm).
     pub uniform_weights: bool,
     pub total_weight: f64,
@@ -269,6 +364,9 @@ pub struct Config {
     pub index_buckets: u32,
     pub index: IndexConfig,
     pub policy: PolicyConfig,
+    pub load_poll: LoadPollConfig,
+    pub peers: Option<PeersConfig>,
+    pub peer_listener: bool,
 }
 
 /// Worker identity: xxh3 of the cluster name, never 0 (0 marks an empty slot).
@@ -368,6 +466,8 @@ impl Config {
             models.push(Model {
                 index_key_prefix: format!("pr/i/{name}/"),
                 load_key: format!("pr/l/{name}"),
+                poll_key: format!("pr/p/{name}"),
+                peer_key: worker_id(name),
                 name: name.clone(),
                 workers,
                 text_block_bytes,
@@ -452,7 +552,63 @@ impl Config {
         if p.chars_per_token == 0 {
             return Err(err("policy.chars_per_token", "must be at least 1"));
         }
+        let lp = &raw.load_poll;
+        if lp.interval_ms > 60_000 {
+            return Err(err("load_poll.interval_ms", "must be between 0 and 60000"));
+        }
+        for (f, v) in [("path", &lp.path), ("fallback_path", &lp.fallback_path)] {
+            if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+                return Err(err(
+                    format!("load_poll.{f}"),
+                    "must be a path starting with /",
+                ));
+            }
+        }
+        if lp.timeout_ms == 0 || lp.timeout_ms > 60_000 {
+            return Err(err("load_poll.timeout_ms", "must be between 1 and 60000"));
+        }
+        if lp.stale_ms < lp.interval_ms || lp.stale_ms > 600_000 {
+            return Err(err(
+                "load_poll.stale_ms",
+                "must be at least interval_ms and at most 600000",
+            ));
+        }
+        if let Some(p) = &raw.peers {
+            if p.secret.len() < MIN_SECRET_LEN
+                || p.secret.bytes().any(|b| !(0x21..0x7f).contains(&b))
+            {
+                return Err(err(
+                    "peers.secret",
+                    format!("must be at least {MIN_SECRET_LEN} printable characters"),
+                ));
+            }
+            for (i, c) in p.clusters.iter().enumerate() {
+                if c.is_empty() || c.bytes().any(|b| b.is_ascii_control()) {
+                    return Err(err(
+                        format!("peers.clusters[{i}]"),
+                        "must be a cluster name",
+                    ));
+                }
+            }
+            if p.flush_ms == 0 || p.flush_ms > 60_000 {
+                return Err(err("peers.flush_ms", "must be between 1 and 60000"));
+            }
+            if p.timeout_ms == 0 || p.timeout_ms > 60_000 {
+                return Err(err("peers.timeout_ms", "must be between 1 and 60000"));
+            }
+            if p.max_batch == 0 || p.max_batch > 65_536 {
+                return Err(err("peers.max_batch", "must be between 1 and 65536"));
+            }
+        } else if raw.peer_listener {
+            return Err(err(
+                "peer_listener",
+                "needs `peers.secret` (the secret peers must present)",
+            ));
+        }
         Ok(Config {
+            load_poll: raw.load_poll,
+            peers: raw.peers,
+            peer_listener: raw.peer_listener,
             index_buckets: idx.capacity.div_ceil(4) as u32,
             models,
             default_model,

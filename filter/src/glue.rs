@@ -5,8 +5,10 @@
 //! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
 //! a few metric increments; at stream end 1 load read + 1 load CAS.
 
-use crate::config::Config;
+use crate::config::{Config, PEER_PATH, PEER_SECRET_HEADER};
+use crate::peers;
 use crate::policy::Reason;
+use crate::poll::{self, Lease, Polled, Poller};
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
 use crate::store::{CasMismatch, Store};
@@ -30,6 +32,10 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root {
         shared: None,
         ticks: 0,
+        me: 0,
+        poller: Poller::default(),
+        peer_calls: Vec::new(),
+        last_peer_flush_ms: 0,
     }) });
 }}
 
@@ -78,6 +84,18 @@ struct Metrics {
     index_dropped: usize,
     index_probes: usize,
     truncated: usize,
+    poll_answers: usize,
+    poll_failures: usize,
+    peer_batches_sent: usize,
+    peer_records_sent: usize,
+    peer_send_failures: usize,
+    peer_records_dropped: usize,
+    peer_records_received: usize,
+    peer_records_ignored: usize,
+    peer_requests_rejected: usize,
+    /// Gauges set (not added) by the poller: oldest answer's age, workers without a fresh one.
+    poll_age_ms: u32,
+    poll_unknown: u32,
     /// Per model, per worker: (in-flight requests, in-flight tokens) gauge slots.
     inflight: Vec<Vec<(usize, usize)>>,
 }
@@ -103,6 +121,20 @@ impl Metrics {
         let index_dropped = def(MetricType::Counter, "prefix_router.index.dropped_updates");
         let index_probes = def(MetricType::Counter, "prefix_router.index.probes");
         let truncated = def(MetricType::Counter, "prefix_router.prompts.truncated");
+        let poll_answers = def(MetricType::Counter, "prefix_router.load_poll.answers");
+        let poll_failures = def(MetricType::Counter, "prefix_router.load_poll.failures");
+        let peer_batches_sent = def(MetricType::Counter, "prefix_router.peers.batches_sent");
+        let peer_records_sent = def(MetricType::Counter, "prefix_router.peers.records_sent");
+        let peer_send_failures = def(MetricType::Counter, "prefix_router.peers.send_failures");
+        let peer_records_dropped = def(MetricType::Counter, "prefix_router.peers.records_dropped");
+        let peer_records_received =
+            def(MetricType::Counter, "prefix_router.peers.records_received");
+        let peer_records_ignored = def(MetricType::Counter, "prefix_router.peers.records_ignored");
+        let peer_requests_rejected =
+            def(MetricType::Counter, "prefix_router.peers.requests_rejected");
+        let gauge = |name: &str| hostcalls::define_metric(MetricType::Gauge, name).unwrap_or(0);
+        let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
+        let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
         let inflight = cfg
             .models
             .iter()
@@ -137,6 +169,17 @@ impl Metrics {
             index_dropped,
             index_probes,
             truncated,
+            poll_answers,
+            poll_failures,
+            peer_batches_sent,
+            peer_records_sent,
+            peer_send_failures,
+            peer_records_dropped,
+            peer_records_received,
+            peer_records_ignored,
+            peer_requests_rejected,
+            poll_age_ms,
+            poll_unknown,
             inflight,
         }
     }
@@ -200,6 +243,12 @@ impl Shared {
 struct Root {
     shared: Option<Rc<Shared>>,
     ticks: u32,
+    /// This root context's identity in the poller lease.
+    me: u64,
+    poller: Poller,
+    /// Tokens of peer batches awaiting an answer (bounded: at most one per peer per flush).
+    peer_calls: Vec<u32>,
+    last_peer_flush_ms: u64,
 }
 
 fn now_ticks() -> (u32, u64) {
@@ -210,7 +259,179 @@ fn now_ticks() -> (u32, u64) {
     ((t.as_millis() / 100) as u32, t.as_nanos() as u64)
 }
 
+impl Root {
+    /// The lease holder asks every worker for its load when a round is due.
+    fn poll_workers(&mut self, s: &Shared, now_ms: u64) {
+        let r = s.router.borrow();
+        let lp = &r.cfg.load_poll;
+        if lp.interval_ms == 0 || r.cfg.peer_listener {
+            return;
+        }
+        let ttl = 3 * u64::from(lp.interval_ms.max(TICK_MS));
+        let mut buf = Vec::new();
+        if !Lease::hold(&EnvoyStore, self.me, now_ms, ttl, &mut buf) {
+            return;
+        }
+        if !self.poller.due(now_ms, lp.interval_ms) {
+            return;
+        }
+        let targets: Vec<poll::Target> = self.poller.round().collect();
+        let timeout = Duration::from_millis(u64::from(lp.timeout_ms));
+        for t in targets {
+            let Some(w) = r
+                .cfg
+                .models
+                .get(usize::from(t.model))
+                .and_then(|m| m.workers.get(usize::from(t.worker)))
+            else {
+                continue;
+            };
+            let path = if t.fallback {
+                lp.fallback_path.as_str()
+            } else {
+                lp.path.as_str()
+            };
+            let headers = vec![
+                (":method", "GET"),
+                (":path", path),
+                (":authority", w.cluster.as_str()),
+            ];
+            match self.dispatch_http_call(&w.cluster, headers, None, vec![], timeout) {
+                Ok(token) => self.poller.sent(token, t),
+                Err(_) => self.poller.not_sent(),
+            }
+        }
+    }
+
+    /// Sends this VM's new index records to every peer, every `peers.flush_ms`.
+    fn flush_peers(&mut self, s: &Shared, now_ms: u64) {
+        let mut guard = s.router.borrow_mut();
+        let r = &mut *guard;
+        let Some(p) = &r.cfg.peers else {
+            return;
+        };
+        if r.cfg.peer_listener
+            || now_ms < self.last_peer_flush_ms + u64::from(p.flush_ms)
+            || r.outbox.as_ref().is_none_or(|o| o.is_empty())
+        {
+            return;
+        }
+        self.last_peer_flush_ms = now_ms;
+        let Some(ob) = r.outbox.as_mut() else {
+            return;
+        };
+        let m = &s.metrics;
+        m.add(
+            m.peer_records_dropped,
+            std::mem::take(&mut ob.dropped) as i64,
+        );
+        let n = ob.len() as i64;
+        let timeout = Duration::from_millis(u64::from(p.timeout_ms));
+        for c in &p.clusters {
+            if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {
+                // Answers are overdue (timeouts pending): skip rather than pile up calls.
+                m.add(m.peer_send_failures, 1);
+                continue;
+            }
+            let headers = vec![
+                (":method", "POST"),
+                (":path", PEER_PATH),
+                (":authority", c.as_str()),
+                ("content-type", "application/octet-stream"),
+                (PEER_SECRET_HEADER, p.secret.as_str()),
+            ];
+            match self.dispatch_http_call(c, headers, Some(ob.batch()), vec![], timeout) {
+                Ok(token) => {
+                    self.peer_calls.push(token);
+                    m.add(m.peer_batches_sent, 1);
+                    m.add(m.peer_records_sent, n);
+                }
+                Err(_) => m.add(m.peer_send_failures, 1),
+            }
+        }
+        ob.clear();
+    }
+}
+
 impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _nh: usize, body_size: usize, _nt: usize) {
+        let Some(s) = self.shared.clone() else {
+            return;
+        };
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|v| v.parse::<u32>().ok());
+        let m = &s.metrics;
+        if let Some(k) = self.peer_calls.iter().position(|&t| t == token) {
+            self.peer_calls.swap_remove(k);
+            if status != Some(204) && status != Some(200) {
+                m.add(m.peer_send_failures, 1);
+            }
+            return;
+        }
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let Some((t, load)) = self.poller.answer(token, status, &body) else {
+            return;
+        };
+        m.add(
+            if load.is_some() {
+                m.poll_answers
+            } else {
+                m.poll_failures
+            },
+            1,
+        );
+        let (now, _) = now_ticks();
+        let Ok(mut r) = s.router.try_borrow_mut() else {
+            return;
+        };
+        let (mi, w) = (usize::from(t.model), usize::from(t.worker));
+        let r = &mut *r;
+        let (snap_reqs, snap_tokens) = r.ledger.own_of(&EnvoyStore, &r.cfg, mi, w);
+        let p = match load {
+            Some((reqs, tokens)) => Polled {
+                reqs,
+                tokens,
+                snap_reqs,
+                snap_tokens,
+                at: now.max(1),
+            },
+            None => Polled::default(), // failed: unknown until the next good answer
+        };
+        let Some(model) = r.cfg.models.get(mi) else {
+            return;
+        };
+        let mut buf = Vec::new();
+        poll::publish(
+            &EnvoyStore,
+            &model.poll_key,
+            model.workers[w].id,
+            w,
+            &p,
+            &mut buf,
+        );
+        // Gauges: the oldest answer's age and the workers without a fresh one.
+        let mut all = Vec::new();
+        poll::decode(&buf, &model.workers, &mut all);
+        let stale = r.cfg.load_poll.stale_ms / 100;
+        let unknown = all
+            .iter()
+            .filter(|p| p.at == 0 || now.wrapping_sub(p.at) > stale)
+            .count();
+        let oldest = all
+            .iter()
+            .filter(|p| p.at != 0)
+            .map(|p| now.wrapping_sub(p.at))
+            .max()
+            .unwrap_or(0);
+        let _ = hostcalls::record_metric(m.poll_age_ms, u64::from(oldest) * 100);
+        let _ = hostcalls::record_metric(m.poll_unknown, unknown as u64);
+    }
+
     fn on_done(&mut self) -> bool {
         // Envoy is removing this plugin (its filter chain drained after a config update, or
         // shutdown). Without this, the in-flight gauge decrements of the last streams (batched
@@ -239,6 +460,8 @@ impl RootContext for Root {
         };
         let (_, nanos) = now_ticks();
         let metrics = Metrics::define(&cfg);
+        self.me = nanos | 1;
+        self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         let mut router = Router::new(cfg, nanos);
         router.init_store(&EnvoyStore);
         if let Some(old) = &self.shared {
@@ -261,12 +484,17 @@ impl RootContext for Root {
         if let Some(s) = &self.shared {
             // Metrics every METRICS_EVERY ticks (200 ms): a busy thread also flushes them at a
             // decision every 100 ms, so flushing on each 50 ms tick would only add host calls.
-            if self.ticks % METRICS_EVERY == 0 {
+            if self.ticks.is_multiple_of(METRICS_EVERY) {
                 s.metrics.flush();
             }
             if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.tick(&EnvoyStore, TICK_MS);
             }
+            let s = s.clone();
+            let (_, nanos) = now_ticks();
+            let now_ms = nanos / 1_000_000;
+            self.poll_workers(&s, now_ms);
+            self.flush_peers(&s, now_ms);
         }
     }
 
@@ -277,6 +505,7 @@ impl RootContext for Root {
             endpoint: None,
             decision: None,
             charged: false,
+            peer_batch: false,
         }))
     }
 
@@ -291,6 +520,8 @@ struct Stream {
     decision: Option<Decision>,
     /// True while this stream holds a load charge that must be released exactly once.
     charged: bool,
+    /// A peer's record batch (peer listener only), applied when its body is complete.
+    peer_batch: bool,
 }
 
 fn header(name: &str) -> Vec<u8> {
@@ -300,7 +531,67 @@ fn header(name: &str) -> Vec<u8> {
         .unwrap_or_default()
 }
 
+fn local_reply(status: u32, body: &str) -> Action {
+    let _ = hostcalls::send_http_response(
+        status,
+        vec![("content-type", "application/json")],
+        Some(body.as_bytes()),
+    );
+    Action::Pause
+}
+
 impl Stream {
+    /// Peer listener: only `POST /prefix-router/v1/records` with the shared secret is accepted.
+    fn peer_headers(&mut self, end_of_stream: bool) -> Action {
+        let ok = {
+            let r = self.shared.router.borrow();
+            let secret = r.cfg.peers.as_ref().map_or("", |p| p.secret.as_str());
+            header(":method") == b"POST"
+                && header(":path") == PEER_PATH.as_bytes()
+                && peers::secret_ok(&header(PEER_SECRET_HEADER), secret)
+        };
+        if !ok || end_of_stream {
+            let m = &self.shared.metrics;
+            m.add(m.peer_requests_rejected, 1);
+            return local_reply(
+                403,
+                r#"{"object":"error","message":"forbidden","type":"PermissionDenied","code":403}"#,
+            );
+        }
+        self.peer_batch = true;
+        Action::Pause
+    }
+
+    fn peer_body(&mut self, body: &[u8]) -> Action {
+        let (now, _) = now_ticks();
+        let res = {
+            let mut guard = self.shared.router.borrow_mut();
+            let r = &mut *guard;
+            peers::apply(&EnvoyStore, &r.cfg, body, now, &mut r.sc)
+        };
+        let m = &self.shared.metrics;
+        match res {
+            Ok(a) => {
+                m.add(m.peer_records_received, i64::from(a.records));
+                m.add(m.peer_records_ignored, i64::from(a.ignored));
+                m.add(m.index_writes, i64::from(a.writes.writes));
+                m.add(m.index_conflicts, i64::from(a.writes.conflicts));
+                m.add(m.index_dropped, i64::from(a.writes.dropped));
+                m.maybe_flush(now);
+                let _ = hostcalls::send_http_response(204, vec![], None);
+                Action::Pause
+            }
+            Err(_) => {
+                m.add(m.peer_requests_rejected, 1);
+                m.maybe_flush(now);
+                local_reply(
+                    400,
+                    r#"{"object":"error","message":"bad record batch","type":"BadRequestError","code":400}"#,
+                )
+            }
+        }
+    }
+
     fn decide(&mut self, body: &[u8]) -> Action {
         let Some(ep) = self.endpoint.take() else {
             return Action::Continue;
@@ -374,6 +665,9 @@ impl HttpContext for Stream {
                 let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, h);
             }
         }
+        if self.shared.router.borrow().cfg.peer_listener {
+            return self.peer_headers(end_of_stream);
+        }
         let method = header(":method");
         let path = header(":path");
         if let Some(ep) = Endpoint::classify(&method, &path) {
@@ -399,6 +693,17 @@ impl HttpContext for Stream {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.peer_batch {
+            if !end_of_stream {
+                return Action::Pause;
+            }
+            self.peer_batch = false;
+            let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            return self.peer_body(&body);
+        }
         if self.endpoint.is_none() {
             return Action::Continue;
         }

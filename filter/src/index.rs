@@ -25,6 +25,7 @@
 //! replica computes identically.
 
 use crate::blocks::{checkpoints_upto, nth_checkpoint};
+use crate::config::{Config, Model};
 use crate::store::Store;
 use std::fmt::Write;
 
@@ -148,6 +149,8 @@ pub struct Scratch {
     key: String,
     buf: Vec<u8>,
     cache: ProbeCache,
+    /// Hashes this VM's writes recorded since the caller last cleared it (sent to peers).
+    pub written: Vec<u64>,
 }
 
 impl Default for Scratch {
@@ -156,6 +159,7 @@ impl Default for Scratch {
             key: String::with_capacity(64),
             buf: Vec::with_capacity(BUCKET_BYTES),
             cache: ProbeCache::default(),
+            written: Vec::with_capacity(128),
         }
     }
 }
@@ -201,7 +205,32 @@ impl ProbeCache {
     }
 }
 
-impl Index<'_> {
+impl<'a> Index<'a> {
+    /// The index of `model` as configured.
+    pub fn for_model(cfg: &Config, model: &'a Model) -> Index<'a> {
+        Index {
+            key_prefix: &model.index_key_prefix,
+            buckets: cfg.index_buckets,
+            ttl: cfg.index.ttl_seconds.saturating_mul(10),
+            cas_retries: cfg.index.cas_retries,
+            cache_ttl: cfg.index.local_cache_ms / 100,
+        }
+    }
+
+    /// Records `worker` as a holder of the prefix whose last block hash is `h` (a peer's record).
+    pub fn add<S: Store>(
+        &self,
+        store: &S,
+        h: u64,
+        worker: u32,
+        now: u32,
+        sc: &mut Scratch,
+    ) -> WriteStats {
+        let mut st = WriteStats::default();
+        self.add_holder(store, h, worker, now, sc, &mut st);
+        st
+    }
+
     fn key_for(&self, h: u64, key: &mut String) {
         key.clear();
         key.push_str(self.key_prefix);
@@ -405,6 +434,7 @@ impl Index<'_> {
             match store.set(&sc.key, &enc, cas) {
                 Ok(()) => {
                     st.writes += 1;
+                    sc.written.push(h);
                     if self.cache_ttl > 0 {
                         sc.cache.put(tag, now, bucket[i].holders);
                     }

@@ -2,17 +2,27 @@
 //! choose, charge load, record. Host-agnostic: the Envoy glue and the native tests/benches call
 //! the same code. One `Router` lives per VM (per Envoy worker thread) and owns reusable buffers,
 //! so a decision allocates nothing in steady state beyond what serde_json needs for escapes.
+//!
+//! Load accounting lives in [`Ledger`] (`load.rs`), worker choice behind [`Policy`]
+//! (`policy/`), the index in `index.rs`; this file wires them together for one request.
+//!
+//! **Rendezvous key.** When no worker holds any part of a prompt, the worker comes from
+//! rendezvous hashing of a key every replica computes alike. For a chat prompt with at least two
+//! messages the key covers the prompt through its second message (typically the system prompt
+//! and the conversation's first user message): every turn of one conversation has the same key,
+//! while conversations that share a system prompt get different keys, so they spread over the
+//! fleet instead of all landing on one worker. Other prompts use their first
+//! `policy.affinity_blocks` blocks.
 
 use crate::blocks::{chain_seed, hash_blocks};
-use crate::config::{Config, PolicyName, UnknownModel};
+use crate::config::{Config, UnknownModel};
 use crate::index::{Index, Matches, Scratch, WriteStats};
-use crate::load;
-use crate::policy::{self, Inputs, Reason};
+use crate::load::Ledger;
+use crate::peers::Outbox;
+use crate::policy::{self, Inputs, Policy, Reason};
 use crate::request::{self, Endpoint, PromptKind};
 use crate::store::Store;
-
-/// CAS attempts for a load-vector update before the delta is parked (see `pending`).
-const LOAD_RETRIES: u32 = 32;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// What was decided for a request; small and `Copy` so the stream context can keep it until the
 /// stream ends and release exactly what was charged.
@@ -42,15 +52,6 @@ pub enum Outcome {
     },
 }
 
-/// A load delta that lost too many CAS races; applied on the next opportunity.
-#[derive(Debug, Clone, Copy)]
-struct Pending {
-    model: u16,
-    worker: u16,
-    dreq: i64,
-    dtok: i64,
-}
-
 pub struct Router {
     pub cfg: Config,
     canon: Vec<u8>,
@@ -58,23 +59,17 @@ pub struct Router {
     bounds: Vec<usize>,
     ends: Vec<usize>,
     hashes: Vec<u64>,
-    buf: Vec<u8>,
-    sc: Scratch,
+    pub sc: Scratch,
     matches: Matches,
-    reqs: Vec<u32>,
-    tokens: Vec<u32>,
     matched: Vec<u32>,
     /// Per model: `(worker id, index)` sorted by id, to map index holders to workers in O(log n).
     ids: Vec<Vec<(u32, u16)>>,
-    pending: Vec<Pending>,
-    /// Decisions since the last tick, and whether the last tick found this VM busy enough to
-    /// park releases (see [`Router::release`]).
-    decisions: u32,
-    busy: bool,
+    pub ledger: Ledger,
+    policy: Box<dyn Policy>,
+    /// Index records for the peers (present when `peers` is configured).
+    pub outbox: Option<Outbox>,
+    /// Rotation for passthrough requests.
     rr: usize,
-    rng: u64,
-    /// Decrements that found a counter already at zero (should stay 0; exported as a metric).
-    pub load_underflows: u64,
 }
 
 impl Router {
@@ -104,32 +99,25 @@ impl Router {
             bounds: Vec::with_capacity(64),
             ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
-            buf: Vec::with_capacity(4096),
             sc: Scratch::default(),
             // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
             matches: Matches {
                 workers: Vec::with_capacity(128),
                 ..Matches::default()
             },
-            reqs: Vec::with_capacity(max_workers),
-            tokens: Vec::with_capacity(max_workers),
             matched: Vec::with_capacity(max_workers),
             ids,
-            pending: Vec::with_capacity(max_workers.max(4)),
-            decisions: 0,
-            busy: false,
+            ledger: Ledger::new(&cfg),
+            policy: policy::from_config(cfg.policy.name, seed),
+            outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
-            rng: seed | 1,
-            load_underflows: 0,
             cfg,
         }
     }
 
     /// Creates each model's load vector if this is the first VM to start.
     pub fn init_store<S: Store>(&mut self, store: &S) {
-        for m in &self.cfg.models {
-            load::ensure(store, &m.load_key, &m.workers, &mut self.buf);
-        }
+        self.ledger.init(store, &self.cfg);
     }
 
     /// The upstream cluster of a decision.
@@ -150,22 +138,7 @@ impl Router {
         let m = self.cfg.default_model;
         let n = self.cfg.models[m].workers.len();
         self.rr = self.rr.wrapping_add(1);
-        Some(self.plain(m, self.rr % n, Reason::Passthrough))
-    }
-
-    fn plain(&self, model: usize, worker: usize, reason: Reason) -> Decision {
-        Decision {
-            model: model as u16,
-            worker: worker as u16,
-            reason,
-            matched_blocks: 0,
-            total_blocks: 0,
-            charged_reqs: 0,
-            charged_tokens: 0,
-            index: WriteStats::default(),
-            probes: 0,
-            truncated: false,
-        }
+        Some(plain(m, self.rr % n, Reason::Passthrough))
     }
 
     /// Decides where an inference request goes. `now` is in 100 ms units.
@@ -176,7 +149,6 @@ impl Router {
         body: &[u8],
         now: u32,
     ) -> Outcome {
-        self.decisions = self.decisions.saturating_add(1);
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
@@ -197,7 +169,7 @@ impl Router {
             Ok(p) => p,
             Err(_) => {
                 let est = (body.len() / cpt) as u32;
-                return Outcome::Route(self.least_loaded(store, dm, Reason::ParseError, est));
+                return Outcome::Route(self.least_loaded(store, dm, Reason::ParseError, est, now));
             }
         };
         let (mi, mut forced) = match parsed.model.as_deref() {
@@ -221,7 +193,13 @@ impl Router {
         };
         let prompt_tokens = prompt_tokens.max(1).min(u32::MAX as usize) as u32;
         if parsed.kind == PromptKind::None || self.canon.is_empty() {
-            return Outcome::Route(self.least_loaded(store, mi, Reason::Fallback, prompt_tokens));
+            return Outcome::Route(self.least_loaded(
+                store,
+                mi,
+                Reason::Fallback,
+                prompt_tokens,
+                now,
+            ));
         }
         let seed = chain_seed(
             model.name.as_bytes(),
@@ -245,20 +223,8 @@ impl Router {
                 }
             }
         }
-        let n = model.workers.len();
-        let n_blocks = self.hashes.len() as u32;
-        let mut d = match cfg.policy.name {
-            PolicyName::RoundRobin => {
-                self.rr = self.rr.wrapping_add(1);
-                let w = self.rr % n;
-                self.charge_fixed(store, mi, w, Reason::RoundRobin, prompt_tokens, n_blocks)
-            }
-            PolicyName::Random => {
-                let w = (policy::next_random(&mut self.rng) % n as u64) as usize;
-                self.charge_fixed(store, mi, w, Reason::Random, prompt_tokens, n_blocks)
-            }
-            PolicyName::CacheAware => self.cache_aware(store, mi, prompt_tokens, now),
-        };
+        let affinity = self.affinity_key(seed, block_bytes, parsed.kind);
+        let mut d = self.decide(store, mi, prompt_tokens, affinity, now);
         if let Some(r) = forced.take() {
             d.reason = r;
         }
@@ -266,31 +232,52 @@ impl Router {
         Outcome::Route(d)
     }
 
-    fn cache_aware<S: Store>(
+    /// The rendezvous key (module docs): through the second chat message, else the first
+    /// `affinity_blocks` blocks.
+    fn affinity_key(&self, seed: u64, block_bytes: usize, kind: PromptKind) -> u64 {
+        if kind == PromptKind::Text {
+            if let Some(&end) = self.bounds.get(1) {
+                let end = end.min(self.canon.len());
+                // Continue the chain from the last full block before `end`: one short hash.
+                let full = (end / block_bytes.max(1)).min(self.hashes.len());
+                let start = full * block_bytes;
+                let prev = full
+                    .checked_sub(1)
+                    .and_then(|i| self.hashes.get(i))
+                    .copied()
+                    .unwrap_or(seed);
+                let tail = self.canon.get(start..end).unwrap_or_default();
+                return xxh3_64_with_seed(tail, prev ^ 0x636f_6e76); // "conv"
+            }
+        }
+        let k = self.cfg.policy.affinity_blocks.min(self.hashes.len());
+        self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0)
+    }
+
+    fn decide<S: Store>(
         &mut self,
         store: &S,
         mi: usize,
         prompt_tokens: u32,
+        affinity: u64,
         now: u32,
     ) -> Decision {
         let cfg = &self.cfg;
         let model = &cfg.models[mi];
-        let ix = Index {
-            key_prefix: &model.index_key_prefix,
-            buckets: cfg.index_buckets,
-            ttl: cfg.index.ttl_seconds.saturating_mul(10),
-            cas_retries: cfg.index.cas_retries,
-            cache_ttl: cfg.index.local_cache_ms / 100,
-        };
-        ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
-        ix.lookup_bounds(
-            store,
-            &self.hashes,
-            &self.ends,
-            now,
-            &mut self.sc,
-            &mut self.matches,
-        );
+        let uses_index = self.policy.uses_index();
+        let ix = Index::for_model(cfg, model);
+        self.matches.clear();
+        if uses_index {
+            ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
+            ix.lookup_bounds(
+                store,
+                &self.hashes,
+                &self.ends,
+                now,
+                &mut self.sc,
+                &mut self.matches,
+            );
+        }
         // Map holders (by id) to this config's workers; ids of removed workers are ignored.
         self.matched.clear();
         self.matched.resize(model.workers.len(), 0);
@@ -304,43 +291,45 @@ impl Router {
             }
         }
         let total_blocks = self.hashes.len() as u32;
-        let k = cfg.policy.affinity_blocks.min(self.hashes.len());
-        let affinity = self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0);
-        // Choose and charge atomically: if another thread changed the loads between our read
-        // and our write, re-read and re-choose so the load bound holds under races.
-        let mut chosen = (0usize, Reason::LoadSpill, 0u32);
-        let mut charged = false;
-        for _ in 0..LOAD_RETRIES {
-            let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
-            apply_parked(cfg, &self.pending, mi, &mut self.buf);
-            load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
+        let (policy, matched) = (&mut self.policy, &self.matched);
+        let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
             let inp = Inputs {
                 model,
-                reqs: &self.reqs,
-                tokens: &self.tokens,
-                matched: &self.matched,
+                reqs,
+                tokens,
+                matched,
                 deepest,
                 total_blocks,
                 prompt_tokens,
                 affinity,
             };
-            let (w, reason) = policy::choose(&cfg.policy, &inp);
-            let tok = policy::uncached_tokens(&inp, w).max(1);
-            chosen = (w, reason, tok);
-            let id = model.workers[w].id;
-            load::apply(&mut self.buf, id, w, 1, i64::from(tok));
-            if store.set(&model.load_key, &self.buf, cas).is_ok() {
-                charged = true;
-                break;
-            }
+            let (w, reason) = policy.choose(&cfg.policy, &inp);
+            let tok = if uses_index {
+                policy::uncached_tokens(&inp, w).max(1)
+            } else {
+                prompt_tokens
+            };
+            (w, tok, reason)
+        });
+        let mut d = Decision {
+            matched_blocks: self.matched.get(w).copied().unwrap_or(0),
+            total_blocks,
+            charged_reqs: 1,
+            charged_tokens: tok,
+            probes: self.matches.probes,
+            ..plain(mi, w, reason)
+        };
+        if uses_index {
+            d.index = self.record(store, mi, w, now);
         }
-        let (w, reason, tok) = chosen;
-        if charged {
-            // The write carried this model's parked deltas too.
-            self.pending.retain(|p| usize::from(p.model) != mi);
-        } else {
-            park(&mut self.pending, mi, w, 1, i64::from(tok));
-        }
+        d
+    }
+
+    /// Records the chosen worker as a holder of the prompt's checkpoints (and chat end), and
+    /// queues what was written for the peers.
+    fn record<S: Store>(&mut self, store: &S, mi: usize, w: usize, now: u32) -> WriteStats {
+        let model = &self.cfg.models[mi];
+        let ix = Index::for_model(&self.cfg, model);
         let id = model.workers[w].id;
         let (known, known_time) = self
             .matches
@@ -348,6 +337,7 @@ impl Router {
             .iter()
             .find(|e| e.0 == id)
             .map_or((0, 0), |e| (e.1, e.2));
+        self.sc.written.clear();
         let mut stats = ix.record(
             store,
             &self.hashes,
@@ -364,36 +354,13 @@ impl Router {
                 stats.dropped += e.dropped;
             }
         }
-        Decision {
-            model: mi as u16,
-            worker: w as u16,
-            reason,
-            matched_blocks: self.matched[w],
-            total_blocks,
-            charged_reqs: 1,
-            charged_tokens: tok,
-            index: stats,
-            probes: self.matches.probes,
-            truncated: false,
+        if let Some(ob) = &mut self.outbox {
+            for &h in &self.sc.written {
+                ob.push(model.peer_key, id, h);
+            }
         }
-    }
-
-    fn charge_fixed<S: Store>(
-        &mut self,
-        store: &S,
-        mi: usize,
-        w: usize,
-        reason: Reason,
-        tokens: u32,
-        total_blocks: u32,
-    ) -> Decision {
-        self.add_load(store, mi, w, 1, i64::from(tokens));
-        Decision {
-            total_blocks,
-            charged_reqs: 1,
-            charged_tokens: tokens,
-            ..self.plain(mi, w, reason)
-        }
+        self.sc.written.clear();
+        stats
     }
 
     fn least_loaded<S: Store>(
@@ -402,132 +369,67 @@ impl Router {
         mi: usize,
         reason: Reason,
         tokens: u32,
+        now: u32,
     ) -> Decision {
-        let model = &self.cfg.models[mi];
-        store.get(&model.load_key, &mut self.buf);
-        apply_parked(&self.cfg, &self.pending, mi, &mut self.buf);
-        load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
         self.rr = self.rr.wrapping_add(1);
-        let w = policy::least_loaded(&self.reqs, &self.tokens, self.rr);
-        self.charge_fixed(store, mi, w, reason, tokens.max(1), 0)
-    }
-
-    /// Adds a delta to worker `w` of model `mi` in shared data, together with the model's parked
-    /// deltas, in one CAS read-modify-write; parks it if the CAS keeps losing.
-    fn add_load<S: Store>(&mut self, store: &S, mi: usize, w: usize, dreq: i64, dtok: i64) {
-        let Some(model) = self.cfg.models.get(mi) else {
-            return;
-        };
-        let Some(worker) = model.workers.get(w) else {
-            return;
-        };
-        for _ in 0..LOAD_RETRIES {
-            let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
-            apply_parked(&self.cfg, &self.pending, mi, &mut self.buf);
-            load::apply(&mut self.buf, worker.id, w, dreq, dtok);
-            if store.set(&model.load_key, &self.buf, cas).is_ok() {
-                self.pending.retain(|p| usize::from(p.model) != mi);
-                return;
-            }
+        let (reqs, toks) = self.ledger.view(store, &self.cfg, mi, now);
+        let w = policy::least_loaded(reqs, toks, self.rr);
+        let tokens = tokens.max(1);
+        self.ledger
+            .add(store, &self.cfg, mi, w, 1, i64::from(tokens));
+        Decision {
+            charged_reqs: 1,
+            charged_tokens: tokens,
+            ..plain(mi, w, reason)
         }
-        self.park(mi, w, dreq, dtok);
     }
 
-    /// Keeps a delta for the next write of this model's load vector (coalesced per worker, so
-    /// the list stays bounded by the number of workers).
-    fn park(&mut self, mi: usize, w: usize, dreq: i64, dtok: i64) {
-        park(&mut self.pending, mi, w, dreq, dtok);
-    }
-
-    /// Undoes a decision's load charge; call exactly once when its stream ends.
-    ///
-    /// On a busy VM (at least `policy.batch_releases_min_rps` decisions per second over the last
-    /// tick) the release is parked and rides on this VM's next load-vector write, usually
-    /// milliseconds later, or on the next tick ([`Router::tick`]): two shared-data host calls
-    /// fewer per request. This VM's own decisions see it at once; other threads see the worker
-    /// busier by about one request per busy VM until then. On a quiet VM it is written at once.
+    /// Undoes a decision's load charge; call exactly once when its stream ends (see
+    /// [`Ledger::release`] for when the write is deferred).
     pub fn release<S: Store>(&mut self, store: &S, d: &Decision) {
-        if d.charged_reqs == 0 && d.charged_tokens == 0 {
-            return;
-        }
-        let (mi, w) = (usize::from(d.model), usize::from(d.worker));
-        let (dreq, dtok) = (-i64::from(d.charged_reqs), -i64::from(d.charged_tokens));
-        if self.busy {
-            self.park(mi, w, dreq, dtok);
-        } else {
-            self.add_load(store, mi, w, dreq, dtok);
-        }
+        self.ledger.release(
+            store,
+            &self.cfg,
+            usize::from(d.model),
+            usize::from(d.worker),
+            d.charged_reqs,
+            d.charged_tokens,
+        );
     }
 
-    /// The VM's timer: decides from the decisions of the last `elapsed_ms` whether releases are
-    /// parked until the next tick, and writes every parked delta.
+    /// The VM's timer (see [`Ledger::tick`]).
     pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32) {
-        let rate = f64::from(self.decisions) * 1000.0 / f64::from(elapsed_ms.max(1));
-        self.busy = rate >= self.cfg.policy.batch_releases_min_rps;
-        self.decisions = 0;
-        self.flush_pending(store);
+        self.ledger.tick(store, &self.cfg, elapsed_ms);
     }
 
-    /// Writes every parked delta (the VM's tick, and shutdown).
+    /// Writes every parked load delta (the VM's tick, and shutdown).
     pub fn flush_pending<S: Store>(&mut self, store: &S) {
-        let mut k = 0;
-        while let Some(p) = self.pending.get(k).copied() {
-            let before = self.pending.len();
-            self.add_load(store, usize::from(p.model), usize::from(p.worker), 0, 0);
-            if self.pending.len() == before {
-                k += 1; // still parked (CAS kept losing): try the next model
-            }
-        }
+        self.ledger.flush(store, &self.cfg);
     }
 
     /// Number of parked load deltas (should be 0 except under extreme contention).
     pub fn pending_len(&self) -> usize {
-        self.pending.len()
+        self.ledger.pending_len()
     }
 
-    /// Current (requests, tokens) of every worker of model `mi`, read from the store.
+    /// This Envoy's own in-flight (requests, tokens) of every worker of model `mi`.
     pub fn loads<S: Store>(&mut self, store: &S, mi: usize) -> Vec<(u32, u32)> {
-        let model = &self.cfg.models[mi];
-        store.get(&model.load_key, &mut self.buf);
-        apply_parked(&self.cfg, &self.pending, mi, &mut self.buf);
-        load::decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
-        self.reqs
-            .iter()
-            .copied()
-            .zip(self.tokens.iter().copied())
-            .collect()
+        self.ledger.own(store, &self.cfg, mi)
     }
 }
 
-/// Parks a delta, coalesced per (model, worker).
-fn park(pending: &mut Vec<Pending>, mi: usize, w: usize, dreq: i64, dtok: i64) {
-    let (model, worker) = (mi as u16, w as u16);
-    match pending
-        .iter_mut()
-        .find(|p| p.model == model && p.worker == worker)
-    {
-        Some(p) => {
-            p.dreq += dreq;
-            p.dtok += dtok;
-        }
-        None => pending.push(Pending {
-            model,
-            worker,
-            dreq,
-            dtok,
-        }),
-    }
-}
-
-/// Applies model `mi`'s parked deltas to a load value just read.
-fn apply_parked(cfg: &Config, pending: &[Pending], mi: usize, buf: &mut Vec<u8>) {
-    let Some(model) = cfg.models.get(mi) else {
-        return;
-    };
-    for p in pending.iter().filter(|p| usize::from(p.model) == mi) {
-        if let Some(w) = model.workers.get(usize::from(p.worker)) {
-            load::apply(buf, w.id, usize::from(p.worker), p.dreq, p.dtok);
-        }
+fn plain(model: usize, worker: usize, reason: Reason) -> Decision {
+    Decision {
+        model: model as u16,
+        worker: worker as u16,
+        reason,
+        matched_blocks: 0,
+        total_blocks: 0,
+        charged_reqs: 0,
+        charged_tokens: 0,
+        index: WriteStats::default(),
+        probes: 0,
+        truncated: false,
     }
 }
 

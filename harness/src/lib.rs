@@ -40,7 +40,9 @@ pub mod status {
 
 const MAP_REQUEST_HEADERS: i32 = 0;
 const MAP_RESPONSE_HEADERS: i32 = 2;
+const MAP_HTTP_CALL_RESPONSE_HEADERS: i32 = 6;
 const BUFFER_REQUEST_BODY: i32 = 0;
+const BUFFER_HTTP_CALL_RESPONSE_BODY: i32 = 4;
 const BUFFER_VM_CONFIGURATION: i32 = 6;
 const BUFFER_PLUGIN_CONFIGURATION: i32 = 7;
 const ROOT_CONTEXT: i32 = 1;
@@ -300,6 +302,22 @@ impl Host {
     }
 }
 
+/// An HTTP call the module dispatched (`proxy_http_call`).
+#[derive(Debug, Clone)]
+pub struct HttpCall {
+    pub token: u32,
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub timeout_ms: u32,
+}
+
+impl HttpCall {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        header(&self.headers, name)
+    }
+}
+
 /// A local response the filter sent: (status, body, headers).
 pub type LocalResponse = (u32, Vec<u8>, Vec<(String, String)>);
 
@@ -323,6 +341,12 @@ pub struct State {
     pub logs: Vec<(i32, String)>,
     pub tick_period_ms: u32,
     pub effective_context: i32,
+    /// HTTP calls the module dispatched and nobody answered yet (see [`Vm::answer_http_call`]).
+    pub http_calls: Vec<HttpCall>,
+    next_token: u32,
+    /// The answer being delivered to `proxy_on_http_call_response`.
+    call_headers: Vec<(String, String)>,
+    call_body: Vec<u8>,
     /// Calls from the module into the host (each one a host call in Envoy) and from the host
     /// into the module (callbacks, including the allocator the host calls to return data).
     pub host_calls: u64,
@@ -334,10 +358,14 @@ impl State {
         match t {
             MAP_REQUEST_HEADERS => Some(&mut self.request_headers),
             MAP_RESPONSE_HEADERS => Some(&mut self.response_headers),
+            MAP_HTTP_CALL_RESPONSE_HEADERS => Some(&mut self.call_headers),
             _ => None,
         }
     }
 }
+
+/// `proxy_on_http_call_response(context, token, headers, body size, trailers)`.
+type CallResponseFn = TypedFunc<(i32, i32, i32, i32, i32), ()>;
 
 struct Exports {
     context_create: TypedFunc<(i32, i32), ()>,
@@ -350,6 +378,7 @@ struct Exports {
     done: TypedFunc<i32, i32>,
     log: TypedFunc<i32, ()>,
     delete: TypedFunc<i32, ()>,
+    http_call_response: Option<CallResponseFn>,
 }
 
 impl Exports {
@@ -365,6 +394,9 @@ impl Exports {
             done: i.get_typed_func(&mut *s, "proxy_on_done")?,
             log: i.get_typed_func(&mut *s, "proxy_on_log")?,
             delete: i.get_typed_func(&mut *s, "proxy_on_delete")?,
+            http_call_response: i
+                .get_typed_func(&mut *s, "proxy_on_http_call_response")
+                .ok(),
         })
     }
 }
@@ -519,6 +551,32 @@ impl Vm {
         self.finish(r.context, &[])?;
         r.fuel = fuel0.saturating_sub(self.fuel_left());
         Ok(r)
+    }
+
+    /// Takes the HTTP calls dispatched since the last call (each awaits an answer).
+    pub fn take_http_calls(&mut self) -> Vec<HttpCall> {
+        std::mem::take(&mut self.store.data_mut().http_calls)
+    }
+
+    /// Delivers the answer to a dispatched call (`status` 0 = failed: no headers, as Envoy
+    /// reports a reset or timeout) to the root context, as Envoy does.
+    pub fn answer_http_call(&mut self, token: u32, status: u32, body: &[u8]) -> Result<()> {
+        let Some(f) = self.f.http_call_response.clone() else {
+            bail!("module exports no proxy_on_http_call_response");
+        };
+        let nh = {
+            let st = self.store.data_mut();
+            st.call_headers.clear();
+            if status != 0 {
+                st.call_headers.push((":status".into(), status.to_string()));
+            }
+            st.call_body = body.to_vec();
+            st.call_headers.len() as i32
+        };
+        f.call(
+            &mut self.store,
+            (ROOT_CONTEXT, token as i32, nh, body.len() as i32, 0),
+        )
     }
 
     /// The root context's timer (Envoy calls it every tick period).
@@ -696,6 +754,7 @@ fn linker(engine: &Engine, module: &Module) -> Result<Linker<State>> {
             let st = c.data();
             let src: &[u8] = match t {
                 BUFFER_REQUEST_BODY => &st.body,
+                BUFFER_HTTP_CALL_RESPONSE_BODY => &st.call_body,
                 BUFFER_PLUGIN_CONFIGURATION => &st.plugin_config,
                 BUFFER_VM_CONFIGURATION => &[],
                 _ => return Ok(status::NOT_FOUND),
@@ -940,6 +999,48 @@ fn linker(engine: &Engine, module: &Module) -> Result<Linker<State>> {
             status::OK
         })?;
     }
+    l.func_wrap(
+        "env",
+        "proxy_http_call",
+        |mut c: Caller<'_, State>,
+         up: i32,
+         upl: i32,
+         hd: i32,
+         hdl: i32,
+         bd: i32,
+         bdl: i32,
+         _tr: i32,
+         _trl: i32,
+         timeout_ms: i32,
+         ret: i32|
+         -> i32 {
+            let (Some(cluster), Some(h), Some(body)) = (
+                read_str(&mut c, up, upl),
+                read(&mut c, hd, hdl),
+                read(&mut c, bd, bdl),
+            ) else {
+                return status::BAD_ARGUMENT;
+            };
+            let Some(headers) = deserialize_pairs(&h) else {
+                return status::BAD_ARGUMENT;
+            };
+            let st = c.data_mut();
+            st.next_token = st.next_token.wrapping_add(1).max(1);
+            let token = st.next_token;
+            st.http_calls.push(HttpCall {
+                token,
+                cluster,
+                headers,
+                body,
+                timeout_ms: timeout_ms as u32,
+            });
+            if write_u32(&mut c, ret, token) {
+                status::OK
+            } else {
+                status::BAD_ARGUMENT
+            }
+        },
+    )?;
     l.func_wrap("env", "proxy_done", |_: Caller<'_, State>| -> i32 {
         status::OK
     })?;

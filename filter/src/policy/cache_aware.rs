@@ -1,0 +1,403 @@
+//! The cache-aware policy: cache reuse weighed against load, with a hard load bound.
+//!
+//! For a prompt of `P` estimated tokens in `B` blocks:
+//!
+//! * **Load bound.** Worker `i` (weight `w_i`, total weight `W`) is eligible only while
+//!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + s_i`, where `R` is the model's total
+//!   in-flight requests, and the slack `s_i` is `load_slack` (default 3) when worker `i` holds
+//!   part of the prompt and 1 otherwise. A hot prefix therefore spills to a second worker instead
+//!   of piling onto one (bounded-load consistent hashing), while at low concurrency a holder may
+//!   take a few requests more before its cached prefix is recomputed elsewhere.
+//! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
+//!   of the hash of the first `affinity_blocks` blocks picks the top eligible worker. Sibling
+//!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
+//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`.
+//! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
+//!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
+//!   — the prefill it would still have to do plus the work already queued on it (in-flight
+//!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
+
+use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
+use crate::config::{Model, PolicyConfig};
+
+/// The default policy (stateless: everything it needs is in [`Inputs`]).
+pub struct CacheAware;
+
+impl Policy for CacheAware {
+    fn choose(&mut self, p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+        choose(p, inp)
+    }
+    fn uses_index(&self) -> bool {
+        true
+    }
+}
+
+/// Rendezvous score of worker `i` for `key` (higher wins).
+fn hrw(model: &Model, i: usize, key: u64) -> f64 {
+    let w = &model.workers[i];
+    let h = mix(key, w.id);
+    if model.uniform_weights {
+        return h as f64;
+    }
+    // u in (0, 1): never 0 so ln is finite and negative.
+    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -w.weight / u.ln()
+}
+
+/// The load bound. The absolute slack is `load_slack` for a worker that holds part of the
+/// prompt (reuse is worth a little queueing) and 1 otherwise, so a slow or busy worker still
+/// stops receiving *new* prefixes at low concurrency.
+fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
+    let model = inp.model;
+    let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+    let holds = inp.matched.get(i).copied().unwrap_or(0) > 0;
+    let slack = if holds { p.load_slack } else { 1.0 };
+    // Same operation order as the uniform path's `share`, so both round alike.
+    let share = (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
+    r + 1.0 <= share + slack
+}
+
+/// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
+///
+/// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
+/// Both make the same choice (tested), so replicas agree whichever path they take.
+pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let n = inp.model.workers.len();
+    if inp.model.uniform_weights
+        && inp.reqs.len() == n
+        && inp.tokens.len() == n
+        && inp.matched.len() == n
+    {
+        choose_uniform(p, inp)
+    } else {
+        choose_general(p, inp)
+    }
+}
+
+/// The per-request scan over every worker, so its cost per worker is what keeps a decision
+/// nearly flat from 4 to 256 workers: the load bound becomes two integer thresholds computed
+/// once, rendezvous scores stay integers, and only holders pay the uncached-token division.
+fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let model = inp.model;
+    let n = model.workers.len();
+    let total: u64 = inp.reqs.iter().map(|&r| u64::from(r)).sum();
+    let share = (1.0 + p.load_eps) * (total as f64 + 1.0) / n as f64;
+    // `r + 1 <= share + slack` for an integer r  <=>  `r + 1 <= floor(share + slack)`.
+    let cap = |slack: f64| -> u64 {
+        let c = (share + slack).floor();
+        if c >= 1.0 {
+            c as u64
+        } else {
+            0
+        }
+    };
+    let (cap_holder, cap_other) = (cap(p.load_slack), cap(1.0));
+    let rows = model
+        .workers
+        .iter()
+        .zip(inp.reqs.iter().zip(inp.tokens.iter()))
+        .zip(inp.matched.iter())
+        .enumerate();
+    if inp.deepest == 0 {
+        // Nobody holds the prompt (so every cap is `cap_other`): the eligible worker with the
+        // highest rendezvous score, and the overall top to tell affinity from spill.
+        let (mut top, mut top_score) = (0usize, 0u64);
+        let mut best: Option<(usize, u64)> = None;
+        for (i, ((w, (&r, _)), _)) in rows {
+            let score = mix(inp.affinity, w.id);
+            if i == 0 || score > top_score {
+                (top, top_score) = (i, score);
+            }
+            if u64::from(r) < cap_other && best.is_none_or(|(_, s)| score > s) {
+                best = Some((i, score));
+            }
+        }
+        return match best {
+            Some((chosen, _)) => (chosen, reason_of(inp, chosen, top)),
+            None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
+        };
+    }
+    // Someone holds a prefix: lowest cost; rendezvous scores only to break exact ties.
+    let prompt = f64::from(inp.prompt_tokens);
+    let mut best: Option<(usize, f64, u32)> = None;
+    for (i, ((w, (&r, &t)), &m)) in rows {
+        let cap = if m > 0 { cap_holder } else { cap_other };
+        if u64::from(r) >= cap {
+            continue;
+        }
+        let uncached = if m == 0 {
+            prompt
+        } else {
+            f64::from(uncached_tokens(inp, i))
+        };
+        let cost = uncached + p.load_weight * f64::from(t) + p.request_cost_tokens * f64::from(r);
+        let better = match best {
+            None => true,
+            Some((_, c, b)) => {
+                cost < c || (cost == c && mix(inp.affinity, w.id) > mix(inp.affinity, b))
+            }
+        };
+        if better {
+            best = Some((i, cost, w.id));
+        }
+    }
+    match best {
+        Some((chosen, _, _)) => (chosen, reason_of(inp, chosen, 0)),
+        None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
+    }
+}
+
+fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
+    if inp.deepest == 0 {
+        if chosen == top {
+            Reason::HashAffinity
+        } else {
+            Reason::LoadSpill
+        }
+    } else if inp.matched.get(chosen).copied().unwrap_or(0) >= inp.deepest {
+        Reason::PrefixHit
+    } else {
+        Reason::LoadSpill
+    }
+}
+
+/// Any weights; also the reference the uniform fast path is tested against.
+fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let model = inp.model;
+    let n = model.workers.len();
+    let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+    let mut top = 0usize; // rendezvous top overall
+    let mut top_score = f64::MIN;
+    let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
+    for i in 0..n {
+        let score = hrw(model, i, inp.affinity);
+        if score > top_score {
+            top_score = score;
+            top = i;
+        }
+        if !cap_ok(p, inp, total, i) {
+            continue;
+        }
+        let cost = if inp.deepest == 0 {
+            0.0 // pure rendezvous among eligible workers
+        } else {
+            let w = model.workers[i].weight;
+            let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+            let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
+            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r) / w
+        };
+        let better = match best {
+            None => true,
+            Some((_, c, s)) => cost < c || (cost == c && score > s),
+        };
+        if better {
+            best = Some((i, cost, score));
+        }
+    }
+    let Some((chosen, _, _)) = best else {
+        // Unreachable in practice (some worker is always at or below the weighted mean), but a
+        // defined answer beats a panic.
+        return (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill);
+    };
+    (chosen, reason_of(inp, chosen, top))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn model(n: usize) -> Model {
+        let names: Vec<String> = (0..n).map(|i| format!("\"w{i}\"")).collect();
+        let json = format!(
+            "{{\"models\":{{\"m\":{{\"workers\":[{}]}}}}}}",
+            names.join(",")
+        );
+        Config::from_json(json.as_bytes()).unwrap().models.remove(0)
+    }
+
+    fn inputs<'a>(
+        m: &'a Model,
+        reqs: &'a [u32],
+        tokens: &'a [u32],
+        matched: &'a [u32],
+        key: u64,
+    ) -> Inputs<'a> {
+        Inputs {
+            model: m,
+            reqs,
+            tokens,
+            matched,
+            deepest: matched.iter().copied().max().unwrap_or(0),
+            total_blocks: 100,
+            prompt_tokens: 1600,
+            affinity: key,
+        }
+    }
+
+    #[test]
+    fn prefix_holder_wins_when_lightly_loaded() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let (w, r) = choose(
+            &p,
+            &inputs(&m, &[1, 1, 1, 1], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
+        );
+        assert_eq!((w, r), (0, Reason::PrefixHit));
+        // The load bound is strict: with eps = 0.25 and one request in flight among 4 idle
+        // workers, a second one on the same worker would exceed (1+eps)*mean+1, so it spills
+        // (with load_slack 1; the default 3 lets a hot prefix take a few requests first).
+        let strict = PolicyConfig {
+            load_eps: 0.25,
+            load_slack: 1.0,
+            ..PolicyConfig::default()
+        };
+        let (w, r) = choose(
+            &strict,
+            &inputs(&m, &[1, 0, 0, 0], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
+        );
+        assert!(w != 0 && r == Reason::LoadSpill);
+    }
+
+    #[test]
+    fn heavy_queue_outweighs_small_reuse() {
+        let m = model(2);
+        let p = PolicyConfig::default();
+        // Worker 0 holds 10% of the prompt but has 20k tokens queued.
+        let (w, r) = choose(&p, &inputs(&m, &[1, 0], &[20_000, 0], &[10, 0], 7));
+        assert_eq!((w, r), (1, Reason::LoadSpill));
+    }
+
+    #[test]
+    fn load_bound_holds_under_a_hot_prefix() {
+        // Every request carries the same hot prefix held by worker 0; requests never finish.
+        for n in [2usize, 4, 8, 16] {
+            let m = model(n);
+            let p = PolicyConfig::default();
+            let mut reqs = vec![0u32; n];
+            let tokens = vec![0u32; n];
+            let mut matched = vec![0u32; n];
+            matched[0] = 100;
+            for _ in 0..1000 {
+                let (w, _) = choose(&p, &inputs(&m, &reqs, &tokens, &matched, 42));
+                let total: u32 = reqs.iter().sum();
+                let bound = (1.0 + p.load_eps) * f64::from(total + 1) / n as f64 + p.load_slack;
+                assert!(f64::from(reqs[w] + 1) <= bound, "n={n} reqs={reqs:?}");
+                reqs[w] += 1;
+                matched[w] = 100; // the worker now holds the prefix too
+            }
+            let max = *reqs.iter().max().unwrap() as f64;
+            let mean = 1000.0 / n as f64;
+            assert!(
+                max <= (1.0 + p.load_eps) * mean + p.load_slack,
+                "n={n} reqs={reqs:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn rendezvous_moves_about_one_nth_when_a_worker_is_added() {
+        let m8 = model(8);
+        let m9 = model(9);
+        let p = PolicyConfig::default();
+        let (z8, z9) = (vec![0u32; 8], vec![0u32; 9]);
+        let mut moved = 0;
+        let mut counts = [0u32; 8];
+        let trials = 20_000u64;
+        for k in 0..trials {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            let (a, ra) = choose(&p, &inputs(&m8, &z8, &z8, &z8, key));
+            let (b, _) = choose(&p, &inputs(&m9, &z9, &z9, &z9, key));
+            assert_eq!(ra, Reason::HashAffinity);
+            counts[a] += 1;
+            if m8.workers[a].cluster != m9.workers[b].cluster {
+                moved += 1;
+                assert_eq!(m9.workers[b].cluster, "w8", "only moves to the new worker");
+            }
+        }
+        let frac = f64::from(moved) / trials as f64;
+        assert!((frac - 1.0 / 9.0).abs() < 0.02, "moved {frac}");
+        // And removing a worker moves only that worker's keys.
+        let m7 = model(7);
+        let z7 = vec![0u32; 7];
+        for k in 0..2000u64 {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            let (a, _) = choose(&p, &inputs(&m8, &z8, &z8, &z8, key));
+            let (b, _) = choose(&p, &inputs(&m7, &z7, &z7, &z7, key));
+            if a != 7 {
+                assert_eq!(a, b);
+            }
+        }
+        let mean = trials as f64 / 8.0;
+        assert!(
+            counts
+                .iter()
+                .all(|&c| (f64::from(c) - mean).abs() < 0.1 * mean),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn weighted_rendezvous_follows_weights() {
+        let m =
+            Config::from_json(br#"{"models":{"m":{"workers":["a",{"cluster":"b","weight":3}]}}}"#)
+                .unwrap()
+                .models
+                .remove(0);
+        let p = PolicyConfig::default();
+        let z = [0u32; 2];
+        let mut b = 0;
+        for k in 0..8000u64 {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            if choose(&p, &inputs(&m, &z, &z, &z, key)).0 == 1 {
+                b += 1;
+            }
+        }
+        let frac = f64::from(b) / 8000.0;
+        assert!((frac - 0.75).abs() < 0.03, "{frac}");
+    }
+
+    #[test]
+    fn uniform_fast_path_matches_the_general_policy() {
+        use proptest::prelude::*;
+        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+            cases: 2000,
+            ..Default::default()
+        });
+        let models: Vec<Model> = [1usize, 2, 3, 4, 7, 16, 64]
+            .iter()
+            .map(|&n| model(n))
+            .collect();
+        let strat = (
+            0usize..7,
+            proptest::collection::vec(
+                (0u32..12, 0u32..20_000, prop_oneof![Just(0u32), 1u32..100]),
+                64,
+            ),
+            any::<u64>(),
+            prop_oneof![Just(0.0), Just(0.25), Just(1.0), 0.0f64..3.0],
+            prop_oneof![Just(1.0), Just(3.0), 0.0f64..5.0],
+            any::<bool>(),
+        );
+        runner
+            .run(&strat, |(mi, rows, key, eps, slack, miss)| {
+                let m = &models[mi];
+                let n = m.workers.len();
+                let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
+                let tokens: Vec<u32> = rows[..n].iter().map(|r| r.1).collect();
+                let matched: Vec<u32> = rows[..n]
+                    .iter()
+                    .map(|r| if miss { 0 } else { r.2 })
+                    .collect();
+                let p = PolicyConfig {
+                    load_eps: eps,
+                    load_slack: slack,
+                    ..PolicyConfig::default()
+                };
+                let inp = inputs(m, &reqs, &tokens, &matched, key);
+                prop_assert_eq!(choose_uniform(&p, &inp), choose_general(&p, &inp));
+                Ok(())
+            })
+            .unwrap();
+    }
+}

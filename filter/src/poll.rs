@@ -1,0 +1,472 @@
+//! Polled worker load: what each worker says about its own queue, shared by every VM of an
+//! Envoy, merged with this Envoy's own in-flight counts.
+//!
+//! Why: an Envoy's load vector (`load.rs`) counts only the requests *this* Envoy routed. With N
+//! replicas each sees about 1/N of a worker's queue, so N load bounds together admit N times the
+//! intended load; traffic that bypasses Envoy is invisible. Each worker knows its real queue, so
+//! one VM per Envoy (the holder of a lease in shared data, see [`Lease`]) asks every worker for it
+//! every `load_poll.interval_ms` (`GET /v1/loads`; `GET /get_load` for a worker that answers 404)
+//! and publishes the answers in one shared-data value per model ([`publish`]).
+//!
+//! **Merge.** A published record carries the worker's polled `(requests, tokens)` `P` and this
+//! Envoy's own in-flight counts `S` at the moment the answer arrived. A decision then uses, per
+//! worker, `max(L, P + L − S)` with `L` the own counts now: the polled load plus this Envoy's
+//! changes since the poll, and never less than what this Envoy alone has in flight there. A single
+//! Envoy without other traffic sees `P ≈ S`, i.e. exactly its own counts, as before.
+//!
+//! **Unknown is not idle.** A worker whose last poll failed, or whose last good answer is older
+//! than `load_poll.stale_ms`, counts as `max(L, mean of the known workers)`: neither a magnet for
+//! new work (an unreachable load endpoint must not look idle) nor excluded (it may well serve).
+//! When no worker is known, the decision uses the own counts alone (polling off, or all down).
+//!
+//! Costs: the poller makes one HTTP call per worker per interval and one CAS per answer; every VM
+//! re-reads each model's published value once per tick (50 ms), so a decision pays no host call
+//! for polled load. Staleness: at most interval + tick + the worker's answer time.
+
+use crate::config::Worker;
+use crate::store::Store;
+
+/// Published record: worker id, polled requests, polled tokens, own requests at the poll, own
+/// tokens at the poll, time of the last good answer (100 ms units; 0 = unknown). Little-endian.
+const REC: usize = 24;
+
+/// One worker's polled state as read by a VM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Polled {
+    pub reqs: u32,
+    pub tokens: u32,
+    pub snap_reqs: u32,
+    pub snap_tokens: u32,
+    /// Time of the last good answer, 100 ms units; 0 = never or failed.
+    pub at: u32,
+}
+
+fn rd(b: &[u8], at: usize) -> u32 {
+    match b.get(at..at + 4) {
+        Some(s) => u32::from_le_bytes([s[0], s[1], s[2], s[3]]),
+        None => 0,
+    }
+}
+
+fn wr(b: &mut [u8], at: usize, v: u32) {
+    if let Some(s) = b.get_mut(at..at + 4) {
+        s.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+fn find(b: &[u8], id: u32, hint: usize) -> Option<usize> {
+    let n = b.len() / REC;
+    if hint < n && rd(b, hint * REC) == id {
+        return Some(hint * REC);
+    }
+    (0..n).map(|i| i * REC).find(|&o| rd(b, o) == id)
+}
+
+/// Reads a published value into one [`Polled`] per configured worker (unknown when missing).
+pub fn decode(b: &[u8], workers: &[Worker], out: &mut Vec<Polled>) {
+    out.clear();
+    let b = &b[..b.len() - b.len() % REC];
+    for (i, w) in workers.iter().enumerate() {
+        out.push(match find(b, w.id, i) {
+            Some(o) => Polled {
+                reqs: rd(b, o + 4),
+                tokens: rd(b, o + 8),
+                snap_reqs: rd(b, o + 12),
+                snap_tokens: rd(b, o + 16),
+                at: rd(b, o + 20),
+            },
+            None => Polled::default(),
+        });
+    }
+}
+
+/// Writes one worker's record into a published value (appending it when missing).
+pub fn put(b: &mut Vec<u8>, id: u32, hint: usize, p: &Polled) {
+    b.truncate(b.len() - b.len() % REC);
+    let o = match find(b, id, hint) {
+        Some(o) => o,
+        None => {
+            let o = b.len();
+            b.resize(o + REC, 0);
+            wr(b, o, id);
+            o
+        }
+    };
+    for (k, v) in [p.reqs, p.tokens, p.snap_reqs, p.snap_tokens, p.at]
+        .into_iter()
+        .enumerate()
+    {
+        wr(b, o + 4 + 4 * k, v);
+    }
+}
+
+/// Publishes one answer (or a failure: `p.at == 0`) with a CAS read-modify-write. Only the lease
+/// holder writes, so conflicts are rare (a lease hand-over); returns false if all tries lost.
+pub fn publish<S: Store>(
+    store: &S,
+    key: &str,
+    id: u32,
+    hint: usize,
+    p: &Polled,
+    buf: &mut Vec<u8>,
+) -> bool {
+    for _ in 0..8 {
+        let cas = store.get(key, buf).unwrap_or(0);
+        put(buf, id, hint, p);
+        if store.set(key, buf, cas).is_ok() {
+            return true;
+        }
+    }
+    false
+}
+
+/// Replaces the own counts `reqs`/`tokens` (one per worker) by the merged view (module docs).
+/// `polled` is indexed like the workers (empty when polling is off). Returns how many workers
+/// were unknown while at least one other was known.
+pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: &mut [u32]) -> u32 {
+    if polled.len() != reqs.len() || polled.len() != tokens.len() {
+        return 0;
+    }
+    let fresh = |p: &Polled| p.at != 0 && now.wrapping_sub(p.at) <= stale;
+    let (mut known, mut sum_r, mut sum_t) = (0u64, 0u64, 0u64);
+    for ((p, r), t) in polled.iter().zip(reqs.iter_mut()).zip(tokens.iter_mut()) {
+        if fresh(p) {
+            *r = own_plus_polled(*r, p.reqs, p.snap_reqs);
+            *t = own_plus_polled(*t, p.tokens, p.snap_tokens);
+            known += 1;
+            sum_r += u64::from(*r);
+            sum_t += u64::from(*t);
+        }
+    }
+    if known == 0 || known == polled.len() as u64 {
+        return 0;
+    }
+    let (mean_r, mean_t) = ((sum_r / known) as u32, (sum_t / known) as u32);
+    let mut unknown = 0;
+    for ((p, r), t) in polled.iter().zip(reqs.iter_mut()).zip(tokens.iter_mut()) {
+        if !fresh(p) {
+            *r = (*r).max(mean_r);
+            *t = (*t).max(mean_t);
+            unknown += 1;
+        }
+    }
+    unknown
+}
+
+/// `max(own, polled + own − own_at_poll)`, saturating.
+fn own_plus_polled(own: u32, polled: u32, own_at_poll: u32) -> u32 {
+    let v = i64::from(polled) + i64::from(own) - i64::from(own_at_poll);
+    v.clamp(i64::from(own), i64::from(u32::MAX)) as u32
+}
+
+/// A worker's answer: in-flight requests (running + waiting) and queued prompt tokens, summed
+/// over data-parallel ranks. Accepts `/v1/loads` (`{"loads":[rank...]}`, or a bare list of
+/// ranks) and `/get_load` (`[{"num_reqs","num_waiting_reqs","num_tokens"}...]`). `None` for
+/// anything else, so a wrong endpoint counts as a failed poll, never as an idle worker.
+pub fn parse_load(body: &[u8]) -> Option<(u32, u32)> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let ranks = match &v {
+        serde_json::Value::Array(a) => a.as_slice(),
+        serde_json::Value::Object(o) => match o.get("loads") {
+            Some(serde_json::Value::Array(a)) => a.as_slice(),
+            _ => std::slice::from_ref(&v),
+        },
+        _ => return None,
+    };
+    let num = |r: &serde_json::Value, k: &str| r.get(k).and_then(serde_json::Value::as_u64);
+    let (mut reqs, mut tokens, mut any) = (0u64, 0u64, false);
+    for r in ranks {
+        if let Some(running) = num(r, "num_running_reqs") {
+            // /v1/loads: running and waiting are separate.
+            reqs += running + num(r, "num_waiting_reqs").unwrap_or(0);
+            tokens += num(r, "num_waiting_uncached_tokens").unwrap_or(0);
+            any = true;
+        } else if let Some(n) = num(r, "num_reqs") {
+            // /get_load: num_reqs already includes the waiting ones.
+            reqs += n;
+            tokens += num(r, "num_tokens").unwrap_or(0);
+            any = true;
+        }
+    }
+    any.then(|| {
+        (
+            reqs.min(u64::from(u32::MAX)) as u32,
+            tokens.min(u64::from(u32::MAX)) as u32,
+        )
+    })
+}
+
+/// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
+/// ms). The holder renews it every tick; another VM takes it over only once it expired (the
+/// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
+/// harmless (both publish the same kind of answer).
+pub struct Lease;
+
+pub const LEASE_KEY: &str = "pr/poller";
+
+impl Lease {
+    /// Takes or renews the lease for `me` until `now_ms + ttl_ms`; true if `me` holds it.
+    pub fn hold<S: Store>(store: &S, me: u64, now_ms: u64, ttl_ms: u64, buf: &mut Vec<u8>) -> bool {
+        let cas = store.get(LEASE_KEY, buf);
+        if let Some(cur) = buf.get(..16) {
+            let owner = u64::from_le_bytes(cur[..8].try_into().unwrap_or([0; 8]));
+            let expires = u64::from_le_bytes(cur[8..16].try_into().unwrap_or([0; 8]));
+            if owner != me && now_ms < expires {
+                return false;
+            }
+        }
+        let mut v = [0u8; 16];
+        v[..8].copy_from_slice(&me.to_le_bytes());
+        v[8..].copy_from_slice(&(now_ms + ttl_ms).to_le_bytes());
+        // A CAS on a missing key inserts, so two VMs racing for a fresh lease both "win" once;
+        // the next renewal settles it (only the last writer sees itself as owner).
+        store.set(LEASE_KEY, &v, cas.unwrap_or(0)).is_ok()
+    }
+}
+
+/// One poll in flight: which worker, and whether it asked the fallback path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    pub model: u16,
+    pub worker: u16,
+    pub fallback: bool,
+}
+
+/// The poller's schedule and in-flight calls (kept by the lease holder's VM).
+#[derive(Default)]
+pub struct Poller {
+    next_due_ms: u64,
+    /// Per model, per worker: the worker answered 404 on the primary path (use the fallback).
+    use_fallback: Vec<Vec<bool>>,
+    /// `(token, target)` of calls awaiting an answer.
+    inflight: Vec<(u32, Target)>,
+    pub failures: u64,
+    pub answers: u64,
+}
+
+impl Poller {
+    pub fn new(workers_per_model: impl Iterator<Item = usize>) -> Poller {
+        Poller {
+            use_fallback: workers_per_model.map(|n| vec![false; n]).collect(),
+            ..Poller::default()
+        }
+    }
+
+    /// Whether a round is due at `now_ms`; schedules the next one.
+    pub fn due(&mut self, now_ms: u64, interval_ms: u32) -> bool {
+        if interval_ms == 0 || now_ms < self.next_due_ms {
+            return false;
+        }
+        self.next_due_ms = now_ms + u64::from(interval_ms);
+        true
+    }
+
+    /// Targets of a round, skipping workers whose previous call is still in flight (a slow
+    /// worker is asked at most once at a time; the call's timeout bounds it).
+    pub fn round(&self) -> impl Iterator<Item = Target> + '_ {
+        self.use_fallback
+            .iter()
+            .enumerate()
+            .flat_map(|(m, ws)| {
+                ws.iter().enumerate().map(move |(w, &fb)| Target {
+                    model: m as u16,
+                    worker: w as u16,
+                    fallback: fb,
+                })
+            })
+            .filter(|t| {
+                !self
+                    .inflight
+                    .iter()
+                    .any(|(_, i)| i.model == t.model && i.worker == t.worker)
+            })
+    }
+
+    pub fn sent(&mut self, token: u32, t: Target) {
+        self.inflight.push((token, t));
+    }
+
+    /// A dispatch that failed at once (unknown cluster, ...).
+    pub fn not_sent(&mut self) {
+        self.failures += 1;
+    }
+
+    /// Handles an answer: returns the target and the parsed load (`None` = failed poll). A 404
+    /// on the primary path switches that worker to the fallback path for the next round and is
+    /// not a failure (an older SGLang): it returns `None` like an unknown token.
+    pub fn answer(
+        &mut self,
+        token: u32,
+        status: Option<u32>,
+        body: &[u8],
+    ) -> Option<(Target, Option<(u32, u32)>)> {
+        let k = self.inflight.iter().position(|(tok, _)| *tok == token)?;
+        let (_, t) = self.inflight.swap_remove(k);
+        let parsed = match status {
+            Some(200) => parse_load(body),
+            Some(404) if !t.fallback => {
+                if let Some(f) = self
+                    .use_fallback
+                    .get_mut(usize::from(t.model))
+                    .and_then(|m| m.get_mut(usize::from(t.worker)))
+                {
+                    *f = true;
+                }
+                return None;
+            }
+            _ => None,
+        };
+        match parsed {
+            Some(_) => self.answers += 1,
+            None => self.failures += 1,
+        }
+        Some((t, parsed))
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::worker_id;
+    use crate::store::MemStore;
+
+    fn workers(n: usize) -> Vec<Worker> {
+        (0..n)
+            .map(|i| {
+                let c = format!("w{i}");
+                Worker {
+                    id: worker_id(&c),
+                    cluster: c,
+                    weight: 1.0,
+                }
+            })
+            .collect()
+    }
+
+    fn known(reqs: u32, snap: u32, at: u32) -> Polled {
+        Polled {
+            reqs,
+            tokens: reqs * 100,
+            snap_reqs: snap,
+            snap_tokens: snap * 100,
+            at,
+        }
+    }
+
+    #[test]
+    fn parses_both_sglang_load_endpoints() {
+        let v1 = br#"{"timestamp":1.0,"loads":[
+            {"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":2,"num_waiting_uncached_tokens":700},
+            {"dp_rank":1,"num_running_reqs":1,"num_waiting_reqs":0,"num_waiting_uncached_tokens":5}]}"#;
+        assert_eq!(parse_load(v1), Some((6, 705)));
+        let bare = br#"[{"dp_rank":0,"num_running_reqs":4,"num_waiting_reqs":1}]"#;
+        assert_eq!(parse_load(bare), Some((5, 0)));
+        let old = br#"[{"dp_rank":0,"num_reqs":7,"num_waiting_reqs":4,"num_tokens":900}]"#;
+        assert_eq!(parse_load(old), Some((7, 900)));
+        for bad in [
+            &b"not json"[..],
+            b"{}",
+            b"[]",
+            b"[1,2]",
+            b"\"x\"",
+            b"{\"loads\":7}",
+        ] {
+            assert_eq!(parse_load(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn merge_adds_other_replicas_and_keeps_own_changes() {
+        // Worker 0: 10 in flight at the poll, 2 of them ours; since then we added 1 (L = 3).
+        // Worker 1: polled 1, ours 1 at the poll, ours finished since (L = 0): nobody else's.
+        // Worker 2: the poll saw fewer than ours (ours still in transit): ours count.
+        let p = [known(10, 2, 50), known(1, 1, 50), known(0, 2, 50)];
+        let (mut r, mut t) = (vec![3, 0, 2], vec![300, 0, 200]);
+        assert_eq!(merge(&p, 52, 10, &mut r, &mut t), 0);
+        assert_eq!(r, vec![11, 0, 2]);
+        assert_eq!(t, vec![1100, 0, 200]);
+    }
+
+    #[test]
+    fn stale_or_failed_workers_count_as_average_not_idle() {
+        // Worker 2 failed (at 0), worker 3 is stale: both count as the known mean (10).
+        let p = [
+            known(12, 0, 50),
+            known(8, 0, 50),
+            Polled::default(),
+            known(0, 0, 10),
+        ];
+        let (mut r, mut t) = (vec![0, 0, 0, 15], vec![0; 4]);
+        assert_eq!(merge(&p, 55, 10, &mut r, &mut t), 2);
+        assert_eq!(r, vec![12, 8, 10, 15], "unknown = max(own, mean)");
+        // Nothing known: own counts unchanged (as with polling off).
+        let (mut r, mut t) = (vec![1, 2, 3, 4], vec![0; 4]);
+        let none = [Polled::default(); 4];
+        assert_eq!(merge(&none, 55, 10, &mut r, &mut t), 0);
+        assert_eq!(r, vec![1, 2, 3, 4]);
+        assert_eq!(merge(&[], 55, 10, &mut r, &mut t), 0);
+    }
+
+    #[test]
+    fn published_records_round_trip_by_worker_id() {
+        let ws = workers(3);
+        let s = MemStore::new();
+        let mut buf = Vec::new();
+        assert!(publish(&s, "p", ws[2].id, 2, &known(5, 1, 9), &mut buf));
+        assert!(publish(&s, "p", ws[0].id, 0, &known(7, 0, 9), &mut buf));
+        assert!(publish(&s, "p", ws[2].id, 2, &known(6, 1, 10), &mut buf));
+        s.get("p", &mut buf);
+        let mut out = Vec::new();
+        decode(&buf, &ws, &mut out);
+        assert_eq!(
+            out,
+            vec![known(7, 0, 9), Polled::default(), known(6, 1, 10)]
+        );
+        decode(b"garbage", &ws, &mut out);
+        assert_eq!(out, vec![Polled::default(); 3]);
+    }
+
+    #[test]
+    fn one_lease_holder_until_it_expires() {
+        let s = MemStore::new();
+        let mut b = Vec::new();
+        assert!(Lease::hold(&s, 1, 1000, 300, &mut b));
+        assert!(!Lease::hold(&s, 2, 1100, 300, &mut b));
+        assert!(Lease::hold(&s, 1, 1200, 300, &mut b), "renewal");
+        assert!(!Lease::hold(&s, 2, 1499, 300, &mut b));
+        assert!(Lease::hold(&s, 2, 1500, 300, &mut b), "expired: taken over");
+        assert!(!Lease::hold(&s, 1, 1600, 300, &mut b));
+    }
+
+    #[test]
+    fn poller_falls_back_on_404_and_never_stacks_calls() {
+        let mut p = Poller::new([2usize].into_iter());
+        assert!(p.due(0, 100));
+        assert!(!p.due(50, 100));
+        let ts: Vec<Target> = p.round().collect();
+        assert_eq!(ts.len(), 2);
+        p.sent(7, ts[0]);
+        p.sent(8, ts[1]);
+        assert_eq!(p.round().count(), 0, "both still in flight");
+        assert!(
+            p.answer(7, Some(404), b"").is_none(),
+            "switches, not a failure"
+        );
+        let (_, l) = p
+            .answer(8, Some(200), br#"[{"num_reqs":3,"num_tokens":1}]"#)
+            .unwrap();
+        assert_eq!(l, Some((3, 1)));
+        assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
+        let next: Vec<Target> = p.round().collect();
+        assert!(next[0].fallback && !next[1].fallback);
+        assert_eq!((p.answers, p.failures), (1, 0));
+        p.sent(9, next[1]);
+        let (_, l) = p.answer(9, Some(503), b"").unwrap();
+        assert_eq!(l, None);
+        assert_eq!(p.failures, 1);
+    }
+}
