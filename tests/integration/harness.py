@@ -68,6 +68,7 @@ class WorkerStats:
     inflight: int = 0
     max_inflight: int = 0
     aborted: int = 0  # streams the downstream side cut off
+    polls: int = 0  # load-endpoint requests (the filter's poller), not in `count`
     # Every request: (method, path, cluster header values seen, debug header seen, body length).
     requests: list = field(default_factory=list)
 
@@ -85,6 +86,9 @@ class Worker:
     def __init__(self, name: str):
         self.name = name
         self.delay_s = 0.0
+        # Requests this worker reports on its load endpoints beyond its own in-flight ones
+        # (traffic that bypasses Envoy, or other replicas').
+        self.extra_load = 0
         self.lock = threading.Lock()
         self.stats = WorkerStats()
         self.conns: set = set()  # open (keep-alive) connections, closed by close()
@@ -122,8 +126,34 @@ class Worker:
                 n = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(n) if n else b""
 
+            def _loads(self) -> bool:
+                """SGLang's load endpoints as the filter's poller asks them (authority = the worker's
+                cluster name): answered with the worker's load and not counted as client traffic."""
+                path = self.path.split("?")[0]
+                poll = self.headers.get("Host") == worker.name
+                if self.command != "GET" or path not in ("/v1/loads", "/get_load") or not poll:
+                    return False
+                with worker.lock:
+                    worker.stats.polls += 1
+                    running = worker.stats.inflight + worker.extra_load
+                if path == "/v1/loads":
+                    rank = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
+                            "num_waiting_uncached_tokens": 0}
+                    payload = json.dumps({"loads": [rank]}).encode()
+                else:
+                    payload = json.dumps([{"dp_rank": 0, "num_reqs": running, "num_waiting_reqs": 0,
+                                           "num_tokens": 0}]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                return True
+
             def _handle(self):
                 body = self._read_body()
+                if self._loads():
+                    return
                 with worker.lock:
                     worker.stats.count += 1
                     worker.stats.inflight += 1
