@@ -4,8 +4,9 @@
 //!
 //! * **Load bound.** Worker `i` (weight `w_i`, total weight `W`) is eligible only while
 //!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + s_i`, where `R` is the model's total
-//!   in-flight requests, and the slack `s_i` is `load_slack` (default 3) when worker `i` holds
-//!   part of the prompt and 1 otherwise. A hot prefix therefore spills to a second worker instead
+//!   in-flight requests, and the slack `s_i` is 1 for a worker holding none of the prompt and
+//!   grows for a holder with the tokens it holds, up to `load_slack` (default 3) at
+//!   `slack_full_tokens` (default 8192). A hot prefix therefore spills to a second worker instead
 //!   of piling onto one (bounded-load consistent hashing), while at low concurrency a holder may
 //!   take a few requests more before its cached prefix is recomputed elsewhere.
 //! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
@@ -44,14 +45,29 @@ fn hrw(model: &Model, i: usize, key: u64) -> f64 {
     -w.weight / u.ln()
 }
 
-/// The load bound. The absolute slack is `load_slack` for a worker that holds part of the
-/// prompt (reuse is worth a little queueing) and 1 otherwise, so a slow or busy worker still
-/// stops receiving *new* prefixes at low concurrency.
+/// The load bound's absolute slack for worker `i`: 1 for a worker holding none of the prompt (a
+/// slow or busy worker stops receiving *new* prefixes at low concurrency); for a holder it grows
+/// with the prompt tokens it holds, up to `load_slack` at `slack_full_tokens`: queueing a few
+/// requests more is worth it to reuse a 32k-token document, not to reuse a 3k-token system prompt
+/// that every worker can cache once (holders of a shared head then spill new conversations to
+/// the rest of the fleet instead of stacking them).
+fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
+    if inp.matched.get(i).copied().unwrap_or(0) == 0 {
+        return 1.0;
+    }
+    if p.slack_full_tokens == 0 {
+        return p.load_slack;
+    }
+    let held = inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i));
+    let f = (f64::from(held) / f64::from(p.slack_full_tokens)).min(1.0);
+    1.0 + (p.load_slack - 1.0).max(0.0) * f
+}
+
+/// The load bound (module docs), with [`holder_slack`].
 fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
     let model = inp.model;
     let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-    let holds = inp.matched.get(i).copied().unwrap_or(0) > 0;
-    let slack = if holds { p.load_slack } else { 1.0 };
+    let slack = holder_slack(p, inp, i);
     // Same operation order as the uniform path's `share`, so both round alike.
     let share = (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
     r + 1.0 <= share + slack
@@ -91,7 +107,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             0
         }
     };
-    let (cap_holder, cap_other) = (cap(p.load_slack), cap(1.0));
+    let cap_other = cap(1.0);
     let rows = model
         .workers
         .iter()
@@ -121,7 +137,11 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let prompt = f64::from(inp.prompt_tokens);
     let mut best: Option<(usize, f64, u32)> = None;
     for (i, ((w, (&r, &t)), &m)) in rows {
-        let cap = if m > 0 { cap_holder } else { cap_other };
+        let cap = if m > 0 {
+            cap(holder_slack(p, inp, i))
+        } else {
+            cap_other
+        };
         if u64::from(r) >= cap {
             continue;
         }
@@ -233,6 +253,29 @@ mod tests {
             prompt_tokens: 1600,
             affinity: key,
         }
+    }
+
+    #[test]
+    fn holder_slack_grows_with_the_tokens_held() {
+        // 4 workers, 4 in flight on worker 0 (the holder), none elsewhere: share = 2*5/4 = 2.5.
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let reqs = [3, 0, 0, 0];
+        let (z, matched) = ([0u32; 4], [90u32, 0, 0, 0]);
+        let mut inp = inputs(&m, &reqs, &z, &matched, 1);
+        // 90% of a 1600-token prompt held: slack 1 + 2 * 1440/8192 = 1.35: cap floor(3.85) = 3,
+        // 3 in flight + 1 > 3: the holder of a short shared head spills.
+        assert_ne!(choose(&p, &inp).0, 0);
+        // The same share of a 32k-token prompt: full slack 3, cap 5: it stays.
+        inp.prompt_tokens = 32_768;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // slack_full_tokens 0: every holder gets the full slack (the old rule).
+        inp.prompt_tokens = 1600;
+        let old = PolicyConfig {
+            slack_full_tokens: 0,
+            ..PolicyConfig::default()
+        };
+        assert_eq!(choose(&old, &inp), (0, Reason::PrefixHit));
     }
 
     #[test]
@@ -378,9 +421,10 @@ mod tests {
             prop_oneof![Just(0.0), Just(0.25), Just(1.0), 0.0f64..3.0],
             prop_oneof![Just(1.0), Just(3.0), 0.0f64..5.0],
             any::<bool>(),
+            prop_oneof![Just(0u32), Just(8192u32), 1u32..4000],
         );
         runner
-            .run(&strat, |(mi, rows, key, eps, slack, miss)| {
+            .run(&strat, |(mi, rows, key, eps, slack, miss, full)| {
                 let m = &models[mi];
                 let n = m.workers.len();
                 let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
@@ -392,6 +436,7 @@ mod tests {
                 let p = PolicyConfig {
                     load_eps: eps,
                     load_slack: slack,
+                    slack_full_tokens: full,
                     ..PolicyConfig::default()
                 };
                 let inp = inputs(m, &reqs, &tokens, &matched, key);
