@@ -224,6 +224,11 @@ pub struct PolicyConfig {
     /// Leading blocks whose hash picks the rendezvous worker when nobody holds the prefix.
     #[serde(default = "default_affinity_blocks")]
     pub affinity_blocks: usize,
+    /// Rendezvous key of a chat prompt with two or more messages: the prompt through its second
+    /// message (true: conversations over one system prompt spread) or the first
+    /// `affinity_blocks` blocks (false).
+    #[serde(default = "default_conversation_key")]
+    pub conversation_key: bool,
     /// Text bytes per token when estimating the tokens of a text prompt.
     #[serde(default = "default_chars_per_token")]
     pub chars_per_token: u32,
@@ -245,6 +250,7 @@ impl Default for PolicyConfig {
             load_weight: default_load_weight(),
             request_cost_tokens: default_request_cost_tokens(),
             affinity_blocks: default_affinity_blocks(),
+            conversation_key: default_conversation_key(),
             chars_per_token: default_chars_per_token(),
             batch_releases_min_rps: default_batch_releases_min_rps(),
         }
@@ -300,6 +306,9 @@ fn default_load_weight() -> f64 {
 }
 fn default_request_cost_tokens() -> f64 {
     64.0
+}
+fn default_conversation_key() -> bool {
+    true
 }
 fn default_affinity_blocks() -> usize {
     4

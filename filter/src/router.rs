@@ -235,7 +235,7 @@ impl Router {
     /// The rendezvous key (module docs): through the second chat message, else the first
     /// `affinity_blocks` blocks.
     fn affinity_key(&self, seed: u64, block_bytes: usize, kind: PromptKind) -> u64 {
-        if kind == PromptKind::Text {
+        if kind == PromptKind::Text && self.cfg.policy.conversation_key {
             if let Some(&end) = self.bounds.get(1) {
                 let end = end.min(self.canon.len());
                 // Continue the chain from the last full block before `end`: one short hash.
