@@ -10,6 +10,7 @@ pub mod load;
 pub mod peers;
 pub mod policy;
 pub mod poll;
+pub mod records;
 pub mod request;
 pub mod router;
 pub mod store;

@@ -13,31 +13,10 @@
 
 use crate::config::{Config, Worker};
 use crate::poll::{self, Polled};
+use crate::records::{find, rd, wr};
 use crate::store::Store;
 
 const REC: usize = 12;
-
-fn rd(b: &[u8], at: usize) -> u32 {
-    match b.get(at..at + 4) {
-        Some(s) => u32::from_le_bytes([s[0], s[1], s[2], s[3]]),
-        None => 0,
-    }
-}
-
-fn wr(b: &mut [u8], at: usize, v: u32) {
-    if let Some(s) = b.get_mut(at..at + 4) {
-        s.copy_from_slice(&v.to_le_bytes());
-    }
-}
-
-/// Offset of `id`'s record in `b`, trying position `hint` first.
-fn find(b: &[u8], id: u32, hint: usize) -> Option<usize> {
-    let n = b.len() / REC;
-    if hint < n && rd(b, hint * REC) == id {
-        return Some(hint * REC);
-    }
-    (0..n).map(|i| i * REC).find(|&o| rd(b, o) == id)
-}
 
 /// Fills `reqs` / `tokens` (one slot per configured worker) from a stored value.
 pub fn decode(b: &[u8], workers: &[Worker], reqs: &mut Vec<u32>, tokens: &mut Vec<u32>) {
@@ -45,7 +24,7 @@ pub fn decode(b: &[u8], workers: &[Worker], reqs: &mut Vec<u32>, tokens: &mut Ve
     tokens.clear();
     let b = &b[..b.len() - b.len() % REC];
     for (i, w) in workers.iter().enumerate() {
-        match find(b, w.id, i) {
+        match find(b, REC, w.id, i) {
             Some(o) => {
                 reqs.push(rd(b, o + 4));
                 tokens.push(rd(b, o + 8));
@@ -62,7 +41,7 @@ pub fn decode(b: &[u8], workers: &[Worker], reqs: &mut Vec<u32>, tokens: &mut Ve
 /// Counts saturate at 0 and `u32::MAX`; returns false if a decrement found less than it removes.
 pub fn apply(b: &mut Vec<u8>, id: u32, hint: usize, dreq: i64, dtok: i64) -> bool {
     b.truncate(b.len() - b.len() % REC);
-    let o = match find(b, id, hint) {
+    let o = match find(b, REC, id, hint) {
         Some(o) => o,
         None => {
             let o = b.len();

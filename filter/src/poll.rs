@@ -24,6 +24,7 @@
 //! for polled load. Staleness: at most interval + tick + the worker's answer time.
 
 use crate::config::Worker;
+use crate::records::{find, rd, wr};
 use crate::store::Store;
 
 /// Published record: worker id, polled requests, polled tokens, own requests at the poll, own
@@ -41,33 +42,12 @@ pub struct Polled {
     pub at: u32,
 }
 
-fn rd(b: &[u8], at: usize) -> u32 {
-    match b.get(at..at + 4) {
-        Some(s) => u32::from_le_bytes([s[0], s[1], s[2], s[3]]),
-        None => 0,
-    }
-}
-
-fn wr(b: &mut [u8], at: usize, v: u32) {
-    if let Some(s) = b.get_mut(at..at + 4) {
-        s.copy_from_slice(&v.to_le_bytes());
-    }
-}
-
-fn find(b: &[u8], id: u32, hint: usize) -> Option<usize> {
-    let n = b.len() / REC;
-    if hint < n && rd(b, hint * REC) == id {
-        return Some(hint * REC);
-    }
-    (0..n).map(|i| i * REC).find(|&o| rd(b, o) == id)
-}
-
 /// Reads a published value into one [`Polled`] per configured worker (unknown when missing).
 pub fn decode(b: &[u8], workers: &[Worker], out: &mut Vec<Polled>) {
     out.clear();
     let b = &b[..b.len() - b.len() % REC];
     for (i, w) in workers.iter().enumerate() {
-        out.push(match find(b, w.id, i) {
+        out.push(match find(b, REC, w.id, i) {
             Some(o) => Polled {
                 reqs: rd(b, o + 4),
                 tokens: rd(b, o + 8),
@@ -83,7 +63,7 @@ pub fn decode(b: &[u8], workers: &[Worker], out: &mut Vec<Polled>) {
 /// Writes one worker's record into a published value (appending it when missing).
 pub fn put(b: &mut Vec<u8>, id: u32, hint: usize, p: &Polled) {
     b.truncate(b.len() - b.len() % REC);
-    let o = match find(b, id, hint) {
+    let o = match find(b, REC, id, hint) {
         Some(o) => o,
         None => {
             let o = b.len();
