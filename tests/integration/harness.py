@@ -89,6 +89,11 @@ class Worker:
         # Requests this worker reports on its load endpoints beyond its own in-flight ones
         # (traffic that bypasses Envoy, or other replicas').
         self.extra_load = 0
+        # Status of the load endpoints' answers: anything but 200 answers that status with an
+        # empty JSON error (a worker whose load endpoint is broken while it still serves).
+        self.load_status = 200
+        # Seconds the load endpoints take to answer (a worker too busy to answer its poll in time).
+        self.load_delay_s = 0.0
         self.lock = threading.Lock()
         self.stats = WorkerStats()
         self.conns: set = set()  # open (keep-alive) connections, closed by close()
@@ -136,6 +141,18 @@ class Worker:
                 with worker.lock:
                     worker.stats.polls += 1
                     running = worker.stats.inflight + worker.extra_load
+                    status = worker.load_status
+                    delay = worker.load_delay_s
+                if delay:
+                    time.sleep(delay)
+                if status != 200:
+                    payload = json.dumps({"error": "load endpoint failed"}).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return True
                 if path == "/v1/loads":
                     rank = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
                             "num_waiting_uncached_tokens": 0}
