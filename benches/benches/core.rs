@@ -152,6 +152,7 @@ fn policies(c: &mut Criterion) {
                 total_blocks: 256,
                 prompt_tokens: 4096,
                 affinity: 0xdead_beef,
+                conversation_blocks: 0,
             };
             g.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter(|| policy::choose(&cfg.policy, black_box(&inp)))

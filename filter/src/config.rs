@@ -65,6 +65,11 @@ pub struct LoadPollConfig {
     /// A worker whose last good poll is older than this counts as unknown, not idle.
     #[serde(default = "default_poll_stale_ms")]
     pub stale_ms: u32,
+    /// Polls go to the cluster named worker cluster + this suffix (e.g. `_load`: the worker's own
+    /// host only, no outlier detection, no fallbacks, so a failing load endpoint never ejects the
+    /// worker and a fallback never answers for it); empty = the worker cluster itself.
+    #[serde(default)]
+    pub cluster_suffix: String,
 }
 
 impl Default for LoadPollConfig {
@@ -75,6 +80,7 @@ impl Default for LoadPollConfig {
             fallback_path: default_poll_fallback_path(),
             timeout_ms: default_poll_timeout_ms(),
             stale_ms: default_poll_stale_ms(),
+            cluster_suffix: String::new(),
         }
     }
 }
@@ -367,6 +373,8 @@ pub struct Model {
     pub poll_key: String,
     /// Model identity in peer record batches (hash of the name, like worker ids).
     pub peer_key: u32,
+    /// Per worker: the cluster its load is polled through (`load_poll.cluster_suffix`).
+    pub poll_clusters: Vec<String>,
     /// True when all weights are equal (rendezvous can skip the logarithm).
     pub uniform_weights: bool,
     pub total_weight: f64,
@@ -489,6 +497,10 @@ impl Config {
                 load_key: format!("pr/l/{name}"),
                 poll_key: format!("pr/p/{name}"),
                 peer_key: worker_id(name),
+                poll_clusters: workers
+                    .iter()
+                    .map(|w| format!("{}{}", w.cluster, raw.load_poll.cluster_suffix))
+                    .collect(),
                 name: name.clone(),
                 workers,
                 text_block_bytes,
@@ -584,6 +596,9 @@ impl Config {
                     "must be a path starting with /",
                 ));
             }
+        }
+        if lp.cluster_suffix.bytes().any(|b| b.is_ascii_control()) {
+            return Err(err("load_poll.cluster_suffix", "must be printable"));
         }
         if lp.timeout_ms == 0 || lp.timeout_ms > 60_000 {
             return Err(err("load_poll.timeout_ms", "must be between 1 and 60000"));

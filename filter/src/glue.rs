@@ -278,12 +278,10 @@ impl Root {
         let targets: Vec<poll::Target> = self.poller.round().collect();
         let timeout = Duration::from_millis(u64::from(lp.timeout_ms));
         for t in targets {
-            let Some(w) = r
-                .cfg
-                .models
-                .get(usize::from(t.model))
-                .and_then(|m| m.workers.get(usize::from(t.worker)))
-            else {
+            let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
+                let i = usize::from(t.worker);
+                Some((m.workers.get(i)?, m.poll_clusters.get(i)?))
+            }) else {
                 continue;
             };
             let path = if t.fallback {
@@ -296,7 +294,7 @@ impl Root {
                 (":path", path),
                 (":authority", w.cluster.as_str()),
             ];
-            match self.dispatch_http_call(&w.cluster, headers, None, vec![], timeout) {
+            match self.dispatch_http_call(upstream, headers, None, vec![], timeout) {
                 Ok(token) => self.poller.sent(token, t),
                 Err(_) => self.poller.not_sent(),
             }

@@ -291,6 +291,11 @@ impl Router {
             }
         }
         let total_blocks = self.hashes.len() as u32;
+        let conversation_blocks = if self.ends.len() >= 3 {
+            self.ends.get(1).map_or(0, |&e| e as u32)
+        } else {
+            0
+        };
         let (policy, matched) = (&mut self.policy, &self.matched);
         let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
             let inp = Inputs {
@@ -302,6 +307,7 @@ impl Router {
                 total_blocks,
                 prompt_tokens,
                 affinity,
+                conversation_blocks,
             };
             let (w, reason) = policy.choose(&cfg.policy, &inp);
             let tok = if uses_index {

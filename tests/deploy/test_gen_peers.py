@@ -63,7 +63,7 @@ def test_peers_config_validates_and_listeners_share_the_vm(composecheck, tmp_pat
 
     cplug = json.loads(client["configuration"]["value"])
     pplug = json.loads(peer["configuration"]["value"])
-    assert cplug["load_poll"] == {"interval_ms": 50}
+    assert cplug["load_poll"] == {"interval_ms": 50, "cluster_suffix": "_load"}
     assert cplug["peers"] == {"clusters": ["prefix_router_peer_0", "prefix_router_peer_1"], "secret": SECRET}
     assert "peer_listener" not in cplug
     assert pplug == {**cplug, "peer_listener": True}

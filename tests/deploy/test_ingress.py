@@ -70,10 +70,12 @@ def test_checked_in_config_is_generator_output(name, args):
 
 def test_ingress_structure():
     text = (REPO / "envoy" / "ingress.yaml").read_text()
-    # one cluster per worker (+ the loopback admin cluster behind the stats listener)
+    # one cluster per worker, one per worker for its load polls (the worker's own host only, no
+    # health check, no outlier detection), + the loopback admin cluster behind the stats listener
     names = re.findall(r"^    - name: (\S+)$", text.split("\n  clusters:\n", 1)[1], re.M)
-    assert names == ["llama_0", "llama_1", "llama_2", "llama_3", "qwen_0", "qwen_1", "admin"]
-    assert text.count("type: STRICT_DNS") == 6
+    workers = ["llama_0", "llama_1", "llama_2", "llama_3", "qwen_0", "qwen_1"]
+    assert names == workers + [w + "_load" for w in workers] + ["admin"]
+    assert text.count("type: STRICT_DNS") == 12
     assert text.count("path: /health") == 6
     assert text.count("outlier_detection:") == 6
     assert text.count("circuit_breakers:") == 6
@@ -109,7 +111,7 @@ def test_ingress_structure():
     assert plugin["default_model"] == "llama"
     assert "passthrough_cluster" not in plugin  # round robin over the default model's workers
     assert plugin["debug_header"] is None  # production default: no decision header to clients
-    assert plugin["load_poll"] == {"interval_ms": 100}  # --load-poll-ms default
+    assert plugin["load_poll"] == {"interval_ms": 100, "cluster_suffix": "_load"}  # --load-poll-ms default
     assert "peers" not in plugin and "peer_listener" not in plugin  # standalone: no --peers
     assert "    - name: peers\n" not in text and "prefix_router_peer_" not in text
 
@@ -344,7 +346,7 @@ def test_ip_workers_get_static_clusters_names_get_strict_dns():
     opens (STRICT_DNS sent some requests to the fallbacks for ~1 s after start-up; a mix of names
     and IPs in one cluster stays STRICT_DNS)."""
     ips = run_gen("--model", "llama=127.0.0.1:30000,10.0.0.2:30001", "--listen", "127.0.0.1:10000")
-    assert ips.count("type: STATIC") == 3  # two workers + the admin cluster
+    assert ips.count("type: STATIC") == 5  # two workers, their two load-poll clusters, admin
     assert "STRICT_DNS" not in ips
     mixed = run_gen("--model", "llama=127.0.0.1:30000,w1:30000", "--listen", "127.0.0.1:10000")
-    assert mixed.count("type: STRICT_DNS") == 2
+    assert mixed.count("type: STRICT_DNS") == 3  # both worker clusters (w1 is in each) + w1's load-poll cluster

@@ -244,14 +244,14 @@ def wait_polling(rep: Replica):
 
 
 def worker_requests(rep: Replica) -> dict:
-    """Requests this Envoy completed to each worker cluster (load polls included)."""
-    c = rep.envoy_counters(r"cluster\.llama_\d+\.upstream_rq_completed")
-    return {n: c.get(f"cluster.{n}.upstream_rq_completed", 0) for n in FLEET_NAMES}
+    """Load polls this Envoy completed to each worker (envoy/gen polls through `<worker>_load`
+    clusters, which carry nothing else)."""
+    c = rep.envoy_counters(r"cluster\.llama_\d+_load\.upstream_rq_completed")
+    return {n: c.get(f"cluster.{n}_load.upstream_rq_completed", 0) for n in FLEET_NAMES}
 
 
 def wait_fresh_load(reps, polls: int = 4):
-    """Until each replica has completed `polls` more requests to every worker since the call. With
-    no client traffic meanwhile these are its load polls: at least `polls - 1` were sent after the
+    """Until each replica has completed `polls` more load polls of every worker since the call: at least `polls - 1` were sent after the
     call, one interval apart, so the load the replica publishes (and its VMs read within a 50 ms
     tick) is newer than everything before the call. Envoy's cluster counters have no flush lag, unlike the filter's
     `load_poll.answers` (up to 200 ms late, i.e. several rounds)."""
@@ -589,11 +589,9 @@ def test_load_endpoint_answering_500_counts_as_unknown_not_idle(fl):
     assert seen[-1] == broken, f"{broken} (load endpoint 500) chosen for none of {len(seen)} new prompts: {Counter(seen)}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "filter/gen: load polls go through the worker's own cluster, whose outlier detection "
-    "(consecutive_5xx: 5) counts the poll's 5xx answers: a worker whose load endpoint fails is "
-    "ejected from serving (>= 30 s), and its polls then go to the cluster's fallback hosts"))
 def test_load_endpoint_errors_do_not_eject_the_worker(fl):
+    """Polls go through `<worker>_load` clusters (envoy/gen): a failing load endpoint's 5xx never
+    reach the worker cluster's outlier detection."""
     A = fl["A"]
     broken = fl.names[-1]
     wait_unknown(fl, [A], broken, "load_status", 500)

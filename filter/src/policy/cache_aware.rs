@@ -55,7 +55,12 @@ fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
     if inp.matched.get(i).copied().unwrap_or(0) == 0 {
         return 1.0;
     }
-    if p.slack_full_tokens == 0 {
+    // A worker holding this conversation's own history (beyond its opening messages) keeps it
+    // through the full slack: the next turn of a tool loop arrives while other replicas may still
+    // count the previous turn as in flight (until their next poll).
+    let own_history = inp.conversation_blocks > 0
+        && inp.matched.get(i).copied().unwrap_or(0) > inp.conversation_blocks;
+    if p.slack_full_tokens == 0 || own_history {
         return p.load_slack;
     }
     let held = inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i));
@@ -252,6 +257,7 @@ mod tests {
             total_blocks: 100,
             prompt_tokens: 1600,
             affinity: key,
+            conversation_blocks: 0,
         }
     }
 
@@ -269,8 +275,18 @@ mod tests {
         // The same share of a 32k-token prompt: full slack 3, cap 5: it stays.
         inp.prompt_tokens = 32_768;
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
-        // slack_full_tokens 0: every holder gets the full slack (the old rule).
+        // A holder of the conversation's own history (past its opening messages) gets it too.
         inp.prompt_tokens = 1600;
+        inp.conversation_blocks = 80;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        inp.conversation_blocks = 90;
+        assert_ne!(
+            choose(&p, &inp).0,
+            0,
+            "holding only the opening is not history"
+        );
+        inp.conversation_blocks = 0;
+        // slack_full_tokens 0: every holder gets the full slack (the old rule).
         let old = PolicyConfig {
             slack_full_tokens: 0,
             ..PolicyConfig::default()

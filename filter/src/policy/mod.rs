@@ -80,6 +80,10 @@ pub struct Inputs<'a> {
     pub total_blocks: u32,
     pub prompt_tokens: u32,
     pub affinity: u64,
+    /// For a chat prompt of three or more messages, the block count at the end of its second
+    /// message (system prompt + first user message); 0 otherwise. A worker holding more than
+    /// that holds this conversation's own history.
+    pub conversation_blocks: u32,
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.
