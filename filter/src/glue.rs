@@ -296,7 +296,11 @@ impl Root {
             ];
             match self.dispatch_http_call(upstream, headers, None, vec![], timeout) {
                 Ok(token) => self.poller.sent(token, t),
-                Err(_) => self.poller.not_sent(),
+                Err(_) => {
+                    // Unknown cluster, or Envoy refused the call: a failed poll like any other.
+                    self.poller.not_sent();
+                    s.metrics.add(s.metrics.poll_failures, 1);
+                }
             }
         }
     }
@@ -604,12 +608,7 @@ impl Stream {
             Outcome::Reject { status, body } => {
                 m.add(m.reasons[Reason::Rejected.index()], 1);
                 m.maybe_flush(now);
-                let _ = hostcalls::send_http_response(
-                    status,
-                    vec![("content-type", "application/json")],
-                    Some(body.as_bytes()),
-                );
-                Action::Pause
+                local_reply(status, &body)
             }
             Outcome::Route(d) => {
                 m.add(m.reasons[d.reason.index()], 1);

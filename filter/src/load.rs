@@ -109,8 +109,6 @@ pub struct Ledger {
     busy: bool,
     /// Per model: the workers' polled loads as of this VM's last tick (empty: polling off).
     polled: Vec<Vec<Polled>>,
-    /// Workers counted as unknown by the last merge (metric).
-    pub unknown: u32,
     /// Decrements that found a counter already at zero (should stay 0; exported as a metric).
     pub underflows: u64,
 }
@@ -135,7 +133,6 @@ impl Ledger {
                 .iter()
                 .map(|m| Vec::with_capacity(m.workers.len()))
                 .collect(),
-            unknown: 0,
             underflows: 0,
         }
     }
@@ -166,7 +163,7 @@ impl Ledger {
         if merged {
             let stale = cfg.load_poll.stale_ms / 100;
             let polled = self.polled.get(mi).map_or(&[][..], Vec::as_slice);
-            self.unknown = poll::merge(polled, now, stale, &mut self.reqs, &mut self.tokens);
+            poll::merge(polled, now, stale, &mut self.reqs, &mut self.tokens);
         }
         cas
     }
@@ -185,29 +182,28 @@ impl Ledger {
         mut choose: impl FnMut(&[u32], &[u32]) -> (usize, u32, T),
     ) -> (usize, u32, T) {
         self.decisions = self.decisions.saturating_add(1);
-        let mut last = None;
-        for _ in 0..LOAD_RETRIES {
+        let mut attempt = 1;
+        loop {
             let cas = self.read(store, cfg, mi, now, true);
             let (w, tok, extra) = choose(&self.reqs, &self.tokens);
-            let Some(worker) = cfg.models.get(mi).and_then(|m| m.workers.get(w)) else {
+            let Some((model, worker)) = cfg
+                .models
+                .get(mi)
+                .and_then(|m| Some((m, m.workers.get(w)?)))
+            else {
                 return (w, tok, extra);
             };
             // `buf` holds the raw vector plus parked deltas: what this write carries.
             apply(&mut self.buf, worker.id, w, 1, i64::from(tok));
-            if let Some(model) = cfg.models.get(mi) {
-                if store.set(&model.load_key, &self.buf, cas).is_ok() {
-                    self.pending.retain(|p| usize::from(p.model) != mi);
-                    return (w, tok, extra);
-                }
+            if store.set(&model.load_key, &self.buf, cas).is_ok() {
+                self.pending.retain(|p| usize::from(p.model) != mi);
+                return (w, tok, extra);
             }
-            last = Some((w, tok, extra));
-        }
-        match last {
-            Some((w, tok, extra)) => {
+            if attempt >= LOAD_RETRIES {
                 self.park(mi, w, 1, i64::from(tok));
-                (w, tok, extra)
+                return (w, tok, extra);
             }
-            None => choose(&[], &[]),
+            attempt += 1;
         }
     }
 

@@ -302,10 +302,6 @@ impl Poller {
         }
         Some((t, parsed))
     }
-
-    pub fn inflight(&self) -> usize {
-        self.inflight.len()
-    }
 }
 
 #[cfg(test)]
