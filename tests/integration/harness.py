@@ -51,10 +51,20 @@ def wasm_path() -> Path:
     return p
 
 
+_HANDED_OUT: set = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one this process handed out before: the kernel may give the
+    same ephemeral port to two calls in a row (nothing is bound yet), which gave a 16-worker
+    fleet two workers on one port."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 # --------------------------------------------------------------------------------------------
