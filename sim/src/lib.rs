@@ -1,9 +1,14 @@
 //! sglang-sim: a simulated SGLang worker for routing tests (see `sim/README.md`).
 
+mod admin;
 pub mod api;
 pub mod config;
+mod inference;
+mod loads;
 pub mod metrics;
+mod openai;
 pub mod radix;
+pub mod response;
 pub mod sched;
 pub mod server;
 pub mod tokenizer;
