@@ -49,6 +49,8 @@ pub(crate) fn server_info(app: &App) -> Value {
         "enable_cache_report": true,
         "disable_radix_cache": false,
         "dp_size": 1,
+        "disaggregation_mode": c.disaggregation_mode.as_str(),
+        "disaggregation_bootstrap_port": c.disaggregation_bootstrap_port,
         "tp_size": 1,
         "version": concat!("sglang-sim ", env!("CARGO_PKG_VERSION")),
         "simulator": {

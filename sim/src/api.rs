@@ -84,6 +84,8 @@ pub struct Parsed {
     /// Batch input (list prompt for /generate): answer with an array / indexed chunks.
     pub batch: bool,
     pub model: String,
+    /// PD disaggregation fields (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`).
+    pub bootstrap: crate::pd::Fields,
 }
 
 /// Is this content type acceptable? FastAPI parses a body as JSON when the header is absent or
@@ -217,6 +219,7 @@ pub fn parse(kind: Kind, body: &[u8], cfg: &Config) -> Result<Parsed, ApiError> 
         return Err(ApiError::bad("Request body must be a JSON object"));
     }
     let stream = opt_bool(&v, "stream")?;
+    let bootstrap = crate::pd::fields(&v)?;
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(o @ Value::Object(_)) => opt_bool(o, "include_usage")?,
@@ -286,6 +289,7 @@ pub fn parse(kind: Kind, body: &[u8], cfg: &Config) -> Result<Parsed, ApiError> 
                 stream,
                 include_usage,
                 model: cfg.model.clone(),
+                bootstrap,
             })
         }
         Kind::Generate => {
@@ -343,6 +347,7 @@ pub fn parse(kind: Kind, body: &[u8], cfg: &Config) -> Result<Parsed, ApiError> 
                 include_usage,
                 batch,
                 model: cfg.model.clone(),
+                bootstrap,
             })
         }
     }

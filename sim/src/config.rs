@@ -30,6 +30,13 @@ pub struct Config {
     pub slow_ms: u64,
     pub threads: usize,
     pub drain_timeout_s: f64,
+    /// `--disaggregation-mode`: prefill/decode disaggregation role.
+    pub disaggregation_mode: crate::pd::Mode,
+    /// `--disaggregation-bootstrap-port`: the prefill worker's bootstrap server (0 = ephemeral).
+    pub disaggregation_bootstrap_port: u16,
+    /// How long a decode worker waits for a room's KV (SGLang: `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`);
+    /// also how long a prefill worker keeps a room nobody fetched.
+    pub disaggregation_timeout_s: f64,
 }
 
 impl Default for Config {
@@ -54,6 +61,9 @@ impl Default for Config {
             slow_ms: 0,
             threads: 1,
             drain_timeout_s: 60.0,
+            disaggregation_mode: crate::pd::Mode::Null,
+            disaggregation_bootstrap_port: 8998,
+            disaggregation_timeout_s: 300.0,
         }
     }
 }
@@ -106,6 +116,18 @@ const FLAGS: &[(&str, &str)] = &[
         "--drain-timeout-s",
         "max wait for running requests after SIGTERM",
     ),
+    (
+        "--disaggregation-mode",
+        "null, prefill or decode (PD disaggregation role)",
+    ),
+    (
+        "--disaggregation-bootstrap-port",
+        "prefill: bootstrap server port (0 = ephemeral)",
+    ),
+    (
+        "--disaggregation-timeout-s",
+        "decode: max wait for a room's KV",
+    ),
 ];
 
 /// Usage text with defaults.
@@ -131,6 +153,9 @@ pub fn usage() -> String {
         d.slow_ms.to_string(),
         d.threads.to_string(),
         d.drain_timeout_s.to_string(),
+        d.disaggregation_mode.as_str().into(),
+        d.disaggregation_bootstrap_port.to_string(),
+        d.disaggregation_timeout_s.to_string(),
     ];
     let mut s =
         String::from("sglang-sim: simulated SGLang worker\n\nUSAGE: sglang-sim [FLAGS]\n\n");
@@ -190,6 +215,11 @@ impl Config {
                 "--slow-ms" => c.slow_ms = num(&flag, &v)?,
                 "--threads" => c.threads = num(&flag, &v)?,
                 "--drain-timeout-s" => c.drain_timeout_s = num(&flag, &v)?,
+                "--disaggregation-mode" => c.disaggregation_mode = crate::pd::Mode::parse(&v)?,
+                "--disaggregation-bootstrap-port" => {
+                    c.disaggregation_bootstrap_port = num(&flag, &v)?
+                }
+                "--disaggregation-timeout-s" => c.disaggregation_timeout_s = num(&flag, &v)?,
                 _ => return Err(format!("unknown argument {arg:?}")),
             }
         }
@@ -217,6 +247,7 @@ impl Config {
             ("--decode-batch-factor", self.decode_batch_factor),
             ("--time-scale", self.time_scale),
             ("--drain-timeout-s", self.drain_timeout_s),
+            ("--disaggregation-timeout-s", self.disaggregation_timeout_s),
         ] {
             if !(v >= 0.0 && v.is_finite()) {
                 return Err(format!("{name} must be a finite number >= 0"));

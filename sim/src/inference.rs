@@ -16,10 +16,11 @@ use tokio::sync::mpsc;
 use crate::api::{self, ApiError, Kind, Parsed};
 use crate::config::Config;
 use crate::openai::{full_response, JobState, Meta, SseStream};
+use crate::pd::{self, Fields, Kv, Mode};
 use crate::response::{error_resp, json_resp, respond, Resp, SimBody};
 use crate::sched::{Cmd, SimRequest};
 use crate::server::{unix_now, App, InflightGuard, MAX_BODY};
-use crate::tokenizer;
+use crate::tokenizer::{self, Finish};
 
 /// Deterministic fault injection: is request number `n` one of the failing fraction?
 fn injected_failure(cfg: &Config, n: u64) -> bool {
@@ -80,15 +81,39 @@ pub(crate) async fn inference(app: Arc<App>, kind: Kind, req: Request<Incoming>)
         batch: parsed.batch,
         start: Instant::now(),
     };
+    let mode = app.cfg.disaggregation_mode;
+    let room = match pd_role(&app, &parsed.bootstrap) {
+        Ok(r) => r,
+        Err(e) => return error_resp(&app, &e),
+    };
+    // decode: the prompt's KV comes from the prefill worker named in the request
+    let mut prefilled: Option<Kv> = None;
+    if let (Mode::Decode, Some(room)) = (mode, room) {
+        let host = parsed.bootstrap.host.as_deref().unwrap_or("");
+        let port = parsed.bootstrap.port.unwrap_or(0);
+        let timeout = Duration::from_secs_f64(app.cfg.disaggregation_timeout_s);
+        match pd::fetch(&app.disagg, host, port, room, timeout).await {
+            Ok(kv) => prefilled = Some(kv),
+            Err(e) => return error_resp(&app, &pd::fetch_error(&app.disagg, &e, room, timeout)),
+        }
+    }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut jobs = Vec::with_capacity(parsed.jobs.len());
-    for (index, j) in parsed.jobs.into_iter().enumerate() {
+    for (index, mut j) in parsed.jobs.into_iter().enumerate() {
+        if mode == Mode::Prefill {
+            // a prefill worker computes the prompt's KV and the first token only
+            j.output.truncate(1);
+            j.finish = Finish::Length;
+        }
         let r = SimRequest {
             index,
             prompt: j.prompt.clone(),
             output: j.output.clone(),
             tx: tx.clone(),
             arrival: Instant::now(),
+            prefilled: prefilled
+                .as_ref()
+                .map(|kv| kv.cached.get(index).copied().unwrap_or(0)),
         };
         if app.sched.send(Cmd::Submit(r)).is_err() {
             return error_resp(&app, &ApiError::internal("scheduler is not running"));
@@ -96,6 +121,32 @@ pub(crate) async fn inference(app: Arc<App>, kind: Kind, req: Request<Incoming>)
         jobs.push(JobState::new(j));
     }
     drop(tx);
+    if let (Mode::Prefill, Some(room)) = (mode, room) {
+        app.disagg.prefilling(room);
+        // wait for the prompt's KV, hand it to the room, then answer from what was recorded
+        let mut seen = Vec::with_capacity(jobs.len());
+        let mut cached = vec![0usize; jobs.len()];
+        let mut left = jobs.len();
+        while left > 0 {
+            let Some(p) = rx.recv().await else {
+                app.disagg.failed(room);
+                return error_resp(&app, &ApiError::internal("generation aborted"));
+            };
+            if let Some(c) = cached.get_mut(p.index) {
+                *c = p.cached;
+            }
+            if p.finished {
+                left -= 1;
+            }
+            seen.push(p);
+        }
+        app.disagg.ready(room, Kv { cached });
+        let (tx2, rx2) = mpsc::unbounded_channel();
+        for p in seen {
+            let _ = tx2.send(p);
+        }
+        rx = rx2;
+    }
     if parsed.stream {
         // SGLang waits for the first output before sending the response head, so the
         // time to the first byte is the TTFT.
@@ -137,6 +188,27 @@ pub(crate) async fn inference(app: Arc<App>, kind: Kind, req: Request<Incoming>)
     json_resp(&app, StatusCode::OK, &v)
 }
 
+/// Checks the request's bootstrap fields against the worker's disaggregation mode; returns the
+/// room a prefill or decode worker serves (`None` when not disaggregated).
+fn pd_role(app: &App, f: &Fields) -> Result<Option<u64>, ApiError> {
+    match app.cfg.disaggregation_mode {
+        Mode::Null => Ok(None),
+        Mode::Prefill => match f.room {
+            Some(r) => Ok(Some(r)),
+            None => Err(ApiError::bad(
+                "bootstrap_room is required on a prefill worker (--disaggregation-mode prefill)",
+            )),
+        },
+        Mode::Decode => match (&f.host, f.port, f.room) {
+            (Some(_), Some(_), Some(r)) => Ok(Some(r)),
+            _ => Err(ApiError::bad(
+                "bootstrap_host, bootstrap_port and bootstrap_room are required on a decode \
+                 worker (--disaggregation-mode decode)",
+            )),
+        },
+    }
+}
+
 pub(crate) async fn health_generate(app: Arc<App>) -> Resp {
     if app.draining.load(Ordering::SeqCst) {
         return respond(&app, StatusCode::SERVICE_UNAVAILABLE, "text/plain", "");
@@ -150,6 +222,7 @@ pub(crate) async fn health_generate(app: Arc<App>) -> Resp {
         output,
         tx,
         arrival: Instant::now(),
+        prefilled: None,
     };
     if app.sched.send(Cmd::Submit(r)).is_err() {
         return respond(&app, StatusCode::SERVICE_UNAVAILABLE, "text/plain", "");

@@ -7,6 +7,7 @@ mod inference;
 mod loads;
 pub mod metrics;
 mod openai;
+pub mod pd;
 pub mod radix;
 pub mod response;
 pub mod sched;

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sglang_sim::config::Config;
-use sglang_sim::server;
+use sglang_sim::{pd, server};
 
 async fn shutdown_signal() {
     #[cfg(unix)]
@@ -29,14 +29,23 @@ async fn shutdown_signal() {
 }
 
 async fn run(cfg: Config) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
+    let (listener, bootstrap, cfg) = server::bind(cfg).await?;
     let addr = listener.local_addr()?;
     let drain_timeout = Duration::from_secs_f64(cfg.drain_timeout_s);
     let app = server::App::new(cfg);
     eprintln!(
-        "sglang-sim listening on http://{addr} model={} worker_id={}",
-        app.cfg.model, app.cfg.worker_id
+        "sglang-sim listening on http://{addr} model={} worker_id={} disaggregation_mode={}",
+        app.cfg.model,
+        app.cfg.worker_id,
+        app.cfg.disaggregation_mode.as_str()
     );
+    if let Some(b) = bootstrap {
+        eprintln!(
+            "sglang-sim bootstrap server on {}:{}",
+            app.cfg.host, app.cfg.disaggregation_bootstrap_port
+        );
+        tokio::spawn(pd::serve_bootstrap(b, app.clone()));
+    }
     let a = app.clone();
     let srv = tokio::spawn(async move { server::serve(listener, a, std::future::pending()).await });
     shutdown_signal().await;

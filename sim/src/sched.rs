@@ -48,6 +48,9 @@ pub struct SimRequest {
     pub output: Vec<u32>,
     pub tx: mpsc::UnboundedSender<Progress>,
     pub arrival: Instant,
+    /// PD decode: the prompt's KV came from a prefill worker (no prefill compute here);
+    /// the value is the prefill worker's cached prompt tokens, reported instead of ours.
+    pub prefilled: Option<usize>,
 }
 
 /// Commands to the scheduler task.
@@ -157,7 +160,13 @@ impl Scheduler {
             let uncached = w.req.prompt.len() - matched;
             w.uncached = uncached;
             let need = uncached + w.req.output.len();
-            if !batch.is_empty() && new_tokens + uncached > self.cfg.max_prefill_tokens {
+            // KV transferred from a prefill worker costs no prefill compute here
+            let compute = if w.req.prefilled.is_some() {
+                0
+            } else {
+                uncached
+            };
+            if !batch.is_empty() && new_tokens + compute > self.cfg.max_prefill_tokens {
                 break;
             }
             self.cache.inc_lock(node);
@@ -174,7 +183,7 @@ impl Scheduler {
             // room for the uncached prompt tokens comes from the cache insert after prefill;
             // reserve it now together with the output.
             self.reserved += need;
-            new_tokens += uncached;
+            new_tokens += compute;
             let Some(Waiting { req, .. }) = self.waiting.pop_front() else {
                 break;
             };
@@ -220,8 +229,12 @@ impl Scheduler {
         let (mut batch, new_tokens) = self.form_prefill_batch();
         if !batch.is_empty() {
             self.publish();
-            let ms = self.cfg.prefill_overhead_ms
-                + new_tokens as f64 * 1000.0 / self.cfg.prefill_tokens_per_sec;
+            let ms = if batch.iter().all(|r| r.req.prefilled.is_some()) {
+                0.0
+            } else {
+                self.cfg.prefill_overhead_ms
+                    + new_tokens as f64 * 1000.0 / self.cfg.prefill_tokens_per_sec
+            };
             self.advance(ms).await;
             let now = Instant::now();
             let mut hit = 0usize;
@@ -249,7 +262,7 @@ impl Scheduler {
                     .tx
                     .send(Progress {
                         index: r.req.index,
-                        cached: r.cached,
+                        cached: r.req.prefilled.unwrap_or(r.cached),
                         generated: r.generated,
                         finished: done,
                     })
@@ -304,7 +317,7 @@ impl Scheduler {
                 .tx
                 .send(Progress {
                     index: r.req.index,
-                    cached: r.cached,
+                    cached: r.req.prefilled.unwrap_or(r.cached),
                     generated: r.generated,
                     finished: done,
                 })
@@ -405,6 +418,7 @@ mod tests {
                 output,
                 tx,
                 arrival: Instant::now(),
+                prefilled: None,
             },
             rx,
         )

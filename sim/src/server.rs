@@ -26,6 +26,7 @@ use crate::config::Config;
 use crate::inference;
 use crate::loads;
 use crate::metrics::Stats;
+use crate::pd::{self, Disagg, Mode};
 use crate::response::{detail, json_resp, respond, Resp};
 use crate::sched::{self, Cmd};
 use crate::tokenizer;
@@ -39,6 +40,8 @@ pub struct App {
     pub stats: Arc<Mutex<Stats>>,
     pub(crate) sched: mpsc::UnboundedSender<Cmd>,
     pub draining: AtomicBool,
+    /// Prefill/decode disaggregation state (rooms, transfer counters).
+    pub disagg: Disagg,
     /// Inference requests not yet fully answered (bodies included).
     pub inflight: AtomicUsize,
     pub(crate) req_counter: AtomicU64,
@@ -56,6 +59,7 @@ pub(crate) fn unix_now() -> u64 {
 impl App {
     /// Creates the state and spawns the scheduler task (call inside a tokio runtime).
     pub fn new(cfg: Config) -> Arc<App> {
+        let disagg = Disagg::new(Duration::from_secs_f64(cfg.disaggregation_timeout_s));
         let stats = Arc::new(Mutex::new(Stats::new(cfg.max_total_tokens)));
         let sched = sched::spawn(cfg.clone(), stats.clone());
         let worker_header = HeaderValue::from_str(&cfg.worker_id)
@@ -65,6 +69,7 @@ impl App {
             stats,
             sched,
             draining: AtomicBool::new(false),
+            disagg,
             inflight: AtomicUsize::new(0),
             req_counter: AtomicU64::new(0),
             worker_header,
@@ -149,7 +154,14 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, Infal
         ),
         "/metrics" if get => {
             let text = match app.stats.lock() {
-                Ok(s) => s.render(&app.cfg.model),
+                Ok(s) => {
+                    let mut t = s.render(&app.cfg.model);
+                    t.push_str(
+                        &app.disagg
+                            .render(app.cfg.disaggregation_mode, &app.cfg.model),
+                    );
+                    t
+                }
                 Err(_) => String::new(),
             };
             respond(
@@ -203,12 +215,31 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, stop: impl Future<Outpu
 /// Binds `cfg.host:cfg.port` (port 0 = ephemeral) and serves in the background on the current
 /// runtime. Returns the bound address and the shared state.
 pub async fn start(cfg: Config) -> std::io::Result<(SocketAddr, Arc<App>)> {
-    let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
+    let (listener, bootstrap, cfg) = bind(cfg).await?;
     let addr = listener.local_addr()?;
     let app = App::new(cfg);
+    if let Some(b) = bootstrap {
+        tokio::spawn(pd::serve_bootstrap(b, app.clone()));
+    }
     let a = app.clone();
     tokio::spawn(async move { serve(listener, a, std::future::pending()).await });
     Ok((addr, app))
+}
+
+/// Binds the HTTP listener and, on a prefill worker, the bootstrap server's listener
+/// (`cfg.host:cfg.disaggregation_bootstrap_port`). Returns the config with the ports actually
+/// bound (port 0 = ephemeral), so `App` reports what clients must use.
+pub async fn bind(mut cfg: Config) -> std::io::Result<(TcpListener, Option<TcpListener>, Config)> {
+    let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).await?;
+    cfg.port = listener.local_addr()?.port();
+    let bootstrap = if cfg.disaggregation_mode == Mode::Prefill {
+        let b = TcpListener::bind((cfg.host.as_str(), cfg.disaggregation_bootstrap_port)).await?;
+        cfg.disaggregation_bootstrap_port = b.local_addr()?.port();
+        Some(b)
+    } else {
+        None
+    };
+    Ok((listener, bootstrap, cfg))
 }
 
 /// Waits for a drain to complete: no inference request in flight and an idle scheduler, or
