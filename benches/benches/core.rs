@@ -64,7 +64,7 @@ fn warm_index(entries: usize, ids: &[u32]) -> (MemStore, Vec<Vec<u64>>) {
     for p in 0..prompts {
         let h = chain(&mut st);
         let id = ids[(splitmix(&mut st) % ids.len() as u64) as usize];
-        ix.record(&s, &h, id, (0, 0), 100, &mut sc);
+        ix.record(&s, &h, id, Default::default(), 100, &mut sc);
         if p + 64 >= prompts {
             recent.push(h); // the last ones are certainly still indexed
         }
@@ -125,7 +125,14 @@ fn index(c: &mut Criterion) {
             |b| {
                 b.iter(|| {
                     k = (k + 1) % fresh.len();
-                    ix.record(&s, black_box(&fresh[k]), ids[k % 64], (0, 0), 102, &mut sc)
+                    ix.record(
+                        &s,
+                        black_box(&fresh[k]),
+                        ids[k % 64],
+                        Default::default(),
+                        102,
+                        &mut sc,
+                    )
                 })
             },
         );

@@ -55,9 +55,11 @@ pub fn digest(data: &[u8]) -> u64 {
 ///
 /// Why checkpoints instead of every block: a write costs two host calls under Envoy's global
 /// shared-data lock, so indexing all 256 blocks of a 4k-token prompt would cost ~500 host calls.
-/// With checkpoints a prompt of `n` blocks is recorded at `≤ 2·log2(n) + 2` positions, and a
-/// matched prefix is under-estimated by at most a factor 3/2 (consecutive checkpoints differ by at
-/// most 1.5×), which changes costs but rarely choices. `nth_checkpoint(j)` is the (j+1)-th count.
+/// With checkpoints a prompt of `n` blocks is recorded at `≤ 2·log2(n) + 2` positions.
+/// Consecutive checkpoints differ by at most 1.5×, so while every checkpoint of a path is in the
+/// index a matched prefix is under-estimated by at most a factor 3/2; a checkpoint lost to
+/// eviction shortens the match further until the next record repairs it (see `index.rs`).
+/// `nth_checkpoint(j)` is the (j+1)-th count.
 pub fn nth_checkpoint(j: usize) -> usize {
     if j < 4 {
         return j + 1;

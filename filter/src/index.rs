@@ -11,11 +11,19 @@
 //! read-modify-writes with bounded retries: under contention an update may be lost (counted),
 //! never half-applied, because every write replaces a whole, self-validating bucket.
 //!
-//! Lookup cost: a prompt of `n` blocks has `m <= 2·log2(n) + 2` checkpoints. Because a hash
-//! covers its whole prefix, "checkpoint j is present" is (up to eviction) monotone in j, so the
-//! longest matched checkpoint is found by galloping (probe 0, 1, 3, 7, ...) then binary search:
-//! at most `2·ceil(log2(m+1)) + 1` probes, i.e. O(log log n) host calls — 1 probe for a prompt
-//! nobody has seen, at most 9 for a 4k-token (256-block) prompt, at most 11 for 128k tokens.
+//! Lookup cost: a prompt of `n` blocks has `m <= 2·log2(n) + 2` checkpoints. A hash covers its
+//! whole prefix, so a worker holding checkpoint j received every shallower one; but presence in
+//! the table is *not* monotone in j (one checkpoint's bucket may evict it, or its record may be
+//! older than deeper ones). The lookup gallops (probe 0, 1, 3, 7, ...) and treats a miss as a
+//! hole when the next gallop position hits, then binary-searches: at most
+//! `2·ceil(log2(m+1)) + 2` probes, 2 for a prompt nobody has seen (checkpoints 0 and 1), plus at
+//! most [`BOUNDARY_PROBES`] message-boundary probes for chats ([`Index::lookup_bounds`]).
+//! Holes further up only shorten the match. [`Index::record`] repairs holes and rewrites a
+//! worker's whole path once any of its records on it is older than a quarter of the TTL, so a
+//! prefix requested without pause never expires from under its deeper checkpoints.
+//!
+//! Time stamps are 32-bit 100 ms units; [`age`] treats a stamp up to [`FUTURE_SLACK`] ahead of
+//! the reader's clock as age 0 (clocks of threads, replicas and peers differ, and clocks step).
 //!
 //! Each VM also keeps a small direct-mapped cache of recent probe results ([`ProbeCache`], 4096
 //! slots, `index.local_cache_ms`): a hot prefix is then matched with no host call at all. What the
@@ -89,38 +97,110 @@ fn tag_of(h: u64) -> u64 {
     h.max(1)
 }
 
-fn age(now: u32, t: u32) -> u32 {
-    now.wrapping_sub(t)
+/// Stamps at most this far ahead of `now` (1 hour in the filter's 100 ms units) are treated as
+/// written "now": another thread or replica whose clock is slightly ahead, or our own clock
+/// stepping back, must not make a fresh record look 2^32 units old (evicted first, ignored by
+/// lookups). Stamps further ahead are garbage and count as infinitely old.
+pub const FUTURE_SLACK: u32 = 36_000;
+
+/// Age of a stamp `t` at `now`, on a wrapping 32-bit clock (see [`FUTURE_SLACK`]).
+pub fn age(now: u32, t: u32) -> u32 {
+    let d = now.wrapping_sub(t);
+    if d <= u32::MAX - FUTURE_SLACK {
+        d
+    } else {
+        0 // t is ahead of now by less than FUTURE_SLACK
+    }
 }
+
+/// One worker seen by a lookup.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub id: u32,
+    /// Deepest prefix (in blocks) the worker holds among the probes made.
+    pub blocks: u32,
+    /// Time stamp of the worker's oldest record among the probes that found it.
+    pub oldest: u32,
+}
+
+/// What [`Index::record`] needs to know about what the chosen worker already holds.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Known {
+    /// Deepest prefix the lookup proved the worker holds (0: none).
+    pub blocks: u32,
+    /// Time stamp of its oldest record seen on the way.
+    pub oldest: u32,
+    /// A probe shallower than `blocks` did not find the worker (evicted or expired checkpoint).
+    pub hole: bool,
+}
+
+/// Most probes one lookup logs for hole detection (gallop + binary search + boundaries).
+const PROBE_LOG: usize = 64;
 
 /// What a lookup learned: for each worker seen, the deepest checkpoint it holds (in blocks).
 #[derive(Debug, Default, Clone)]
 pub struct Matches {
-    /// `(worker id, matched blocks, time of that holder record)`.
-    pub workers: Vec<(u32, u32, u32)>,
+    pub workers: Vec<Held>,
     /// Longest matched prefix over all workers, in blocks.
     pub deepest: u32,
     pub probes: u32,
+    /// Each probe made (cache hits included): its depth in blocks and the live holders it found.
+    probed: Vec<(u32, [u32; HOLDERS])>,
 }
 
 impl Matches {
+    /// Sized so a lookup never grows it (at most `HOLDERS` new workers per probe).
+    pub fn with_capacity() -> Matches {
+        Matches {
+            workers: Vec::with_capacity(128),
+            probed: Vec::with_capacity(PROBE_LOG),
+            ..Matches::default()
+        }
+    }
     pub fn clear(&mut self) {
         self.workers.clear();
+        self.probed.clear();
         self.deepest = 0;
         self.probes = 0;
     }
     /// Matched blocks for `id` (0 when unknown).
     pub fn blocks_for(&self, id: u32) -> u32 {
-        self.workers.iter().find(|w| w.0 == id).map_or(0, |w| w.1)
+        self.workers
+            .iter()
+            .find(|w| w.id == id)
+            .map_or(0, |w| w.blocks)
     }
-    fn note(&mut self, id: u32, blocks: u32, t: u32) {
-        match self.workers.iter_mut().find(|w| w.0 == id) {
-            Some(w) if w.1 < blocks => {
-                w.1 = blocks;
-                w.2 = t;
+    /// What the lookup proved about `id`'s records, for [`Index::record`].
+    pub fn known_for(&self, id: u32) -> Known {
+        let Some(w) = self.workers.iter().find(|w| w.id == id) else {
+            return Known::default();
+        };
+        // A probe shallower than the worker's match that did not find it, in an entry with room
+        // for another holder: its record was evicted or expired, not crowded out by 4 other
+        // holders (rewriting a crowded entry would only evict another worker, on every request).
+        let hole = self
+            .probed
+            .iter()
+            .any(|(b, ids)| *b < w.blocks && !ids.contains(&id) && ids.contains(&0));
+        Known {
+            blocks: w.blocks,
+            oldest: w.oldest,
+            hole,
+        }
+    }
+    fn note(&mut self, id: u32, blocks: u32, t: u32, now: u32) {
+        match self.workers.iter_mut().find(|w| w.id == id) {
+            Some(w) => {
+                w.blocks = w.blocks.max(blocks);
+                if age(now, t) > age(now, w.oldest) {
+                    w.oldest = t;
+                }
             }
-            Some(_) => {}
-            None => self.workers.push((id, blocks, t)),
+            None => self.workers.push(Held {
+                id,
+                blocks,
+                oldest: t,
+            }),
         }
     }
 }
@@ -290,11 +370,16 @@ impl<'a> Index<'a> {
             }
         };
         let mut hit = false;
-        for &(id, t) in &holders {
+        let mut live = [0u32; HOLDERS];
+        for (&(id, t), l) in holders.iter().zip(live.iter_mut()) {
             if id != 0 && age(now, t) <= self.ttl {
-                out.note(id, blocks as u32, t);
+                out.note(id, blocks as u32, t, now);
+                *l = id;
                 hit = true;
             }
+        }
+        if out.probed.len() < PROBE_LOG {
+            out.probed.push((blocks as u32, live));
         }
         if hit {
             out.deepest = out.deepest.max(blocks as u32);
@@ -314,21 +399,33 @@ impl<'a> Index<'a> {
     ) {
         out.clear();
         let m = checkpoints_upto(hashes.len());
-        if m == 0 || !self.probe(store, hashes, 0, now, sc, out) {
+        if m == 0 {
             return;
         }
-        let mut lo = 0usize; // last checkpoint known to hit
+        // Gallop over checkpoints 0, 1, 3, 7, ... A miss may be a hole (one checkpoint evicted
+        // from its bucket or expired while deeper ones live), so it ends the gallop only when the
+        // next gallop position misses too.
+        let mut lo = None; // last checkpoint known to hit
         let mut hi = m; // first checkpoint known to miss (or m)
-        let mut j = 1usize;
+        let mut j = 0usize;
         while j < m {
             if self.probe(store, hashes, j, now, sc, out) {
-                lo = j;
+                lo = Some(j);
                 j = 2 * j + 1;
-            } else {
-                hi = j;
-                break;
+                continue;
             }
+            let next = (2 * j + 1).min(m - 1);
+            if next > j && self.probe(store, hashes, next, now, sc, out) {
+                lo = Some(next); // j was a hole
+                j = 2 * next + 1;
+                continue;
+            }
+            hi = j;
+            break;
         }
+        let Some(mut lo) = lo else {
+            return;
+        };
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
             if self.probe(store, hashes, mid, now, sc, out) {
@@ -387,24 +484,31 @@ impl<'a> Index<'a> {
         st
     }
 
-    /// Records `worker` as a holder of every checkpoint deeper than `known` blocks (what the
-    /// lookup proved it already holds), and refreshes the deepest known one when its record is
-    /// older than a quarter of the TTL. Returns what it did.
+    /// True when the checkpoints the worker is known to hold must be rewritten: one of its
+    /// records on the path is older than a quarter of the TTL, or a probe found a hole.
+    pub fn needs_refresh(&self, known: Known, now: u32) -> bool {
+        known.blocks > 0 && (known.hole || age(now, known.oldest) > self.ttl / 4)
+    }
+
+    /// Records `worker` as a holder of every checkpoint deeper than `known.blocks` (what the
+    /// lookup proved it already holds), and rewrites every checkpoint up to `known.blocks` too
+    /// when [`Index::needs_refresh`]: a hot prefix must never lose its shallow checkpoints while
+    /// requests keep refreshing only the deep ones (the lookup gallops from checkpoint 0).
     pub fn record<S: Store>(
         &self,
         store: &S,
         hashes: &[u64],
         worker: u32,
-        (known, known_time): (u32, u32),
+        known: Known,
         now: u32,
         sc: &mut Scratch,
     ) -> WriteStats {
         let mut st = WriteStats::default();
+        let refresh = self.needs_refresh(known, now);
         let m = checkpoints_upto(hashes.len());
         for j in 0..m {
             let blocks = nth_checkpoint(j);
-            let refresh = blocks as u32 == known && age(now, known_time) > self.ttl / 4;
-            if (blocks as u32) <= known && !refresh {
+            if (blocks as u32) <= known.blocks && !refresh {
                 continue;
             }
             if let Some(&h) = hashes.get(blocks - 1) {
@@ -532,14 +636,18 @@ mod tests {
         let base = b"x".repeat(8 * 200);
         let a = hashes(&base);
         ix.lookup(&s, &a, 10, &mut sc, &mut m);
-        assert_eq!((m.deepest, m.probes), (0, 1));
-        let st = ix.record(&s, &a, 7, (0, 0), 10, &mut sc);
+        assert_eq!(
+            (m.deepest, m.probes),
+            (0, 2),
+            "an unseen prompt: checkpoints 0 and 1"
+        );
+        let st = ix.record(&s, &a, 7, Known::default(), 10, &mut sc);
         assert_eq!(st.writes as usize, checkpoints_upto(200));
         // Same prompt: every checkpoint up to 192 matches.
         ix.lookup(&s, &a, 11, &mut sc, &mut m);
         assert_eq!(m.deepest, 192);
         assert_eq!(m.blocks_for(7), 192);
-        assert!(m.probes as f64 <= 2.0 * ((checkpoints_upto(200) + 1) as f64).log2().ceil() + 1.0);
+        assert!(m.probes as f64 <= 2.0 * ((checkpoints_upto(200) + 1) as f64).log2().ceil() + 2.0);
         // A prompt sharing the first 100 blocks: deepest checkpoint <= 100 is 96.
         let mut other = base[..8 * 100].to_vec();
         other.extend_from_slice(&b"y".repeat(8 * 300));
@@ -549,12 +657,12 @@ mod tests {
         assert_eq!(m.blocks_for(7), 96);
         assert_eq!(m.blocks_for(8), 0);
         // Recording worker 8 for it writes only checkpoints beyond what it is known to hold.
-        let st = ix.record(&s, &b, 8, (0, 0), 12, &mut sc);
+        let st = ix.record(&s, &b, 8, Known::default(), 12, &mut sc);
         assert_eq!(st.writes as usize, checkpoints_upto(400));
         ix.lookup(&s, &b, 13, &mut sc, &mut m);
         assert_eq!(m.deepest, 384);
         assert_eq!(m.blocks_for(8), 384);
-        let st = ix.record(&s, &b, 8, (384, 13), 13, &mut sc);
+        let st = ix.record(&s, &b, 8, m.known_for(8), 13, &mut sc);
         assert_eq!(st.writes, 0, "nothing new to write, holder fresh");
     }
 
@@ -565,15 +673,15 @@ mod tests {
         let mut sc = Scratch::default();
         let mut m = Matches::default();
         let a = hashes(&b"z".repeat(64));
-        ix.record(&s, &a, 3, (0, 0), 1000, &mut sc);
+        ix.record(&s, &a, 3, Known::default(), 1000, &mut sc);
         ix.lookup(&s, &a, 1000 + 6000, &mut sc, &mut m);
         assert_eq!(m.deepest, 8);
         ix.lookup(&s, &a, 1000 + 6001, &mut sc, &mut m);
         assert_eq!(m.deepest, 0);
         // Stale holders are refreshed on record.
         ix.lookup(&s, &a, 1000 + 2000, &mut sc, &mut m);
-        let st = ix.record(&s, &a, 3, (m.blocks_for(3), 1000), 3000, &mut sc);
-        assert_eq!(st.writes, 1);
+        let st = ix.record(&s, &a, 3, m.known_for(3), 3000, &mut sc);
+        assert_eq!(st.writes as usize, checkpoints_upto(8), "the whole path");
     }
 
     #[test]
@@ -583,7 +691,7 @@ mod tests {
         let mut sc = Scratch::default();
         for i in 0..5000u32 {
             let a = hashes(format!("prompt number {i} with some padding").as_bytes());
-            ix.record(&s, &a, 1 + i % 5, (0, 0), i, &mut sc);
+            ix.record(&s, &a, 1 + i % 5, Known::default(), i, &mut sc);
         }
         assert!(s.len() <= 64, "{} keys", s.len());
         // Recent prompts are still found (LRU within a bucket keeps the newest).
@@ -600,11 +708,11 @@ mod tests {
         let mut sc = Scratch::default();
         let a = hashes(&b"q".repeat(8));
         for (w, t) in [(1, 10), (2, 11), (3, 12), (4, 13), (5, 14)] {
-            ix.record(&s, &a, w, (0, 0), t, &mut sc);
+            ix.record(&s, &a, w, Known::default(), t, &mut sc);
         }
         let mut m = Matches::default();
         ix.lookup(&s, &a, 20, &mut sc, &mut m);
-        let mut ids: Vec<u32> = m.workers.iter().map(|w| w.0).collect();
+        let mut ids: Vec<u32> = m.workers.iter().map(|w| w.id).collect();
         ids.sort();
         assert_eq!(ids, vec![2, 3, 4, 5], "oldest holder (1) replaced");
     }
@@ -618,7 +726,7 @@ mod tests {
         let mut total = WriteStats::default();
         for i in 0..300u32 {
             let a = hashes(format!("race {i} ........").as_bytes());
-            let st = ix.record(&s, &a, 1 + i % 3, (0, 0), i, &mut sc);
+            let st = ix.record(&s, &a, 1 + i % 3, Known::default(), i, &mut sc);
             total.writes += st.writes;
             total.conflicts += st.conflicts;
             total.dropped += st.dropped;
@@ -641,7 +749,7 @@ mod tests {
         };
         s.put("pr/i/m/0", b"garbage");
         let a = hashes(b"abc");
-        let st = ix1.record(&s, &a, 1, (0, 0), 1, &mut sc);
+        let st = ix1.record(&s, &a, 1, Known::default(), 1, &mut sc);
         assert!(st.dropped > 0 || st.writes > 0);
     }
 
@@ -656,15 +764,15 @@ mod tests {
         let mut m = Matches::default();
         let a = hashes(&b"c".repeat(8 * 100));
         ix.lookup(&s, &a, 100, &mut sc, &mut m);
-        assert_eq!((m.deepest, m.probes), (0, 1));
-        ix.record(&s, &a, 5, (0, 0), 100, &mut sc);
+        assert_eq!((m.deepest, m.probes), (0, 2));
+        ix.record(&s, &a, 5, Known::default(), 100, &mut sc);
         // Everything this VM wrote is served from its cache: no host call.
         let (gets, _) = s.calls();
         ix.lookup(&s, &a, 105, &mut sc, &mut m);
         assert_eq!((m.deepest, m.probes, s.calls().0), (96, 0, gets));
         // Another VM (empty cache) records a second holder: we see it once our entries expire.
         let mut other = Scratch::default();
-        ix.record(&s, &a, 6, (0, 0), 106, &mut other);
+        ix.record(&s, &a, 6, Known::default(), 106, &mut other);
         ix.lookup(&s, &a, 108, &mut sc, &mut m);
         assert_eq!(m.blocks_for(6), 0, "stale by design within cache_ttl");
         ix.lookup(&s, &a, 117, &mut sc, &mut m);
@@ -681,7 +789,7 @@ mod tests {
         // Turn 1: 70 blocks; recorded at its checkpoints (deepest 64) and at its end (70).
         let turn1 = b"t".repeat(8 * 70);
         let a = hashes(&turn1);
-        ix.record(&s, &a, 3, (0, 0), 10, &mut sc);
+        ix.record(&s, &a, 3, Known::default(), 10, &mut sc);
         let st = ix.record_end(&s, &a, 70, 3, 10, &mut sc);
         assert_eq!(st.writes, 1);
         // Turn 2 resends turn 1 and adds 20 blocks; its message ends are at 70, 80 and 90.
@@ -694,5 +802,86 @@ mod tests {
         assert_eq!((m.deepest, m.blocks_for(3)), (70, 70));
         // Checkpoint ends are not written twice.
         assert_eq!(ix.record_end(&s, &b, 64, 3, 12, &mut sc).writes, 0);
+    }
+
+    /// Looks `hashes` up and records worker `w` the way the router does; returns the match.
+    fn serve(ix: &Index, s: &MemStore, hashes: &[u64], w: u32, now: u32, sc: &mut Scratch) -> u32 {
+        let mut m = Matches::default();
+        ix.lookup(s, hashes, now, sc, &mut m);
+        ix.record(s, hashes, w, m.known_for(w), now, sc);
+        m.blocks_for(w)
+    }
+
+    #[test]
+    fn a_hot_prefix_keeps_its_match_past_the_ttl() {
+        // A 32-block system prompt followed by a different question every 10 s for 3 TTLs: each
+        // request's deepest record is fresh, the shared checkpoints must stay fresh too.
+        let s = MemStore::new();
+        let ix = idx(1 << 14); // ttl 6000 units = 600 s
+        let mut sc = Scratch::default();
+        let sys = b"s".repeat(8 * 32);
+        let mut last = 0;
+        for i in 0..1800u32 {
+            let mut p = sys.clone();
+            p.extend_from_slice(format!("question {i:06} ").repeat(8).as_bytes());
+            let now = 100 + i * 10;
+            last = serve(&ix, &s, &hashes(&p), 7, now, &mut sc);
+            if i > 0 {
+                assert!(last >= 32, "request {i} at t={now}: matched {last}");
+            }
+        }
+        assert!(last >= 32);
+    }
+
+    #[test]
+    fn a_missing_shallow_checkpoint_is_a_hole_not_a_miss() {
+        let s = MemStore::new();
+        let ix = idx(1 << 16);
+        let mut sc = Scratch::default();
+        let a = hashes(&b"h".repeat(8 * 100));
+        ix.record(&s, &a, 4, Known::default(), 10, &mut sc);
+        // Checkpoint 0 (1 block) is evicted from its bucket: overwrite that bucket with garbage.
+        let mut key = String::new();
+        ix.key_for(a[0], &mut key);
+        s.put(&key, b"evicted");
+        let mut m = Matches::default();
+        ix.lookup(&s, &a, 11, &mut sc, &mut m);
+        assert_eq!(m.blocks_for(4), 96, "deeper checkpoints still match");
+        let k = m.known_for(4);
+        assert!(k.hole && ix.needs_refresh(k, 11));
+        // Recording repairs the hole.
+        ix.record(&s, &a, 4, k, 11, &mut sc);
+        ix.lookup(&s, &a, 12, &mut sc, &mut m);
+        let k = m.known_for(4);
+        assert_eq!((k.blocks, k.hole), (96, false));
+        assert!(!ix.needs_refresh(k, 12));
+    }
+
+    #[test]
+    fn a_clock_stepping_back_keeps_records_fresh() {
+        let s = MemStore::new();
+        let ix = idx(1 << 10);
+        let mut sc = Scratch::default();
+        let a = hashes(&b"c".repeat(8 * 20));
+        ix.record(&s, &a, 9, Known::default(), 5000, &mut sc);
+        // Another thread's clock is 1 s (10 units) behind, or ours stepped back.
+        let mut m = Matches::default();
+        ix.lookup(&s, &a, 4990, &mut sc, &mut m);
+        assert_eq!(m.blocks_for(9), 16);
+        assert_eq!(age(4990, 5000), 0);
+        assert_eq!(age(5000, 4990), 10);
+        // A fresh-but-future holder is not the oldest one in its entry: a new holder replaces
+        // the truly oldest.
+        let mut b: Bucket = [Entry::default(); ENTRIES];
+        upsert(&mut b, 1, 1, 100);
+        upsert(&mut b, 1, 2, 110); // stamped ahead of the writer below
+        upsert(&mut b, 1, 3, 50);
+        upsert(&mut b, 1, 4, 60);
+        upsert(&mut b, 1, 5, 105);
+        let e = b.iter().find(|e| e.tag == 1).unwrap();
+        let ids: Vec<u32> = e.holders.iter().map(|h| h.0).collect();
+        assert!(ids.contains(&2) && !ids.contains(&3), "{ids:?}");
+        // Stamps absurdly far ahead (garbage) count as expired.
+        assert!(age(10, 10 + FUTURE_SLACK + 1) > 6000);
     }
 }

@@ -16,7 +16,7 @@
 
 use crate::blocks::{chain_seed, hash_blocks};
 use crate::config::{Config, UnknownModel};
-use crate::index::{Index, Matches, Scratch, WriteStats};
+use crate::index::{Held, Index, Matches, Scratch, WriteStats};
 use crate::load::Ledger;
 use crate::peers::Outbox;
 use crate::policy::{self, Inputs, Policy, Reason};
@@ -101,10 +101,7 @@ impl Router {
             hashes: Vec::with_capacity(1024),
             sc: Scratch::default(),
             // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
-            matches: Matches {
-                workers: Vec::with_capacity(128),
-                ..Matches::default()
-            },
+            matches: Matches::with_capacity(),
             matched: Vec::with_capacity(max_workers),
             ids,
             ledger: Ledger::new(&cfg),
@@ -283,7 +280,7 @@ impl Router {
         self.matched.resize(model.workers.len(), 0);
         let ids = &self.ids[mi];
         let mut deepest = 0;
-        for &(id, blocks, _) in &self.matches.workers {
+        for &Held { id, blocks, .. } in &self.matches.workers {
             if let Ok(k) = ids.binary_search_by_key(&id, |e| e.0) {
                 let i = usize::from(ids[k].1);
                 self.matched[i] = self.matched[i].max(blocks);
@@ -337,23 +334,12 @@ impl Router {
         let model = &self.cfg.models[mi];
         let ix = Index::for_model(&self.cfg, model);
         let id = model.workers[w].id;
-        let (known, known_time) = self
-            .matches
-            .workers
-            .iter()
-            .find(|e| e.0 == id)
-            .map_or((0, 0), |e| (e.1, e.2));
+        let known = self.matches.known_for(id);
+        let refresh = ix.needs_refresh(known, now);
         self.sc.written.clear();
-        let mut stats = ix.record(
-            store,
-            &self.hashes,
-            id,
-            (known, known_time),
-            now,
-            &mut self.sc,
-        );
+        let mut stats = ix.record(store, &self.hashes, id, known, now, &mut self.sc);
         if let Some(&end) = self.ends.last() {
-            if end as u32 > known {
+            if end as u32 > known.blocks || refresh {
                 let e = ix.record_end(store, &self.hashes, end, id, now, &mut self.sc);
                 stats.writes += e.writes;
                 stats.conflicts += e.conflicts;
