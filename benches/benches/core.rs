@@ -7,7 +7,8 @@
 //! (warm slot-table index of 100k / 1M entries), `policy/choose` (cache-aware scoring over n
 //! workers), `policy/decide` (a whole decision for a one-block prompt under each policy: flat in
 //! n for round_robin / random), `route/` (the full decision for a 4096-token chat prompt: parse
-//! only, and route + release).
+//! only, and route + release), `load/after_reload` (a decision over 1024 workers on a load value
+//! written by a config with one more worker in front: every position hint misses).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use prefix_router::blocks::{chain_seed, hash_blocks};
@@ -15,6 +16,7 @@ use prefix_router::config::worker_id;
 use prefix_router::index::{Index, Matches, Scratch};
 use prefix_router::policy::{self, Inputs};
 use prefix_router::request::{self, Endpoint};
+use prefix_router::router::Router;
 use prefix_router::store::MemStore;
 use prefix_router_benches::{
     chat_body, config, decide_and_release, router, splitmix, text, token_bytes, worker_names,
@@ -224,6 +226,46 @@ fn route(c: &mut Criterion) {
     g.finish();
 }
 
+/// A decision on a load value that a previous config wrote with one extra worker in front (a
+/// worker was removed from a 1024-worker list): every stored record sits one position away from
+/// the new config's. Compare with `same_config`: the cost must stay in the same order (a linear
+/// scan per missed record made it quadratic: about 1M record reads per decision).
+fn load_after_reload(c: &mut Criterion) {
+    let mut g = c.benchmark_group("load/after_reload");
+    let body = br#"{"model":"llama","prompt":"hello"}"#;
+    // 1024 workers (the configured maximum), then the first one removed.
+    let n = 1024;
+    let names = worker_names(n);
+    let json = |ws: &[String]| {
+        let ws: Vec<String> = ws.iter().map(|w| format!("\"{w}\"")).collect();
+        format!(
+            r#"{{"models":{{"llama":{{"workers":[{}]}}}},"policy":{{"name":"round_robin","batch_releases_min_rps":0}}}}"#,
+            ws.join(",")
+        )
+    };
+    for (name, old) in [
+        ("same_config", &names[1..]),
+        ("one_of_1024_removed", &names[..]),
+    ] {
+        let s = MemStore::new();
+        let cfg = |ws: &[String]| {
+            prefix_router::config::Config::from_json(json(ws).as_bytes()).expect("valid")
+        };
+        let mut before = Router::new(cfg(old), 7);
+        before.init_store(&s);
+        // every worker of the old config carries load, so its records exist
+        for _ in 0..old.len() {
+            let _ = before.route(&s, Endpoint::Completions, body, 100);
+        }
+        let mut r = Router::new(cfg(&names[1..]), 42);
+        r.init_store(&s);
+        g.bench_function(BenchmarkId::new(name, n - 1), |b| {
+            b.iter(|| decide_and_release(&mut r, &s, Endpoint::Completions, black_box(body), 100))
+        });
+    }
+    g.finish();
+}
+
 fn quick() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -234,6 +276,6 @@ fn quick() -> Criterion {
 criterion_group! {
     name = benches;
     config = quick();
-    targets = hashing, index, policies, route
+    targets = hashing, index, policies, route, load_after_reload
 }
 criterion_main!(benches);

@@ -93,6 +93,7 @@ struct Metrics {
     peer_records_received: usize,
     peer_records_ignored: usize,
     peer_requests_rejected: usize,
+    load_underflows: usize,
     /// Gauges set (not added) by the poller: oldest answer's age, workers without a fresh one.
     poll_age_ms: u32,
     poll_unknown: u32,
@@ -132,6 +133,7 @@ impl Metrics {
         let peer_records_ignored = def(MetricType::Counter, "prefix_router.peers.records_ignored");
         let peer_requests_rejected =
             def(MetricType::Counter, "prefix_router.peers.requests_rejected");
+        let load_underflows = def(MetricType::Counter, "prefix_router.load.underflows");
         let gauge = |name: &str| hostcalls::define_metric(MetricType::Gauge, name).unwrap_or(0);
         let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
         let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
@@ -178,6 +180,7 @@ impl Metrics {
             peer_records_received,
             peer_records_ignored,
             peer_requests_rejected,
+            load_underflows,
             poll_age_ms,
             poll_unknown,
             inflight,
@@ -418,7 +421,9 @@ impl Context for Root {
         );
         // Gauges: the oldest answer's age and the workers without a fresh one.
         let mut all = Vec::new();
-        poll::decode(&buf, &model.workers, &mut all);
+        if let Some(ids) = r.ledger.ids(mi) {
+            poll::decode(&buf, ids, model.workers.len(), &mut all);
+        }
         let stale = r.cfg.load_poll.stale_ms / 100;
         let unknown = all
             .iter()
@@ -491,6 +496,8 @@ impl RootContext for Root {
             }
             if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.tick(&EnvoyStore, TICK_MS);
+                let u = r.ledger.take_underflows();
+                s.metrics.add(s.metrics.load_underflows, u as i64);
             }
             let s = s.clone();
             let (_, nanos) = now_ticks();

@@ -13,28 +13,24 @@
 
 use crate::config::{Config, Worker};
 use crate::poll::{self, Polled};
-use crate::records::{find, rd, wr};
+use crate::records::{find, rd, wr, ById};
 use crate::store::Store;
 
 const REC: usize = 12;
 
-/// Fills `reqs` / `tokens` (one slot per configured worker) from a stored value.
-pub fn decode(b: &[u8], workers: &[Worker], reqs: &mut Vec<u32>, tokens: &mut Vec<u32>) {
+/// Fills `reqs` / `tokens` (one slot per configured worker: `n`, with id map `ids`) from a
+/// stored value; O(m log n) for m records in any order.
+pub fn decode(b: &[u8], ids: &ById, n: usize, reqs: &mut Vec<u32>, tokens: &mut Vec<u32>) {
     reqs.clear();
     tokens.clear();
-    let b = &b[..b.len() - b.len() % REC];
-    for (i, w) in workers.iter().enumerate() {
-        match find(b, REC, w.id, i) {
-            Some(o) => {
-                reqs.push(rd(b, o + 4));
-                tokens.push(rd(b, o + 8));
-            }
-            None => {
-                reqs.push(0);
-                tokens.push(0);
-            }
+    reqs.resize(n, 0);
+    tokens.resize(n, 0);
+    ids.each(b, REC, |p, o| {
+        if let (Some(r), Some(t)) = (reqs.get_mut(p), tokens.get_mut(p)) {
+            *r = rd(b, o + 4);
+            *t = rd(b, o + 8);
         }
-    }
+    });
 }
 
 /// Applies a delta to `id`'s record in the raw value, appending the record if missing.
@@ -109,8 +105,13 @@ pub struct Ledger {
     busy: bool,
     /// Per model: the workers' polled loads as of this VM's last tick (empty: polling off).
     polled: Vec<Vec<Polled>>,
-    /// Decrements that found a counter already at zero (should stay 0; exported as a metric).
+    /// Per model: the workers by id, to place records in any order in O(log n).
+    ids: Vec<ById>,
+    /// Written deltas that saturated a counter (a decrement below zero or an increment past
+    /// `u32::MAX`): should stay 0; exported as the `load.underflows` counter.
     pub underflows: u64,
+    /// Parked deltas that saturated in the last `read` (counted once that value is written).
+    read_saturated: u64,
 }
 
 impl Ledger {
@@ -133,7 +134,13 @@ impl Ledger {
                 .iter()
                 .map(|m| Vec::with_capacity(m.workers.len()))
                 .collect(),
+            ids: cfg
+                .models
+                .iter()
+                .map(|m| ById::new(m.workers.iter().map(|w| w.id)))
+                .collect(),
             underflows: 0,
+            read_saturated: 0,
         }
     }
 
@@ -158,8 +165,16 @@ impl Ledger {
             return 0;
         };
         let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
-        self.apply_parked(cfg, mi);
-        decode(&self.buf, &model.workers, &mut self.reqs, &mut self.tokens);
+        self.read_saturated = self.apply_parked(cfg, mi);
+        if let Some(ids) = self.ids.get(mi) {
+            decode(
+                &self.buf,
+                ids,
+                model.workers.len(),
+                &mut self.reqs,
+                &mut self.tokens,
+            );
+        }
         if merged {
             let stale = cfg.load_poll.stale_ms / 100;
             let polled = self.polled.get(mi).map_or(&[][..], Vec::as_slice);
@@ -194,8 +209,9 @@ impl Ledger {
                 return (w, tok, extra);
             };
             // `buf` holds the raw vector plus parked deltas: what this write carries.
-            apply(&mut self.buf, worker.id, w, 1, i64::from(tok));
+            let exact = apply(&mut self.buf, worker.id, w, 1, i64::from(tok));
             if store.set(&model.load_key, &self.buf, cas).is_ok() {
+                self.underflows += self.read_saturated + u64::from(!exact);
                 self.pending.retain(|p| usize::from(p.model) != mi);
                 return (w, tok, extra);
             }
@@ -241,11 +257,10 @@ impl Ledger {
         }
         for _ in 0..LOAD_RETRIES {
             let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
-            self.apply_parked(cfg, mi);
-            if !apply(&mut self.buf, worker.id, w, dreq, dtok) {
-                self.underflows += 1;
-            }
+            let saturated = self.apply_parked(cfg, mi);
+            let exact = apply(&mut self.buf, worker.id, w, dreq, dtok);
             if store.set(&model.load_key, &self.buf, cas).is_ok() {
+                self.underflows += saturated + u64::from(!exact);
                 self.pending.retain(|p| usize::from(p.model) != mi);
                 return;
             }
@@ -288,9 +303,12 @@ impl Ledger {
         self.decisions = 0;
         self.flush(store, cfg);
         if cfg.load_poll.interval_ms > 0 {
-            for (m, out) in cfg.models.iter().zip(self.polled.iter_mut()) {
+            for (mi, (m, out)) in cfg.models.iter().zip(self.polled.iter_mut()).enumerate() {
                 match store.get(&m.poll_key, &mut self.buf) {
-                    Some(_) => poll::decode(&self.buf, &m.workers, out),
+                    Some(_) => match self.ids.get(mi) {
+                        Some(ids) => poll::decode(&self.buf, ids, m.workers.len(), out),
+                        None => out.clear(),
+                    },
                     None => out.clear(),
                 }
             }
@@ -314,6 +332,16 @@ impl Ledger {
                 k += 1; // still parked (CAS kept losing): try the next model
             }
         }
+    }
+
+    /// Saturations counted since the last call (the glue adds them to the metric).
+    pub fn take_underflows(&mut self) -> u64 {
+        std::mem::take(&mut self.underflows)
+    }
+
+    /// Model `mi`'s workers by id (for reading the polled loads).
+    pub fn ids(&self, mi: usize) -> Option<&ById> {
+        self.ids.get(mi)
     }
 
     /// Number of parked load deltas (0 except under extreme contention or on a busy VM).
@@ -360,16 +388,20 @@ impl Ledger {
         }
     }
 
-    /// Applies model `mi`'s parked deltas to the value in `buf`.
-    fn apply_parked(&mut self, cfg: &Config, mi: usize) {
+    /// Applies model `mi`'s parked deltas to the value in `buf`; returns how many saturated.
+    fn apply_parked(&mut self, cfg: &Config, mi: usize) -> u64 {
         let Some(model) = cfg.models.get(mi) else {
-            return;
+            return 0;
         };
+        let mut saturated = 0;
         for p in self.pending.iter().filter(|p| usize::from(p.model) == mi) {
             if let Some(w) = model.workers.get(usize::from(p.worker)) {
-                apply(&mut self.buf, w.id, usize::from(p.worker), p.dreq, p.dtok);
+                if !apply(&mut self.buf, w.id, usize::from(p.worker), p.dreq, p.dtok) {
+                    saturated += 1;
+                }
             }
         }
+        saturated
     }
 }
 
@@ -388,6 +420,10 @@ mod tests {
                 id: worker_id(n),
             })
             .collect()
+    }
+
+    fn ids(ws: &[Worker]) -> ById {
+        ById::new(ws.iter().map(|w| w.id))
     }
 
     fn cfg(workers: &[&str], extra: &str) -> Config {
@@ -412,7 +448,8 @@ mod tests {
         // A reordered config reads the same counts by id.
         let (mut r, mut t, mut buf) = (Vec::new(), Vec::new(), Vec::new());
         s.get("pr/l/m", &mut buf);
-        decode(&buf, &workers(&["c", "d", "b"]), &mut r, &mut t);
+        let ws = workers(&["c", "d", "b"]);
+        decode(&buf, &ids(&ws), 3, &mut r, &mut t);
         assert_eq!((r, t), (vec![1, 0, 2], vec![7, 0, 150]));
         l.release(&s, &c, 0, 1, 2, 150);
         l.release(&s, &c, 0, 2, 1, 7);
@@ -430,7 +467,7 @@ mod tests {
             id: 9,
         }];
         let (mut r, mut t) = (Vec::new(), Vec::new());
-        decode(&b, &ws, &mut r, &mut t);
+        decode(&b, &ids(&ws), 1, &mut r, &mut t);
         assert_eq!((r[0], t[0]), (0, 0));
         let c = cfg(&["a"], "");
         let s = MemStore::new();
@@ -440,10 +477,29 @@ mod tests {
     }
 
     #[test]
+    fn a_saturating_parked_delta_is_counted_when_a_decision_writes_it() {
+        // A busy VM parks a release of more than was charged; the next decision carries it, the
+        // counter saturates at 0 and the saturation is counted (it was silently dropped).
+        let c = cfg(&["a", "b"], r#","policy":{"batch_releases_min_rps":0}"#);
+        let s = MemStore::new();
+        let mut l = Ledger::new(&c);
+        l.init(&s, &c);
+        l.tick(&s, &c, 50);
+        l.release(&s, &c, 0, 0, 1, 10);
+        assert_eq!(l.pending_len(), 1);
+        assert_eq!(l.underflows, 0);
+        l.decide(&s, &c, 0, 1, |_, _| (1, 5, ()));
+        assert_eq!(l.pending_len(), 0);
+        assert_eq!(l.take_underflows(), 1);
+        assert_eq!(l.underflows, 0);
+        assert_eq!(l.own(&s, &c, 0), vec![(0, 0), (1, 5)]);
+    }
+
+    #[test]
     fn garbage_values_do_not_panic() {
         let ws = workers(&["a"]);
         let (mut r, mut t) = (Vec::new(), Vec::new());
-        decode(b"1234567", &ws, &mut r, &mut t);
+        decode(b"1234567", &ids(&ws), 1, &mut r, &mut t);
         assert_eq!(r, vec![0]);
         let mut b = b"12345678901234".to_vec();
         apply(&mut b, ws[0].id, 0, 1, 1);

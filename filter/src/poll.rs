@@ -23,8 +23,7 @@
 //! re-reads each model's published value once per tick (50 ms), so a decision pays no host call
 //! for polled load. Staleness: at most interval + tick + the worker's answer time.
 
-use crate::config::Worker;
-use crate::records::{find, rd, wr};
+use crate::records::{find, rd, wr, ById};
 use crate::store::Store;
 
 /// Published record: worker id, polled requests, polled tokens, own requests at the poll, own
@@ -42,22 +41,22 @@ pub struct Polled {
     pub at: u32,
 }
 
-/// Reads a published value into one [`Polled`] per configured worker (unknown when missing).
-pub fn decode(b: &[u8], workers: &[Worker], out: &mut Vec<Polled>) {
+/// Reads a published value into one [`Polled`] per configured worker (`n` workers, `ids` their
+/// id map; unknown when missing). O(m log n) for m records, whatever their order.
+pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Polled>) {
     out.clear();
-    let b = &b[..b.len() - b.len() % REC];
-    for (i, w) in workers.iter().enumerate() {
-        out.push(match find(b, REC, w.id, i) {
-            Some(o) => Polled {
+    out.resize(n, Polled::default());
+    ids.each(b, REC, |p, o| {
+        if let Some(slot) = out.get_mut(p) {
+            *slot = Polled {
                 reqs: rd(b, o + 4),
                 tokens: rd(b, o + 8),
                 snap_reqs: rd(b, o + 12),
                 snap_tokens: rd(b, o + 16),
                 at: rd(b, o + 20),
-            },
-            None => Polled::default(),
-        });
-    }
+            };
+        }
+    });
 }
 
 /// Writes one worker's record into a published value (appending it when missing).
@@ -307,7 +306,7 @@ impl Poller {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::worker_id;
+    use crate::config::{worker_id, Worker};
     use crate::store::MemStore;
 
     fn workers(n: usize) -> Vec<Worker> {
@@ -397,12 +396,13 @@ mod tests {
         assert!(publish(&s, "p", ws[2].id, 2, &known(6, 1, 10), &mut buf));
         s.get("p", &mut buf);
         let mut out = Vec::new();
-        decode(&buf, &ws, &mut out);
+        let ids = ById::new(ws.iter().map(|w| w.id));
+        decode(&buf, &ids, 3, &mut out);
         assert_eq!(
             out,
             vec![known(7, 0, 9), Polled::default(), known(6, 1, 10)]
         );
-        decode(b"garbage", &ws, &mut out);
+        decode(b"garbage", &ids, 3, &mut out);
         assert_eq!(out, vec![Polled::default(); 3]);
     }
 

@@ -107,7 +107,10 @@ pub fn least_loaded(reqs: &[u32], tokens: &[u32], start: usize) -> usize {
     if n == 0 {
         return 0;
     }
-    let mut best = start % n;
+    // Reduce first: `start` is a free-running counter and `start + k` would overflow once it
+    // nears usize::MAX (2^32 decisions on wasm32).
+    let start = start % n;
+    let mut best = start;
     for k in 0..n {
         let i = (start + k) % n;
         let key = (reqs[i], tokens.get(i).copied().unwrap_or(0));
@@ -149,6 +152,15 @@ pub fn from_config(name: PolicyName, seed: u64) -> Box<dyn Policy> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn least_loaded_start_near_the_end_of_usize_does_not_overflow() {
+        // The rotation counter wraps after 2^32 decisions on wasm32 (usize = u32).
+        for start in [usize::MAX, usize::MAX - 1] {
+            let w = least_loaded(&[1, 0, 1], &[0, 0, 0], start);
+            assert_eq!(w, 1);
+        }
+    }
 
     #[test]
     fn least_loaded_and_random() {

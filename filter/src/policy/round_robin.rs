@@ -18,13 +18,39 @@ impl RoundRobin {
 
 impl Policy for RoundRobin {
     fn choose(&mut self, _p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
-        self.next = self.next.wrapping_add(1);
-        (
-            self.next % inp.model.workers.len().max(1),
-            Reason::RoundRobin,
-        )
+        // Kept below the worker count, so the rotation never wraps (a free-running counter
+        // skipped positions when it wrapped at 2^32 on wasm32, 2^32 mod n being non-zero).
+        let n = inp.model.workers.len().max(1);
+        self.next = (self.next % n + 1) % n;
+        (self.next, Reason::RoundRobin)
     }
     fn uses_index(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn rotation_stays_in_range_and_in_order_from_any_state() {
+        let c = Config::from_json(br#"{"models":{"m":{"workers":["a","b","c"]}}}"#).unwrap();
+        let inp = Inputs {
+            model: &c.models[0],
+            reqs: &[0; 3],
+            tokens: &[0; 3],
+            matched: &[0; 3],
+            deepest: 0,
+            total_blocks: 0,
+            prompt_tokens: 0,
+            affinity: 0,
+            conversation_blocks: 0,
+        };
+        let mut rr = RoundRobin { next: usize::MAX };
+        let seq: Vec<usize> = (0..6).map(|_| rr.choose(&c.policy, &inp).0).collect();
+        // usize::MAX % 3 == 0 on both 32- and 64-bit targets: the next is 1, then in turn.
+        assert_eq!(seq, vec![1, 2, 0, 1, 2, 0]);
     }
 }
