@@ -25,6 +25,9 @@ pub struct RawConfig {
     pub passthrough_cluster: Option<String>,
     #[serde(default = "default_cluster_header")]
     pub cluster_header: String,
+    /// PD models: the header naming the prefill worker (a route's mirror policy reads it).
+    #[serde(default = "crate::pd::default_prefill_header")]
+    pub prefill_cluster_header: String,
     #[serde(default)]
     pub debug_header: Option<String>,
     #[serde(default = "default_text_block_bytes")]
@@ -139,14 +142,20 @@ fn default_peer_max_batch() -> usize {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawModel {
+    #[serde(default)]
     pub workers: Vec<RawWorker>,
+    /// PD disaggregation (`pd.rs`): prefill and decode workers instead of `workers`.
+    #[serde(default)]
+    pub prefill: Vec<crate::pd::RawPrefill>,
+    #[serde(default)]
+    pub decode: Vec<RawWorker>,
     #[serde(default)]
     pub text_block_bytes: Option<usize>,
     #[serde(default)]
     pub token_block_size: Option<usize>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Clone)]
 #[serde(untagged)]
 pub enum RawWorker {
     Name(String),
@@ -342,7 +351,7 @@ impl fmt::Display for ConfigError {
     }
 }
 
-fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+pub(crate) fn err(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
         message: message.into(),
@@ -378,6 +387,10 @@ pub struct Model {
     /// True when all weights are equal (rendezvous can skip the logarithm).
     pub uniform_weights: bool,
     pub total_weight: f64,
+    /// PD model: bootstrap fields per prefill worker and its decode model (`pd.rs`).
+    pub pd: Option<crate::pd::Pd>,
+    /// Hidden decode model of the PD model at this index; never matched by name.
+    pub decode_of: Option<usize>,
 }
 
 /// Validated configuration.
@@ -388,6 +401,7 @@ pub struct Config {
     pub unknown_model: UnknownModel,
     pub passthrough_cluster: Option<String>,
     pub cluster_header: String,
+    pub prefill_cluster_header: String,
     pub debug_header: Option<String>,
     pub max_prompt_blocks: usize,
     pub index_buckets: u32,
@@ -409,7 +423,7 @@ pub fn worker_id(cluster: &str) -> u32 {
     }
 }
 
-fn valid_header_name(name: &str) -> bool {
+pub(crate) fn valid_header_name(name: &str) -> bool {
     !name.is_empty()
         && name
             .bytes()
@@ -441,22 +455,23 @@ impl Config {
             if name.is_empty() {
                 return Err(err("models", "model names must not be empty"));
             }
-            if m.workers.is_empty() {
-                return Err(err(format!("{field}.workers"), "at least one worker"));
+            let (raw_workers, key) = crate::pd::routing_workers(&field, m)?;
+            if raw_workers.is_empty() {
+                return Err(err(format!("{field}.{key}"), "at least one worker"));
             }
-            if m.workers.len() > MAX_WORKERS_PER_MODEL {
+            if raw_workers.len() > MAX_WORKERS_PER_MODEL {
                 return Err(err(
-                    format!("{field}.workers"),
+                    format!("{field}.{key}"),
                     format!("at most {MAX_WORKERS_PER_MODEL} workers"),
                 ));
             }
-            let mut workers: Vec<Worker> = Vec::with_capacity(m.workers.len());
-            for (i, w) in m.workers.iter().enumerate() {
+            let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
+            for (i, w) in raw_workers.iter().enumerate() {
                 let (cluster, weight) = match w {
                     RawWorker::Name(c) => (c.clone(), 1.0),
                     RawWorker::Weighted { cluster, weight } => (cluster.clone(), *weight),
                 };
-                let wf = format!("{field}.workers[{i}]");
+                let wf = format!("{field}.{key}[{i}]");
                 if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
                     return Err(err(wf, "cluster must be a non-empty printable name"));
                 }
@@ -507,6 +522,8 @@ impl Config {
                 token_block_size,
                 uniform_weights,
                 total_weight,
+                pd: None,
+                decode_of: None,
             });
         }
         let default_model = match &raw.default_model {
@@ -522,6 +539,11 @@ impl Config {
                 ))
             }
         };
+        crate::pd::add_decode_models(
+            raw.models.iter(),
+            &mut models,
+            &raw.load_poll.cluster_suffix,
+        )?;
         if !valid_header_name(&raw.cluster_header) {
             return Err(err(
                 "cluster_header",
@@ -536,6 +558,11 @@ impl Config {
                 ));
             }
         }
+        crate::pd::check_header(
+            &raw.prefill_cluster_header,
+            &raw.cluster_header,
+            raw.debug_header.as_deref(),
+        )?;
         if let Some(p) = &raw.passthrough_cluster {
             if p.is_empty() {
                 return Err(err("passthrough_cluster", "must not be empty"));
@@ -651,6 +678,7 @@ impl Config {
             unknown_model: raw.unknown_model,
             passthrough_cluster: raw.passthrough_cluster,
             cluster_header: raw.cluster_header,
+            prefill_cluster_header: raw.prefill_cluster_header,
             debug_header: raw.debug_header,
             max_prompt_blocks: raw.max_prompt_blocks,
             index: raw.index,
@@ -660,7 +688,9 @@ impl Config {
 
     /// Index of the model named `name`, if configured. Linear: configs hold a handful of models.
     pub fn model_index(&self, name: &[u8]) -> Option<usize> {
-        self.models.iter().position(|m| m.name.as_bytes() == name)
+        self.models
+            .iter()
+            .position(|m| m.decode_of.is_none() && m.name.as_bytes() == name)
     }
 }
 

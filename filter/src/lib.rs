@@ -7,6 +7,7 @@ pub mod blocks;
 pub mod config;
 pub mod index;
 pub mod load;
+pub mod pd;
 pub mod peers;
 pub mod policy;
 pub mod poll;

@@ -70,6 +70,8 @@ pub struct Router {
     pub outbox: Option<Outbox>,
     /// Rotation for passthrough requests.
     rr: usize,
+    /// PD models: body rewriting buffer and room generator (`pd.rs`).
+    pub pd: crate::pd::Rewriter,
 }
 
 impl Router {
@@ -108,6 +110,7 @@ impl Router {
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
+            pd: crate::pd::Rewriter::new(seed ^ 0x7064),
             cfg,
         }
     }
