@@ -253,6 +253,13 @@ pub struct PolicyConfig {
     /// quiet proxy. 0 parks always.
     #[serde(default = "default_batch_releases_min_rps")]
     pub batch_releases_min_rps: f64,
+    /// Tokens charged per non-text content part (image, audio, video), whatever its JSON size.
+    #[serde(default = "default_media_part_tokens")]
+    pub media_part_tokens: u32,
+    /// Most prompt tokens one request is charged (a client cannot inflate a worker's load
+    /// beyond this per request, whatever it sends).
+    #[serde(default = "default_max_request_tokens")]
+    pub max_request_tokens: u32,
 }
 
 impl Default for PolicyConfig {
@@ -268,6 +275,8 @@ impl Default for PolicyConfig {
             conversation_key: default_conversation_key(),
             chars_per_token: default_chars_per_token(),
             batch_releases_min_rps: default_batch_releases_min_rps(),
+            media_part_tokens: default_media_part_tokens(),
+            max_request_tokens: default_max_request_tokens(),
         }
     }
 }
@@ -330,6 +339,13 @@ fn default_affinity_blocks() -> usize {
 }
 fn default_chars_per_token() -> u32 {
     4
+}
+fn default_media_part_tokens() -> u32 {
+    1024
+}
+fn default_max_request_tokens() -> u32 {
+    // A 128k-token context: no engine prefills more for one request.
+    131_072
 }
 fn default_batch_releases_min_rps() -> f64 {
     // A parked release waits for the VM's next decision, on average 1/rate: about one phantom
@@ -608,6 +624,15 @@ impl Config {
         }
         if p.affinity_blocks == 0 {
             return Err(err("policy.affinity_blocks", "must be at least 1"));
+        }
+        if p.media_part_tokens > 1 << 20 {
+            return Err(err("policy.media_part_tokens", "must be at most 1048576"));
+        }
+        if p.max_request_tokens == 0 || p.max_request_tokens > 1 << 24 {
+            return Err(err(
+                "policy.max_request_tokens",
+                "must be between 1 and 16777216",
+            ));
         }
         if p.chars_per_token == 0 {
             return Err(err("policy.chars_per_token", "must be at least 1"));

@@ -4,12 +4,23 @@
 //! buffer; no JSON tree is built and nothing but `model` / `lora_path` is kept. Fields we do not
 //! need are skipped with `IgnoredAny` (still validated, so malformed JSON is always detected).
 //!
-//! Canonical form (chat): for every message, in order, `0x1E role 0x1F` followed by its content:
-//! string content as is; content-part arrays part by part, text parts as their text and other
-//! fields as `0x1D key raw-json` (so an image contributes its URL); `name`, `tool_calls` and
-//! `tool_call_id` as `0x1C key raw-json`. Each message's bytes depend only on that message, so
-//! turn N+1 of a conversation (which resends turns 1..N) starts with turn N's bytes exactly: the
-//! prefix property the index relies on. Sampling parameters never enter the prompt bytes.
+//! Canonical form (chat): first a header of what chat templates render before the messages,
+//! `0x1C key raw-json` for `tools`, `tool_choice` and `chat_template_kwargs` in the body's order
+//! (tools usually go into the system prompt; the kwargs and `tool_choice` can change the whole
+//! rendering), placed in front of the messages whatever the field order; then for every message,
+//! in order, `0x1E role 0x1F` followed by its content: string content as is; content-part arrays
+//! part by part, text parts as their text and other fields as `0x1D key raw-json` (so an image
+//! contributes its URL); `name`, `tool_calls` and `tool_call_id` as `0x1C key raw-json`; last,
+//! `0x1C response_format raw-json` (not rendered, but it changes the answer, so two requests
+//! differing only there never share a whole-prompt entry; it follows the last message boundary,
+//! so the conversation's prefix is unaffected). Each message's bytes depend only on that
+//! message, so turn N+1 of a conversation (which resends turns 1..N) starts with turn N's
+//! header and messages exactly: the prefix property the index relies on. Sampling parameters
+//! never enter the prompt bytes.
+//!
+//! Token estimate: only rendered text counts (`text_bytes`: roles, content, text parts, tool
+//! calls, tools), each non-text part is counted once (`media_parts`, charged a fixed amount by
+//! the router) and raw JSON sizes (names, URLs, unknown parts) never are.
 //!
 //! Token prompts (`input_ids`, integer `prompt`) are written as little-endian `u32`s. Batched
 //! prompts (a list of strings or of token lists) are routed by their first element.
@@ -28,13 +39,16 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// Classifies a request line. Query strings are ignored; only `POST` (and `PUT` for the
-    /// native `/generate`, as SGLang accepts) are inference requests.
+    /// Classifies a request line by its *normalized* path, the path the worker's HTTP server
+    /// routes on: the query string is dropped, every `%XX` is decoded (`%63` -> `c`, `%2F` ->
+    /// `/`), repeated slashes are merged and `.` / `..` segments resolved. So
+    /// `/v1/chat/%63ompletions`, `/v1/chat%2Fcompletions` and `//v1/completions` are inference
+    /// requests, not passthrough (the shipped Envoy configs also normalize before the filter).
+    /// Only `POST` (and `PUT` for the native `/generate`, as SGLang accepts) are inference.
+    /// No allocation: paths longer than [`MAX_CLASSIFIED_PATH`] bytes are not inference paths.
     pub fn classify(method: &[u8], path: &[u8]) -> Option<Endpoint> {
-        let path = match path.iter().position(|&b| b == b'?') {
-            Some(q) => &path[..q],
-            None => path,
-        };
+        let mut buf = [0u8; MAX_CLASSIFIED_PATH];
+        let path = normalize_path(path, &mut buf)?;
         let post = method == b"POST";
         match path {
             b"/v1/chat/completions" if post => Some(Endpoint::Chat),
@@ -43,6 +57,74 @@ impl Endpoint {
             _ => None,
         }
     }
+}
+
+/// Longest path [`Endpoint::classify`] normalizes (ours are at most 20 bytes).
+pub const MAX_CLASSIFIED_PATH: usize = 64;
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Writes the normalized form of `path` (see [`Endpoint::classify`]) into `buf`; `None` when it
+/// does not fit.
+pub fn normalize_path<'b>(path: &[u8], buf: &'b mut [u8; MAX_CLASSIFIED_PATH]) -> Option<&'b [u8]> {
+    let path = match path.iter().position(|&b| b == b'?' || b == b'#') {
+        Some(q) => &path[..q],
+        None => path,
+    };
+    // Percent-decode and merge slashes in one pass.
+    let mut n = 0usize;
+    let mut i = 0usize;
+    while i < path.len() {
+        let mut c = path[i];
+        i += 1;
+        if c == b'%' {
+            if let (Some(h), Some(l)) = (
+                path.get(i).copied().and_then(hex),
+                path.get(i + 1).copied().and_then(hex),
+            ) {
+                c = h << 4 | l;
+                i += 2;
+            }
+        }
+        if c == b'/' && n > 0 && buf[n - 1] == b'/' {
+            continue;
+        }
+        *buf.get_mut(n)? = c;
+        n += 1;
+    }
+    // Resolve `.` and `..` segments in place.
+    let mut out = 0usize;
+    let mut seg = 0usize;
+    while seg < n {
+        let end = buf[seg..n]
+            .iter()
+            .skip(1)
+            .position(|&b| b == b'/')
+            .map_or(n, |p| seg + 1 + p);
+        let s = &buf[seg..end];
+        let name = s.strip_prefix(b"/").unwrap_or(s);
+        if name == b"." {
+            // drop
+        } else if name == b".." {
+            out = buf[..out].iter().rposition(|&b| b == b'/').unwrap_or(0);
+        } else {
+            buf.copy_within(seg..end, out);
+            out += end - seg;
+        }
+        seg = end;
+    }
+    if out == 0 {
+        buf[0] = b'/';
+        out = 1;
+    }
+    Some(&buf[..out])
 }
 
 /// What kind of prompt was found.
@@ -62,6 +144,12 @@ pub struct Parsed<'a> {
     pub kind: PromptKind,
     /// Token count for token prompts (text prompts estimate tokens from bytes).
     pub tokens: usize,
+    /// Bytes of prompt text the engine renders (content, text parts, roles, tool calls, tools):
+    /// what a text prompt's token estimate is based on. Counted in full even past the limit.
+    pub text_bytes: usize,
+    /// Non-text content parts (images, audio, video, unknown parts): each is charged a fixed
+    /// number of tokens, whatever its JSON size.
+    pub media_parts: usize,
     /// True when the prompt exceeded the byte limit and was cut (it is still routed).
     pub truncated: bool,
 }
@@ -99,6 +187,9 @@ pub fn parse_with_bounds<'a>(
         limit,
         truncated: false,
         tokens: 0,
+        text_bytes: 0,
+        media_parts: 0,
+        head_end: 0,
     };
     let mut parsed = BodySeed {
         endpoint,
@@ -109,8 +200,15 @@ pub fn parse_with_bounds<'a>(
     de.end().map_err(|e| ParseError(e.to_string()))?;
     parsed.truncated = sink.truncated;
     parsed.tokens = sink.tokens;
+    parsed.text_bytes = sink.text_bytes;
+    parsed.media_parts = sink.media_parts;
     Ok(parsed)
 }
+
+/// Most message boundaries kept per request: the first two (rendezvous key) and the deepest
+/// ones (whole-turn matches probe at most [`crate::index::BOUNDARY_PROBES`] of them). A body of
+/// millions of `{}` messages must not grow the VM's reusable buffer for the VM's life.
+pub const MAX_BOUNDS: usize = 256;
 
 /// The canonical-bytes writer, bounded by `limit`.
 struct Sink<'o> {
@@ -119,6 +217,10 @@ struct Sink<'o> {
     limit: usize,
     truncated: bool,
     tokens: usize,
+    text_bytes: usize,
+    media_parts: usize,
+    /// End of the chat header (tools, template kwargs) in `out`: messages follow it.
+    head_end: usize,
 }
 
 impl Sink<'_> {
@@ -131,9 +233,60 @@ impl Sink<'_> {
             self.out.extend_from_slice(bytes);
         }
     }
+    /// Prompt text the engine renders: counted for the token estimate.
+    fn put_text(&mut self, bytes: &[u8]) {
+        self.text_bytes = self.text_bytes.saturating_add(bytes.len());
+        self.put(bytes);
+    }
     fn token(&mut self, t: u32) {
         self.tokens += 1;
         self.put(&t.to_le_bytes());
+    }
+    /// Ends a chat message: records its boundary, keeping the list bounded (see [`MAX_BOUNDS`]).
+    fn bound(&mut self) {
+        let end = self.out.len();
+        if self.bounds.last() == Some(&end) {
+            return; // an empty or truncated message: same boundary
+        }
+        if self.bounds.len() >= MAX_BOUNDS {
+            // Keep the first two and the deepest half: amortised O(1) per message.
+            self.bounds.drain(2..MAX_BOUNDS / 2);
+        }
+        self.bounds.push(end);
+    }
+    /// Appends `0x1C key raw` to the chat header, which precedes the messages whatever the
+    /// field order of the body: a field after `messages` is inserted in front of them (one
+    /// in-place rotation, no allocation), cutting the messages' tail if the limit requires it.
+    fn head(&mut self, key: &str, raw: &str) {
+        let at = self.head_end; // the messages written so far are `out[at..]`
+        let want = 1 + key.len() + raw.len();
+        let len = want.min(self.limit.saturating_sub(at));
+        if len < want {
+            self.truncated = true;
+        }
+        if len == 0 {
+            return;
+        }
+        let keep = self.limit - len; // >= at, since len <= limit - at
+        if self.out.len() > keep {
+            self.truncated = true;
+            self.out.truncate(keep);
+        }
+        let mut left = len;
+        for piece in [&[META][..], key.as_bytes(), raw.as_bytes()] {
+            let n = piece.len().min(left);
+            self.out.extend_from_slice(&piece[..n]);
+            left -= n;
+        }
+        if let Some(moved) = self.out.get_mut(at..) {
+            moved.rotate_right(len);
+        }
+        let n = self.out.len();
+        for b in self.bounds.iter_mut() {
+            *b = (*b + len).min(n);
+        }
+        self.bounds.dedup();
+        self.head_end = at + len;
     }
 }
 
@@ -150,6 +303,10 @@ enum Field {
     Prompt,
     Text,
     InputIds,
+    /// Rendered by chat templates before the messages (tools usually into the system prompt).
+    Head(&'static str),
+    /// Not rendered into the prompt but constrains the answer: after the messages.
+    ResponseFormat,
     Other,
 }
 
@@ -169,6 +326,10 @@ impl<'de> de::Deserialize<'de> for Field {
                     "prompt" => Field::Prompt,
                     "text" => Field::Text,
                     "input_ids" => Field::InputIds,
+                    "tools" => Field::Head("tools"),
+                    "tool_choice" => Field::Head("tool_choice"),
+                    "chat_template_kwargs" => Field::Head("chat_template_kwargs"),
+                    "response_format" => Field::ResponseFormat,
                     _ => Field::Other,
                 })
             }
@@ -196,6 +357,7 @@ impl<'de> Visitor<'de> for BodySeed<'_, '_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed<'de>, A::Error> {
         let mut p = Parsed::default();
+        let mut trailer: Option<&'de RawValue> = None;
         while let Some(field) = map.next_key::<Field>()? {
             match (field, self.endpoint) {
                 (Field::Model, _) => p.model = map.next_value::<Option<Str<'de>>>()?.map(|s| s.0),
@@ -206,6 +368,16 @@ impl<'de> Visitor<'de> for BodySeed<'_, '_> {
                     }
                     map.next_value_seed(Messages(self.sink))?;
                     p.kind = PromptKind::Text;
+                }
+                (Field::Head(key), Endpoint::Chat) => {
+                    let raw = map.next_value::<&'de RawValue>()?;
+                    if key == "tools" {
+                        self.sink.text_bytes = self.sink.text_bytes.saturating_add(raw.get().len());
+                    }
+                    self.sink.head(key, raw.get());
+                }
+                (Field::ResponseFormat, Endpoint::Chat) => {
+                    trailer = Some(map.next_value::<&'de RawValue>()?);
                 }
                 (Field::Prompt, Endpoint::Completions)
                 | (Field::Text, Endpoint::Generate)
@@ -218,6 +390,13 @@ impl<'de> Visitor<'de> for BodySeed<'_, '_> {
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
+            }
+        }
+        if let Some(raw) = trailer {
+            if p.kind == PromptKind::Text {
+                self.sink.put(&[META]);
+                self.sink.put(b"response_format");
+                self.sink.put(raw.get().as_bytes());
             }
         }
         Ok(p)
@@ -266,7 +445,7 @@ impl Visitor<'_> for Text<'_, '_> {
         f.write_str("a string")
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        self.0.put(v.as_bytes());
+        self.0.put_text(v.as_bytes());
         Ok(())
     }
 }
@@ -287,7 +466,7 @@ impl<'de> Visitor<'de> for Prompt<'_, '_> {
         f.write_str("a string, a list of strings, a list of token ids or a list of lists")
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptKind, E> {
-        self.0.put(v.as_bytes());
+        self.0.put_text(v.as_bytes());
         Ok(PromptKind::Text)
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptKind, A::Error> {
@@ -343,7 +522,7 @@ impl<'de> Visitor<'de> for First<'_, '_> {
         Ok(Shape::TokenId)
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Shape, E> {
-        self.0.put(v.as_bytes());
+        self.0.put_text(v.as_bytes());
         Ok(Shape::Text)
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
@@ -404,15 +583,18 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
                     let raw = map.next_value::<&'de RawValue>()?;
                     self.0.put(&[META]);
                     self.0.put(key.as_bytes());
-                    self.0.put(raw.get().as_bytes());
+                    if &*key == "tool_calls" {
+                        self.0.put_text(raw.get().as_bytes()); // rendered as the call's text
+                    } else {
+                        self.0.put(raw.get().as_bytes());
+                    }
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
         }
-        let end = self.0.out.len();
-        self.0.bounds.push(end);
+        self.0.bound();
         Ok(())
     }
 }
@@ -433,7 +615,7 @@ impl<'de> Visitor<'de> for Content<'_, '_> {
         f.write_str("a string, null or a list of content parts")
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        self.0.put(v.as_bytes());
+        self.0.put_text(v.as_bytes());
         Ok(())
     }
     fn visit_unit<E: de::Error>(self) -> Result<(), E> {
@@ -460,6 +642,7 @@ impl<'de> Visitor<'de> for Part<'_, '_> {
         f.write_str("a content part object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut media = false;
         while let Some(Str(key)) = map.next_key::<Str<'de>>()? {
             match &*key {
                 "text" => map.next_value_seed(Text(&mut *self.0))?,
@@ -467,13 +650,17 @@ impl<'de> Visitor<'de> for Part<'_, '_> {
                     map.next_value::<IgnoredAny>()?;
                 }
                 _ => {
+                    // An image, audio or video part (or an unknown one): hashed by its raw JSON
+                    // (the URL or data names the content), charged a fixed amount, not its size.
                     let raw = map.next_value::<&'de RawValue>()?;
                     self.0.put(&[PART]);
                     self.0.put(key.as_bytes());
                     self.0.put(raw.get().as_bytes());
+                    media = true;
                 }
             }
         }
+        self.0.media_parts += usize::from(media);
         Ok(())
     }
 }
@@ -525,6 +712,40 @@ mod tests {
         assert_eq!(Endpoint::classify(b"GET", b"/v1/chat/completions"), None);
         assert_eq!(Endpoint::classify(b"GET", b"/v1/models"), None);
         assert_eq!(Endpoint::classify(b"POST", b"/v1/chat/completionsx"), None);
+    }
+
+    #[test]
+    fn classify_normalized_paths() {
+        for (path, want) in [
+            (&b"/v1/chat/%63ompletions"[..], Some(Endpoint::Chat)),
+            (b"/v1/chat%2Fcompletions", Some(Endpoint::Chat)),
+            (b"/v1/chat%2fcompletions?stream=1", Some(Endpoint::Chat)),
+            (b"//v1/completions", Some(Endpoint::Completions)),
+            (b"/v1//completions/", None),
+            (b"/v1/./completions", Some(Endpoint::Completions)),
+            (b"/x/../v1/completions", Some(Endpoint::Completions)),
+            (b"/../../generate", Some(Endpoint::Generate)),
+            (b"/%67enerate", Some(Endpoint::Generate)),
+            (b"/v1/models", None),
+            (b"/v1/chat/completions%", None),
+            (b"/v1/chat/completions%zz", None),
+            (b"", None),
+            (b"%", None),
+        ] {
+            assert_eq!(
+                Endpoint::classify(b"POST", path),
+                want,
+                "{}",
+                String::from_utf8_lossy(path)
+            );
+        }
+        let long = format!("/{}/v1/completions", "a".repeat(100));
+        assert_eq!(Endpoint::classify(b"POST", long.as_bytes()), None);
+        let slashes = format!("{}v1/completions", "/".repeat(1000));
+        assert_eq!(
+            Endpoint::classify(b"POST", slashes.as_bytes()),
+            Some(Endpoint::Completions)
+        );
     }
 
     #[test]
@@ -703,6 +924,108 @@ mod tests {
     fn escapes_are_unescaped_into_canonical_bytes() {
         let (a, _, _) = canon(Endpoint::Completions, r#"{"prompt":"a\nb\u00e9"}"#).unwrap();
         assert_eq!(a, "a\nbé".as_bytes());
+    }
+
+    #[test]
+    fn tools_and_template_inputs_are_part_of_the_prompt() {
+        let msgs = r#""messages":[{"role":"user","content":"what is the weather"}]"#;
+        let plain = canon(Endpoint::Chat, &format!("{{{msgs}}}")).unwrap().0;
+        let tools = r#""tools":[{"type":"function","function":{"name":"get_weather"}}]"#;
+        let a = canon(Endpoint::Chat, &format!("{{{tools},{msgs}}}"))
+            .unwrap()
+            .0;
+        let b = canon(Endpoint::Chat, &format!("{{{msgs},{tools}}}"))
+            .unwrap()
+            .0;
+        assert_ne!(a, plain, "tools change the rendered prompt");
+        assert_eq!(a, b, "field order does not matter");
+        assert!(
+            a.starts_with(b"\x1ctools"),
+            "tools render before the messages"
+        );
+        assert!(a.ends_with(&plain));
+        for extra in [
+            r#""tool_choice":"required""#,
+            r#""chat_template_kwargs":{"enable_thinking":false}"#,
+            r#""response_format":{"type":"json_object"}"#,
+        ] {
+            let x = canon(Endpoint::Chat, &format!("{{{msgs},{extra}}}"))
+                .unwrap()
+                .0;
+            let y = canon(Endpoint::Chat, &format!("{{{extra},{msgs}}}"))
+                .unwrap()
+                .0;
+            assert_ne!(x, plain, "{extra}");
+            assert_eq!(x, y, "{extra}");
+        }
+        // The response format goes after the messages: the conversation's prefix survives it.
+        let rf = canon(
+            Endpoint::Chat,
+            &format!(r#"{{"response_format":{{"type":"json_object"}},{msgs}}}"#),
+        )
+        .unwrap()
+        .0;
+        assert!(rf.starts_with(&plain));
+        // Message boundaries move with a header inserted in front of them.
+        let (mut c, mut bd) = (Vec::new(), Vec::new());
+        let body = format!("{{{msgs},{tools}}}");
+        parse_with_bounds(Endpoint::Chat, body.as_bytes(), &mut c, &mut bd, 1 << 20).unwrap();
+        assert_eq!(bd, vec![c.len()]);
+        // Under a tight limit the result does not depend on field order either.
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        let (bx, by) = (format!("{{{msgs},{tools}}}"), format!("{{{tools},{msgs}}}"));
+        let tx = parse(Endpoint::Chat, bx.as_bytes(), &mut x, 40)
+            .unwrap()
+            .truncated;
+        parse(Endpoint::Chat, by.as_bytes(), &mut y, 40).unwrap();
+        assert!(tx && x == y && x.len() == 40);
+        // Completions have no chat template: tools are ignored there.
+        let c1 = canon(Endpoint::Completions, r#"{"prompt":"p","tools":[1]}"#)
+            .unwrap()
+            .0;
+        assert_eq!(c1, b"p");
+    }
+
+    #[test]
+    fn token_estimate_counts_text_and_media_parts_not_json() {
+        let mut buf = Vec::new();
+        let junk = "x".repeat(1 << 20);
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","name":"{junk}","content":[{{"type":"text","text":"hello"}},{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{junk}"}}}},{{"type":"input_audio","input_audio":{{"data":"{junk}"}}}},{{"junk":"{junk}"}}]}}]}}"#
+        );
+        let p = parse(Endpoint::Chat, body.as_bytes(), &mut buf, 1 << 16).unwrap();
+        assert_eq!(p.text_bytes, "user".len() + "hello".len());
+        assert_eq!(p.media_parts, 3);
+        // Text past the hashing limit still counts (the engine prefills it); the router caps it.
+        let body = format!(r#"{{"prompt":"{}"}}"#, "a".repeat(5000));
+        let p = parse(Endpoint::Completions, body.as_bytes(), &mut buf, 100).unwrap();
+        assert_eq!((p.text_bytes, buf.len()), (5000, 100));
+    }
+
+    #[test]
+    fn message_bounds_are_bounded() {
+        let mut body = String::from(r#"{"messages":["#);
+        for i in 0..100_000 {
+            if i > 0 {
+                body.push(',');
+            }
+            body.push_str(r#"{"role":"u","content":"m"}"#);
+        }
+        body.push_str("]}");
+        let (mut c, mut bd) = (Vec::new(), Vec::new());
+        parse_with_bounds(Endpoint::Chat, body.as_bytes(), &mut c, &mut bd, 1 << 20).unwrap();
+        assert!(
+            bd.len() <= MAX_BOUNDS && bd.capacity() <= 2 * MAX_BOUNDS,
+            "{}",
+            bd.len()
+        );
+        assert_eq!(bd[..2], [4, 8], "the first two boundaries are kept");
+        assert_eq!(*bd.last().unwrap(), c.len(), "the deepest is kept");
+        assert!(bd.windows(2).all(|w| w[0] < w[1]));
+        // Empty messages past the limit add nothing.
+        let body = format!(r#"{{"messages":[{}]}}"#, vec!["{}"; 100_000].join(","));
+        parse_with_bounds(Endpoint::Chat, body.as_bytes(), &mut c, &mut bd, 1000).unwrap();
+        assert!(bd.len() <= MAX_BOUNDS);
     }
 
     #[test]

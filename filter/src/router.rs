@@ -168,7 +168,7 @@ impl Router {
         ) {
             Ok(p) => p,
             Err(_) => {
-                let est = (body.len() / cpt) as u32;
+                let est = (body.len() / cpt).min(cfg.policy.max_request_tokens as usize) as u32;
                 return Outcome::Route(self.least_loaded(store, dm, Reason::ParseError, est, now));
             }
         };
@@ -186,12 +186,22 @@ impl Router {
             },
         };
         let model = &cfg.models[mi];
+        // Charge what the engine prefills: rendered text, a fixed amount per media part, token
+        // ids; never raw JSON sizes, and never more than `max_request_tokens` per request.
+        let media = parsed
+            .media_parts
+            .saturating_mul(cfg.policy.media_part_tokens as usize);
         let (block_bytes, prompt_tokens) = match parsed.kind {
-            PromptKind::Text => (model.text_block_bytes, self.canon.len() / cpt),
+            PromptKind::Text => (
+                model.text_block_bytes,
+                (parsed.text_bytes / cpt).saturating_add(media),
+            ),
             PromptKind::Tokens => (4 * model.token_block_size, parsed.tokens),
-            PromptKind::None => (0, 0),
+            PromptKind::None => (0, media),
         };
-        let prompt_tokens = prompt_tokens.max(1).min(u32::MAX as usize) as u32;
+        let prompt_tokens = prompt_tokens
+            .clamp(1, cfg.policy.max_request_tokens as usize)
+            .min(u32::MAX as usize) as u32;
         if parsed.kind == PromptKind::None || self.canon.is_empty() {
             return Outcome::Route(self.least_loaded(
                 store,
@@ -632,6 +642,35 @@ mod tests {
         }
         let d = routed(r.route(&s, Endpoint::Chat, br#"{"messages":[]}"#, 1));
         assert_eq!(d.reason, Reason::Fallback);
+        r.release(&s, &d);
+        assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn a_client_cannot_inflate_the_load_charge() {
+        let s = MemStore::new();
+        let mut r = Router::new(
+            cfg(r#","policy":{"media_part_tokens":500,"max_request_tokens":100000}"#),
+            12,
+        );
+        r.init_store(&s);
+        let junk = "j".repeat(1 << 20);
+        // A 1 MiB junk field in a content part, a 1 MiB name and a 1 MiB image URL.
+        let body = format!(
+            r#"{{"model":"llama","messages":[{{"role":"user","name":"{junk}","content":[{{"type":"text","text":"hi there"}},{{"type":"image_url","image_url":{{"url":"http://x/{junk}"}}}},{{"type":"x","x":"{junk}"}}]}}]}}"#
+        );
+        let d = routed(r.route(&s, Endpoint::Chat, body.as_bytes(), 1));
+        assert!(d.charged_tokens <= 1000 + 4, "charged {}", d.charged_tokens);
+        r.release(&s, &d);
+        // 4M token ids: capped per request.
+        let ids = vec!["7"; 4_000_000].join(",");
+        let body = format!(r#"{{"model":"llama","prompt":[{ids}]}}"#);
+        let d = routed(r.route(&s, Endpoint::Completions, body.as_bytes(), 1));
+        assert_eq!(d.charged_tokens, 100_000);
+        r.release(&s, &d);
+        // A malformed 4 MiB body is capped too.
+        let d = routed(r.route(&s, Endpoint::Chat, &vec![b'{'; 4 << 20], 1));
+        assert_eq!(d.charged_tokens, 100_000);
         r.release(&s, &d);
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
     }
