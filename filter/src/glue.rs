@@ -94,6 +94,11 @@ struct Metrics {
     peer_records_ignored: usize,
     peer_requests_rejected: usize,
     load_underflows: usize,
+    /// PD: requests sent to a prefill + decode pair, bodies refused, client bootstrap fields
+    /// dropped.
+    pd_requests: usize,
+    pd_bad_body: usize,
+    pd_client_fields: usize,
     /// Gauges set (not added) by the poller: oldest answer's age, workers without a fresh one.
     poll_age_ms: u32,
     poll_unknown: u32,
@@ -134,6 +139,12 @@ impl Metrics {
         let peer_requests_rejected =
             def(MetricType::Counter, "prefix_router.peers.requests_rejected");
         let load_underflows = def(MetricType::Counter, "prefix_router.load.underflows");
+        let pd_requests = def(MetricType::Counter, "prefix_router.pd.requests");
+        let pd_bad_body = def(MetricType::Counter, "prefix_router.pd.bad_body");
+        let pd_client_fields = def(
+            MetricType::Counter,
+            "prefix_router.pd.client_bootstrap_fields",
+        );
         let gauge = |name: &str| hostcalls::define_metric(MetricType::Gauge, name).unwrap_or(0);
         let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
         let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
@@ -181,6 +192,9 @@ impl Metrics {
             peer_records_ignored,
             peer_requests_rejected,
             load_underflows,
+            pd_requests,
+            pd_bad_body,
+            pd_client_fields,
             poll_age_ms,
             poll_unknown,
             inflight,
@@ -513,6 +527,7 @@ impl RootContext for Root {
             shared,
             endpoint: None,
             decision: None,
+            decode: None,
             charged: false,
             peer_batch: false,
         }))
@@ -527,6 +542,8 @@ struct Stream {
     shared: Rc<Shared>,
     endpoint: Option<Endpoint>,
     decision: Option<Decision>,
+    /// PD models: the decode half (released with `decision`).
+    decode: Option<Decision>,
     /// True while this stream holds a load charge that must be released exactly once.
     charged: bool,
     /// A peer's record batch (peer listener only), applied when its body is complete.
@@ -618,6 +635,10 @@ impl Stream {
                 local_reply(status, &body)
             }
             Outcome::Route(d) => {
+                if let Some(action) = self.pd_route(&d, body, now) {
+                    return action;
+                }
+                let m = &self.shared.metrics;
                 m.add(m.reasons[d.reason.index()], 1);
                 m.add(m.blocks_prompt, i64::from(d.total_blocks));
                 m.add(m.blocks_matched, i64::from(d.matched_blocks));
@@ -641,9 +662,74 @@ impl Stream {
         }
     }
 
+    /// PD model: rewrites the body for the prefill worker `d` chose, picks and charges a decode
+    /// worker, and points the cluster header at it and the prefill header at `d`'s worker (the
+    /// route mirrors the body there). `None`: not a PD model, route as usual.
+    fn pd_route(&mut self, d: &Decision, body: &[u8], now: u32) -> Option<Action> {
+        let mut guard = self.shared.router.borrow_mut();
+        let r = &mut *guard;
+        let rewritten = crate::pd::rewrite_for(r, d, body)?;
+        let m = &self.shared.metrics;
+        if rewritten.is_err() {
+            // not a JSON object: no worker could use it; undo the prefill charge
+            r.release(&EnvoyStore, d);
+            m.add(m.pd_bad_body, 1);
+            m.add(m.reasons[Reason::Rejected.index()], 1);
+            m.maybe_flush(now);
+            return Some(local_reply(
+                400,
+                r#"{"object":"error","message":"request body must be a JSON object","type":"BadRequestError","code":400}"#,
+            ));
+        }
+        let tokens = (body.len() / r.cfg.policy.chars_per_token.max(1) as usize) as u32;
+        let dec = crate::pd::decode_decision(r, &EnvoyStore, d, tokens, now)?;
+        let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), &r.pd.out);
+        if !header("content-length").is_empty() {
+            let len = r.pd.out.len().to_string();
+            let _ = hostcalls::set_map_value(
+                MapType::HttpRequestHeaders,
+                "content-length",
+                Some(len.as_str()),
+            );
+        }
+        let _ = hostcalls::add_map_value(
+            MapType::HttpRequestHeaders,
+            &r.cfg.cluster_header,
+            r.cluster(&dec),
+        );
+        let _ = hostcalls::add_map_value(
+            MapType::HttpRequestHeaders,
+            &r.cfg.prefill_cluster_header,
+            r.cluster(d),
+        );
+        m.add(m.reasons[d.reason.index()], 1);
+        m.add(m.blocks_prompt, i64::from(d.total_blocks));
+        m.add(m.blocks_matched, i64::from(d.matched_blocks));
+        m.add(m.index_writes, i64::from(d.index.writes));
+        m.add(m.index_conflicts, i64::from(d.index.conflicts));
+        m.add(m.index_dropped, i64::from(d.index.dropped));
+        m.add(m.index_probes, i64::from(d.probes));
+        m.add(m.truncated, i64::from(d.truncated));
+        m.add(m.pd_requests, 1);
+        m.add(m.pd_client_fields, i64::from(r.pd.dropped));
+        m.inflight(d, 1);
+        m.inflight(&dec, 1);
+        m.maybe_flush(now);
+        self.charged = true;
+        self.decision = Some(*d);
+        self.decode = Some(dec);
+        Some(Action::Continue)
+    }
+
     fn release(&mut self) {
         if !std::mem::take(&mut self.charged) {
             return;
+        }
+        if let Some(d) = self.decode.take() {
+            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
+                r.release(&EnvoyStore, &d);
+            }
+            self.shared.metrics.inflight(&d, -1);
         }
         if let Some(d) = &self.decision {
             if let Ok(mut r) = self.shared.router.try_borrow_mut() {
@@ -665,6 +751,10 @@ impl HttpContext for Stream {
             // Whatever the client sent under our header names is never trusted or forwarded.
             let r = self.shared.router.borrow();
             let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &r.cfg.cluster_header);
+            let _ = hostcalls::remove_map_value(
+                MapType::HttpRequestHeaders,
+                &r.cfg.prefill_cluster_header,
+            );
             if let Some(h) = &r.cfg.debug_header {
                 let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, h);
             }
@@ -744,6 +834,9 @@ impl HttpContext for Stream {
                 d.matched_blocks,
                 d.total_blocks
             );
+            if let Some(dec) = &self.decode {
+                let _ = write!(v, "; decode={}", r.cluster(dec));
+            }
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, h, &v);
         }
         Action::Continue
