@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from .conftest import REPO, envoy_validate, with_local_wasm
+from .conftest import REPO, envoy_validate, with_local_wasm, yaml_doc
 
 COMPOSE = REPO / "docker-compose.yml"
 
@@ -94,15 +94,24 @@ def test_envoy_service(project):
     assert ports == {("", "10000", 10000), ("127.0.0.1", "9902", 9902)}
 
 
-def test_envoy_config_matches_services(project):
+def test_envoy_config_matches_services(project, composecheck, tmp_path):
     """The mounted config names the wasm where the volume puts it and the workers by DNS name."""
     text = (REPO / "envoy" / "compose.yaml").read_text()
-    assert "filename: /etc/prefix-router/prefix_router.wasm" in text
+    doc = yaml_doc(composecheck, text, tmp_path)
     assert "/out/prefix_router.wasm" in (REPO / "docker" / "filter.Dockerfile").read_text()
-    hosts = set(re.findall(r'address: "([^"]+)", port_value: (\d+)', text))
-    assert hosts == {("w0", "30000"), ("w1", "30000"), ("w2", "30000"), ("w3", "30000")}
-    assert "socket_address: { address: 0.0.0.0, port_value: 10000 }" in text
-    assert "socket_address: { address: 0.0.0.0, port_value: 9902 }" in text
+    hosts = {(ep["endpoint"]["address"]["socket_address"]["address"],
+              ep["endpoint"]["address"]["socket_address"]["port_value"])
+             for c in doc["static_resources"]["clusters"] if c["name"] != "admin"
+             for g in c["load_assignment"]["endpoints"] for ep in g["lb_endpoints"]}
+    assert hosts == {("w0", 30000), ("w1", 30000), ("w2", 30000), ("w3", 30000)}
+    listeners = {li["name"]: li for li in doc["static_resources"]["listeners"]}
+    # inside the container: all interfaces (what the host publishes is decided by `ports`)
+    assert listeners["ingress"]["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 10000}
+    assert listeners["stats"]["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 9902}
+    assert doc["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
+    (hcm,) = listeners["ingress"]["filter_chains"][0]["filters"]
+    (wasm,) = [f for f in hcm["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
+    assert wasm["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] == "/etc/prefix-router/prefix_router.wasm"
     for i in range(4):
         aliases = project["services"][f"sglang-w{i}"]["networks"]["default"]["aliases"]
         assert aliases == [f"w{i}"]

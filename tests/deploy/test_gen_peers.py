@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from .conftest import GEN, envoy_validate, run_gen, wasm_path
+from .conftest import GEN, envoy_validate, run_gen, wasm_path, yaml_doc
 
 SECRET = "s3cr3t-0123456789abcdef"
 PEERS = "http://10.0.0.2:15100,http://envoy-1.prefix-router-peers.default.svc:15100"
@@ -25,12 +25,7 @@ def gen_fail(*args: str) -> str:
 
 
 def as_json(composecheck, text: str, tmp_path) -> dict:
-    f = tmp_path / "gen.yaml"
-    f.write_text(text)
-    r = subprocess.run([str(composecheck), "yaml2json", str(f)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    (doc,) = json.loads(r.stdout)
-    return doc
+    return yaml_doc(composecheck, text, tmp_path)
 
 
 def hcm(listener: dict) -> dict:

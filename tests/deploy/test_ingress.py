@@ -15,95 +15,115 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from .conftest import REPO, envoy_binary, envoy_validate, free_port, run_gen, wasm_path, with_local_wasm
+from .conftest import (
+    REPO,
+    envoy_binary,
+    envoy_validate,
+    free_port,
+    header_command,
+    run_gen,
+    wasm_path,
+    with_local_wasm,
+    yaml_doc,
+)
 
 CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
 
-# The example fleet of envoy/ingress.yaml: Kubernetes StatefulSet pods behind headless services.
-INGRESS_ARGS = [
-    "--model",
-    "llama=sglang-llama-0.sglang-llama.llm.svc.cluster.local:30000,"
-    "sglang-llama-1.sglang-llama.llm.svc.cluster.local:30000,"
-    "sglang-llama-2.sglang-llama.llm.svc.cluster.local:30000,"
-    "sglang-llama-3.sglang-llama.llm.svc.cluster.local:30000",
-    "--model",
-    "qwen=sglang-qwen-0.sglang-qwen.llm.svc.cluster.local:30000,"
-    "sglang-qwen-1.sglang-qwen.llm.svc.cluster.local:30000",
-    "--default-model",
-    "llama",
-    "--listen",
-    "0.0.0.0:10000",
-]
-
-# envoy/compose.yaml: the docker-compose fleet (service names w0..w3), debug header on for the demo.
-COMPOSE_ARGS = [
-    "--model",
-    "llama=w0:30000,w1:30000,w2:30000,w3:30000",
-    "--listen",
-    "0.0.0.0:10000",
-    "--debug-header",
-]
+GENERATED = ["compose.yaml", "envoy.yaml", "ingress.yaml", "scale-out.yaml"]
 
 
-# envoy/scale-out.yaml: the INGRESS_ARGS fleet behind 3 Envoy replicas that are each other's peers
-# (envoy/k8s/statefulset.yaml); the secret is a placeholder the pod's init container replaces.
-SCALE_OUT_ARGS = INGRESS_ARGS + [
-    "--peers",
-    ",".join(f"http://prefix-router-{i}.prefix-router-peers.llm.svc.cluster.local:15100" for i in range(3)),
-    "--peer-listen",
-    "0.0.0.0:15100",
-    "--peer-secret",
-    "__PREFIX_ROUTER_PEER_SECRET__",
-]
+def test_every_envoy_config_is_generated():
+    """No hand-written Envoy config: every envoy/*.yaml is envoy/gen output (one source)."""
+    assert sorted(p.name for p in (REPO / "envoy").glob("*.y*ml")) == GENERATED
 
 
-@pytest.mark.parametrize(
-    "name,args",
-    [("ingress.yaml", INGRESS_ARGS), ("compose.yaml", COMPOSE_ARGS), ("scale-out.yaml", SCALE_OUT_ARGS)],
-)
-def test_checked_in_config_is_generator_output(name, args):
+@pytest.mark.parametrize("name", GENERATED)
+def test_checked_in_config_is_generator_output(name):
     checked_in = (REPO / "envoy" / name).read_text()
+    args = header_command(checked_in)
     assert run_gen(*args) == checked_in, (
-        f"envoy/{name} is stale: regenerate with envoy/gen {' '.join(args)} > envoy/{name}"
+        f"envoy/{name} is stale: regenerate with envoy/regen (envoy/gen {' '.join(args)} > envoy/{name})"
     )
 
 
-def test_ingress_structure():
+@pytest.mark.parametrize(
+    "name,profile",
+    [("envoy.yaml", "demo"), ("compose.yaml", "compose"), ("ingress.yaml", "ingress"), ("scale-out.yaml", "ingress")],
+)
+def test_checked_in_config_profiles(name, profile):
+    args = header_command((REPO / "envoy" / name).read_text())
+    assert args[:2] == ["--profile", profile], args
+
+
+def clusters_of(doc: dict) -> dict:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+def hosts_of(cluster: dict) -> list[tuple[str, int]]:
+    """(address, priority) of every endpoint, in order."""
+    return [(ep["endpoint"]["address"]["socket_address"]["address"], g.get("priority", 0))
+            for g in cluster["load_assignment"]["endpoints"] for ep in g["lb_endpoints"]]
+
+
+def listener(doc: dict, name: str) -> dict:
+    (li,) = [x for x in doc["static_resources"]["listeners"] if x["name"] == name]
+    return li
+
+
+def hcm_of(li: dict) -> dict:
+    (chain,) = li["filter_chains"]
+    (f,) = chain["filters"]
+    return f["typed_config"]
+
+
+def test_ingress_structure(composecheck, tmp_path):
     text = (REPO / "envoy" / "ingress.yaml").read_text()
+    doc = yaml_doc(composecheck, text, tmp_path)
     # one cluster per worker, one per worker for its load polls (the worker's own host only, no
     # health check, no outlier detection), + the loopback admin cluster behind the stats listener
-    names = re.findall(r"^    - name: (\S+)$", text.split("\n  clusters:\n", 1)[1], re.M)
+    clusters = clusters_of(doc)
     workers = ["llama_0", "llama_1", "llama_2", "llama_3", "qwen_0", "qwen_1"]
-    assert names == workers + [w + "_load" for w in workers] + ["admin"]
-    assert text.count("type: STRICT_DNS") == 12
-    assert text.count("path: /health") == 6
-    assert text.count("outlier_detection:") == 6
-    assert text.count("circuit_breakers:") == 6
+    assert list(clusters) == workers + [w + "_load" for w in workers] + ["admin"]
+    for w in workers:
+        c = clusters[w]
+        assert c["type"] == "STRICT_DNS"
+        assert c["health_checks"][0]["http_health_check"]["path"] == "/health"
+        assert "outlier_detection" in c and "circuit_breakers" in c
+        assert c["per_connection_buffer_limit_bytes"] == 16777216
+        p = clusters[w + "_load"]
+        assert p["type"] == "STRICT_DNS" and "health_checks" not in p and "outlier_detection" not in p
+        assert hosts_of(p) == hosts_of(c)[:1]
     # worker i at priority 0, the next 3 (llama) / 1 (qwen) workers of its model at priority 1
-    llama_1 = text.split("    - name: llama_1\n", 1)[1].split("    - name: llama_2\n", 1)[0]
-    hosts = re.findall(r"address: \"(sglang-[^\"]+)\", port_value: 30000 }(?:\n\s+priority: (\d))?", llama_1)
-    assert hosts == [(f"sglang-llama-{i}.sglang-llama.llm.svc.cluster.local", p)
-                     for i, p in ((1, ""), (2, "1"), (3, "1"), (0, "1"))], hosts
-    qwen_0 = text.split("    - name: qwen_0\n", 1)[1].split("    - name: qwen_1\n", 1)[0]
-    assert re.findall(r"address: \"(sglang-qwen-\d)", qwen_0) == ["sglang-qwen-0", "sglang-qwen-1"]
-    for needle in (
-        "per_connection_buffer_limit_bytes: 16777216",
-        "request_body_buffer_limit: 16777216",
-        "envoy.retry_host_predicates.previous_hosts",
-        "envoy.retry_priorities.previous_priorities",
-        "retry_on: connect-failure,refused-stream,reset,retriable-status-codes",
-        "per_try_idle_timeout:",
-        "envoy.filters.http.local_ratelimit",
-        "allow_on_headers_stop_iteration: true",
-        "failure_policy: FAIL_RELOAD",
-        'route_cluster: "%REQ(X-PREFIX-ROUTER-CLUSTER)%"',
-        'decision: "%RESP(X-PREFIX-ROUTER-DECISION)%"',
-        "socket_address: { address: 127.0.0.1, port_value: 9901 }",  # admin on loopback
-        "path: /stats/prometheus",
-        "validate_clusters: true",
-    ):
-        assert needle in text, needle
+    assert hosts_of(clusters["llama_1"]) == [(f"sglang-llama-{i}.sglang-llama.llm.svc.cluster.local", p)
+                                            for i, p in ((1, 0), (2, 1), (3, 1), (0, 1))]
+    assert [h.split(".")[0] for h, _ in hosts_of(clusters["qwen_0"])] == ["sglang-qwen-0", "sglang-qwen-1"]
+    assert hosts_of(clusters["admin"]) == [("127.0.0.1", 0)]
+
+    assert doc["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
+    ingress = listener(doc, "ingress")
+    assert ingress["per_connection_buffer_limit_bytes"] == 16777216
+    hcm = hcm_of(ingress)
+    (vhost,) = hcm["route_config"]["virtual_hosts"]
+    assert hcm["route_config"]["validate_clusters"] is True
+    route = vhost["routes"][-1]
+    assert route["request_body_buffer_limit"] == 16777216
+    retry = route["route"]["retry_policy"]
+    assert retry["retry_on"] == "connect-failure,refused-stream,reset,retriable-status-codes"
+    assert retry["per_try_idle_timeout"]
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["envoy.filters.http.local_ratelimit", "envoy.filters.http.wasm", "envoy.filters.http.router"]
+    wasm = hcm["http_filters"][1]["typed_config"]["config"]
+    assert wasm["allow_on_headers_stop_iteration"] is True and wasm["failure_policy"] == "FAIL_RELOAD"
+    fmt = hcm["access_log"][0]["typed_config"]["log_format"]["json_format"]
+    assert fmt["route_cluster"] == "%REQ(X-PREFIX-ROUTER-CLUSTER)%"
+    assert fmt["decision"] == "%RESP(X-PREFIX-ROUTER-DECISION)%"
+    stats_routes = hcm_of(listener(doc, "stats"))["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["match"]["path"] for r in stats_routes] == ["/stats/prometheus", "/ready"]
+
     plugin = plugin_config(text)
+    assert plugin == json.loads(wasm["configuration"]["value"])
     assert plugin["models"] == {
         "llama": {"workers": ["llama_0", "llama_1", "llama_2", "llama_3"]},
         "qwen": {"workers": ["qwen_0", "qwen_1"]},
@@ -113,7 +133,7 @@ def test_ingress_structure():
     assert plugin["debug_header"] is None  # production default: no decision header to clients
     assert plugin["load_poll"] == {"interval_ms": 100, "cluster_suffix": "_load"}  # --load-poll-ms default
     assert "peers" not in plugin and "peer_listener" not in plugin  # standalone: no --peers
-    assert "    - name: peers\n" not in text and "prefix_router_peer_" not in text
+    assert [li["name"] for li in doc["static_resources"]["listeners"]] == ["ingress", "stats"]
 
 
 def plugin_config(text: str) -> dict:
@@ -306,7 +326,7 @@ def test_generated_config_routes_and_retries_on_another_worker(live):
     d = decision(headers)
     chosen = d["worker"]
     assert chosen in workers and d["reason"] == "hash_affinity", d
-    assert json.loads(raw)["worker"] == workers[chosen].name
+    assert json.loads(raw)["worker"] == workers[chosen].name, (headers, live["log"].read_text()[-3000:])
     assert headers.get("x-envoy-attempt-count") == "1"
     assert workers[chosen].requests[-1] == ("/v1/chat/completions", "1")
 

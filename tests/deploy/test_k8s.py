@@ -27,6 +27,16 @@ def docs(composecheck) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def scale_out(composecheck) -> dict:
+    """envoy/scale-out.yaml, the Envoy config the StatefulSet's ConfigMap holds."""
+    r = subprocess.run([str(composecheck), "yaml2json", str(REPO / "envoy" / "scale-out.yaml")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (cfg,) = json.loads(r.stdout)
+    return cfg
+
+
 def by_kind(docs, name, kind):
     (doc,) = [d for d in docs[name] if d["kind"] == kind]
     return doc
@@ -123,7 +133,7 @@ def test_load_poll_in_gateway_examples(docs):
         assert "peers" not in cfg and "peer_listener" not in cfg
 
 
-def test_statefulset_matches_scale_out_config(docs):
+def test_statefulset_matches_scale_out_config(docs, scale_out):
     """envoy/k8s/statefulset.yaml runs envoy/scale-out.yaml on N pods: the config's peers are
     exactly the StatefulSet's pods through the headless service, on the pod's peer port."""
     peers_svc, client_svc = [d for d in docs["statefulset.yaml"] if d["kind"] == "Service"]
@@ -144,19 +154,22 @@ def test_statefulset_matches_scale_out_config(docs):
     assert envoy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
 
     text = (REPO / "envoy" / "scale-out.yaml").read_text()
+    cfg = scale_out
     # listeners: client 10000, stats 9902, peers 15100 (what the container ports say)
-    for lname, port in (("ingress", 10000), ("stats", 9902), ("peers", 15100)):
-        assert re.search(rf"- name: {lname}\n\s+address:\n\s+socket_address: {{ address: 0\.0\.0\.0, "
-                         rf"port_value: {port} }}", text), lname
+    listeners = {li["name"]: li["address"]["socket_address"] for li in cfg["static_resources"]["listeners"]}
+    assert listeners == {n: {"address": "0.0.0.0", "port_value": p}
+                         for n, p in (("ingress", 10000), ("stats", 9902), ("peers", 15100))}
     plugin = plugin_config(text)
     check_plugin_config(plugin)
     replicas = spec["replicas"]
     assert plugin["peers"]["clusters"] == [f"prefix_router_peer_{i}" for i in range(replicas)]
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
     for i in range(replicas):
-        cluster = text.split(f"    - name: prefix_router_peer_{i}\n", 1)[1].split("\n    - name: ", 1)[0]
-        assert "type: STRICT_DNS" in cluster
+        cluster = clusters[f"prefix_router_peer_{i}"]
+        assert cluster["type"] == "STRICT_DNS"
         host = f"{name}-{i}.{spec['serviceName']}.{ns}.svc.cluster.local"
-        assert f'socket_address: {{ address: "{host}", port_value: 15100 }}' in cluster, cluster
+        (ep,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert ep["endpoint"]["address"]["socket_address"] == {"address": host, "port_value": 15100}
     # secret: a placeholder in the ConfigMap, replaced from the Secret by the init container
     placeholder = plugin["peers"]["secret"]
     assert placeholder == "__PREFIX_ROUTER_PEER_SECRET__"
@@ -165,7 +178,10 @@ def test_statefulset_matches_scale_out_config(docs):
     assert f"gsub(/{placeholder}/, s)" in script
     assert "/secret/secret /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
     assert "cp /wasm/prefix_router.wasm /etc/prefix-router/prefix_router.wasm" in script
-    assert "filename: /etc/prefix-router/prefix_router.wasm" in text
+    wasm = [f for li in cfg["static_resources"]["listeners"] for f in li["filter_chains"][0]["filters"][0]
+            ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
+    assert {w["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] for w in wasm} == {
+        "/etc/prefix-router/prefix_router.wasm"}
     assert envoy["args"][:2] == ["-c", "/etc/prefix-router/envoy.yaml"]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["peer-secret"]["secret"]["secretName"] == "prefix-router-peer-secret"
