@@ -450,8 +450,15 @@ impl Config {
     /// Parses and validates the plugin configuration JSON.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
         let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| {
-            // serde names the unknown/mistyped field in its message.
-            err("<root>", e.to_string())
+            // Unknown fields, wrong types and bad enum values: serde's message says what, the
+            // field is located by config_path (syntax errors have no field: `<root>`).
+            let field = match e.classify() {
+                serde_json::error::Category::Data => serde_json::from_slice(bytes)
+                    .map(|doc| crate::config_path::locate::<RawConfig>(&doc))
+                    .unwrap_or_else(|_| "<root>".to_string()),
+                _ => "<root>".to_string(),
+            };
+            err(field, e.to_string())
         })?;
         Config::validate(raw)
     }
@@ -806,9 +813,82 @@ mod tests {
         );
         let e = Config::from_json(br#"{"models":{"m":{"workers":["a"]}},"bogus":1}"#).unwrap_err();
         assert!(e.message.contains("bogus"), "{e}");
+        assert_eq!(e.field, "bogus");
         let e = Config::from_json(br#"{"models":{"m":{"workers":["a"]}},"policy":{"name":"x"}}"#)
             .unwrap_err();
         assert!(e.message.contains("unknown variant"), "{e}");
+        assert_eq!(e.field, "policy.name");
+    }
+
+    #[test]
+    fn serde_errors_name_the_field() {
+        const M: &str = r#""models":{"m":{"workers":["a"]}}"#;
+        let cases = [
+            // unknown fields, at every level
+            (
+                format!(r#"{{{M},"policy":{{"load_epz":1}}}}"#),
+                "policy.load_epz",
+            ),
+            (
+                format!(r#"{{{M},"index":{{"capacity":4096,"ttl":5}}}}"#),
+                "index.ttl",
+            ),
+            (
+                format!(r#"{{{M},"load_poll":{{"intervall_ms":5}}}}"#),
+                "load_poll.intervall_ms",
+            ),
+            (
+                r#"{"models":{"m":{"workers":["a"],"x":1}}}"#.to_string(),
+                "models.m.x",
+            ),
+            // wrong types
+            (
+                format!(r#"{{{M},"policy":{{"load_eps":"high"}}}}"#),
+                "policy.load_eps",
+            ),
+            (
+                format!(r#"{{{M},"index":{{"capacity":-1}}}}"#),
+                "index.capacity",
+            ),
+            (format!(r#"{{{M},"debug_header":7}}"#), "debug_header"),
+            (format!(r#"{{{M},"peer_listener":"yes"}}"#), "peer_listener"),
+            (format!(r#"{{{M},"policy":5}}"#), "policy"),
+            (
+                r#"{"models":{"m":{"workers":"a"}}}"#.to_string(),
+                "models.m.workers",
+            ),
+            (
+                r#"{"models":{"m":{"workers":["a",5]}}}"#.to_string(),
+                "models.m.workers[1]",
+            ),
+            (
+                r#"{"models":{"m":{"workers":["a",{"cluster":"b","weight":"2"}]}}}"#.to_string(),
+                "models.m.workers[1].weight",
+            ),
+            // bad enum values, missing required fields
+            (
+                format!(r#"{{{M},"unknown_model":"drop"}}"#),
+                "unknown_model",
+            ),
+            (format!(r#"{{{M},"peers":{{"clusters":[]}}}}"#), "peers"),
+            (r#"{"policy":{}}"#.to_string(), "<root>"),
+            // not an object, not JSON
+            ("[]".to_string(), "<root>"),
+            ("{".to_string(), "<root>"),
+        ];
+        for (json, field) in cases {
+            let e = Config::from_json(json.as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+        }
+        // the message still says what is wrong, and where in the text
+        let e = Config::from_json(format!(r#"{{{M},"policy":{{"load_epz":1}}}}"#).as_bytes())
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("invalid config field `policy.load_epz`: unknown field `load_epz`"),
+            "{e}"
+        );
+        assert!(e.message.contains("line 1"), "{e}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 pub mod blocks;
 pub mod config;
+mod config_path;
 pub mod index;
 pub mod load;
 pub mod pd;
