@@ -292,6 +292,17 @@ def live(tmp_path):
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.time() < deadline, "envoy not ready in 30 s\n" + log.read_text()[-4000:]
             time.sleep(0.1)
+        # Every worker healthy in every worker cluster before the first request: a first health
+        # check that times out (a loaded machine) leaves a host unhealthy until the next one, 60 s
+        # later, and the cluster's traffic would go to its fallback.
+        deadline = time.time() + 150
+        while True:
+            flags = [line.rsplit("::", 1)[1] for line in get(admin, "/clusters")[1].decode().splitlines()
+                     if re.match(r"llama_\d::", line) and "::health_flags::" in line]
+            if len(flags) == 4 and all(f == "healthy" for f in flags):
+                break
+            assert time.time() < deadline, f"workers not healthy in time: {flags}"
+            time.sleep(0.2)
         yield {"workers": {f"llama_{i}": w for i, w in enumerate(workers)}, "listen": listen,
                "stats": stats, "log": log}
     finally:
