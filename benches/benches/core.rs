@@ -162,6 +162,8 @@ fn policies(c: &mut Criterion) {
                 prompt_tokens: 4096,
                 affinity: 0xdead_beef,
                 conversation_blocks: 0,
+                head_blocks: 0,
+                busy: &[],
             };
             g.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter(|| policy::choose(&cfg.policy, black_box(&inp)))

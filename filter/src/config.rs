@@ -230,6 +230,18 @@ pub struct PolicyConfig {
     /// above 1 (0: every holder gets `load_slack`).
     #[serde(default = "default_slack_full_tokens")]
     pub slack_full_tokens: u32,
+    /// A prompt's opening message (a system prompt) cached on at least this share of the
+    /// model's workers is a fleet prefix: it no longer decides where a new conversation on it
+    /// goes; the least busy eligible worker does (0: off).
+    #[serde(default = "default_fleet_prefix_share")]
+    pub fleet_prefix_share: f64,
+    /// Time constant of each worker's decayed in-flight average (`busy.rs`); 0: off.
+    #[serde(default = "default_busy_window_ms")]
+    pub busy_window_ms: u32,
+    /// Workers within this many requests of the least busy one share new conversations by
+    /// rendezvous, so replicas and threads acting on the same averages do not herd onto one.
+    #[serde(default = "default_busy_tolerance")]
+    pub busy_tolerance: f64,
     /// Weight of a worker's in-flight (estimated uncached) prompt tokens in its cost.
     #[serde(default = "default_load_weight")]
     pub load_weight: f64,
@@ -269,6 +281,9 @@ impl Default for PolicyConfig {
             load_eps: default_load_eps(),
             load_slack: default_load_slack(),
             slack_full_tokens: default_slack_full_tokens(),
+            fleet_prefix_share: default_fleet_prefix_share(),
+            busy_window_ms: default_busy_window_ms(),
+            busy_tolerance: default_busy_tolerance(),
             load_weight: default_load_weight(),
             request_cost_tokens: default_request_cost_tokens(),
             affinity_blocks: default_affinity_blocks(),
@@ -317,6 +332,15 @@ fn default_slack_full_tokens() -> u32 {
     // used, TTFT p99 586 ms); slack 1 for all: 14 of 16, p99 131 ms. Long documents (32k) keep
     // the full slack that raised long-context hit rates from 72% to 81-83%.
     8192
+}
+fn default_fleet_prefix_share() -> f64 {
+    0.5
+}
+fn default_busy_window_ms() -> u32 {
+    10_000
+}
+fn default_busy_tolerance() -> f64 {
+    0.5
 }
 fn default_load_eps() -> f64 {
     1.0
@@ -619,6 +643,15 @@ impl Config {
         }
         if !(p.load_slack.is_finite() && p.load_slack >= 0.0 && p.load_slack <= 1e6) {
             return Err(err("policy.load_slack", "must be between 0 and 1000000"));
+        }
+        if !(p.fleet_prefix_share.is_finite() && (0.0..=1.0).contains(&p.fleet_prefix_share)) {
+            return Err(err("policy.fleet_prefix_share", "must be between 0 and 1"));
+        }
+        if !(p.busy_tolerance.is_finite() && p.busy_tolerance >= 0.0 && p.busy_tolerance <= 1e6) {
+            return Err(err(
+                "policy.busy_tolerance",
+                "must be between 0 and 1000000",
+            ));
         }
         if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
             return Err(err("policy.load_weight", "must be a finite number >= 0"));

@@ -4,6 +4,7 @@
 //! natively; `glue` is the thin proxy-wasm layer compiled only for Wasm.
 
 pub mod blocks;
+pub mod busy;
 pub mod config;
 mod config_path;
 pub mod index;

@@ -15,6 +15,7 @@
 //! `policy.affinity_blocks` blocks.
 
 use crate::blocks::{chain_seed, hash_blocks};
+use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
 use crate::index::{Held, Index, Matches, Scratch, WriteStats};
 use crate::load::Ledger;
@@ -65,6 +66,7 @@ pub struct Router {
     /// Per model: `(worker id, index)` sorted by id, to map index holders to workers in O(log n).
     ids: Vec<Vec<(u32, u16)>>,
     pub ledger: Ledger,
+    busy: Busy,
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
     pub outbox: Option<Outbox>,
@@ -107,6 +109,7 @@ impl Router {
             matched: Vec::with_capacity(max_workers),
             ids,
             ledger: Ledger::new(&cfg),
+            busy: Busy::new(&cfg),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
@@ -234,7 +237,15 @@ impl Router {
             }
         }
         let affinity = self.affinity_key(seed, block_bytes, parsed.kind);
-        let mut d = self.decide(store, mi, prompt_tokens, affinity, now);
+        // The opening message's end (full blocks), when another message follows it: a fleet
+        // prefix candidate (policy/cache_aware.rs).
+        let head_blocks = match (parsed.kind, self.bounds.len() >= 2, self.bounds.first()) {
+            (PromptKind::Text, true, Some(&end)) => {
+                (end / block_bytes.max(1)).min(self.hashes.len())
+            }
+            _ => 0,
+        } as u32;
+        let mut d = self.decide(store, mi, prompt_tokens, affinity, head_blocks, now);
         if let Some(r) = forced.take() {
             d.reason = r;
         }
@@ -270,6 +281,7 @@ impl Router {
         mi: usize,
         prompt_tokens: u32,
         affinity: u64,
+        head_blocks: u32,
         now: u32,
     ) -> Decision {
         let cfg = &self.cfg;
@@ -306,8 +318,14 @@ impl Router {
         } else {
             0
         };
-        let (policy, matched) = (&mut self.policy, &self.matched);
+        // The opening message's end, when another message follows it (a fleet prefix candidate).
+        let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
+        let mut sampled = false;
         let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
+            if !sampled {
+                busy.observe(mi, now, cfg.policy.busy_window_ms, reqs);
+                sampled = true;
+            }
             let inp = Inputs {
                 model,
                 reqs,
@@ -318,6 +336,8 @@ impl Router {
                 prompt_tokens,
                 affinity,
                 conversation_blocks,
+                head_blocks,
+                busy: busy.of(mi),
             };
             let (w, reason) = policy.choose(&cfg.policy, &inp);
             let tok = if uses_index {

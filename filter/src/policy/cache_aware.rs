@@ -17,6 +17,17 @@
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
 //!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
+//! * **A new conversation on a fleet prefix.** When the prompt's opening message (a system
+//!   prompt) is followed by more, nobody holds anything past that opening, and at least
+//!   `fleet_prefix_share` (0.5) of the workers hold some of it, the opening is a fleet-wide
+//!   prefix that every worker will end up caching once; ranking by it would stack every new
+//!   conversation on its first holders, whose caches then evict each other's histories while
+//!   the rest of the fleet idles. Such a request goes to the least busy eligible worker (decayed
+//!   in-flight average, `busy.rs`, per unit weight; load bound with slack 1), rendezvous among
+//!   those within `busy_tolerance` of the least busy so that threads and replicas reading the
+//!   same averages spread rather than herd. Prompts whose opening is held by fewer workers (a
+//!   document or a per-tenant prompt) keep the cost rule above, and a conversation's later
+//!   turns, whose history some worker holds, are cost-ranked as before.
 
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::{Model, PolicyConfig};
@@ -83,6 +94,11 @@ fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
 /// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
 /// Both make the same choice (tested), so replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    if is_fleet_prefix(p, inp) {
+        if let Some(w) = choose_least_busy(p, inp) {
+            return (w, reason_of(inp, w, w));
+        }
+    }
     let n = inp.model.workers.len();
     if inp.model.uniform_weights
         && inp.reqs.len() == n
@@ -93,6 +109,53 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     } else {
         choose_general(p, inp)
     }
+}
+
+/// A new conversation on a fleet prefix (module docs).
+fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
+    if p.fleet_prefix_share <= 0.0
+        || inp.head_blocks == 0
+        || inp.deepest == 0
+        || inp.deepest > inp.head_blocks
+    {
+        return false;
+    }
+    let holders = inp.matched.iter().filter(|&&m| m > 0).count();
+    holders as f64 >= p.fleet_prefix_share * inp.model.workers.len() as f64
+}
+
+/// The least busy worker under the load bound with slack 1, rendezvous among those within
+/// `busy_tolerance` of it; `None` when every worker is at its bound.
+fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
+    let model = inp.model;
+    let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+    let busy =
+        |i: usize| f64::from(inp.busy.get(i).copied().unwrap_or(0.0)) / model.workers[i].weight;
+    let eligible = |i: usize| {
+        let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+        let share =
+            (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
+        r + 1.0 <= share + 1.0
+    };
+    let n = model.workers.len();
+    let least = (0..n)
+        .filter(|&i| eligible(i))
+        .map(busy)
+        .fold(f64::INFINITY, f64::min);
+    if !least.is_finite() {
+        return None;
+    }
+    let mut best: Option<(usize, f64)> = None;
+    for i in 0..n {
+        if !eligible(i) || busy(i) > least + p.busy_tolerance {
+            continue;
+        }
+        let score = hrw(model, i, inp.affinity);
+        if best.is_none_or(|(_, s)| score > s) {
+            best = Some((i, score));
+        }
+    }
+    best.map(|(i, _)| i)
 }
 
 /// The per-request scan over every worker, so its cost per worker is what keeps a decision
@@ -258,6 +321,8 @@ mod tests {
             prompt_tokens: 1600,
             affinity: key,
             conversation_blocks: 0,
+            head_blocks: 0,
+            busy: &[],
         }
     }
 
@@ -292,6 +357,70 @@ mod tests {
             ..PolicyConfig::default()
         };
         assert_eq!(choose(&old, &inp), (0, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn new_conversations_on_a_fleet_prefix_go_to_the_least_busy() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let (reqs, z) = ([1u32, 1, 0, 0], [0u32; 4]);
+        // Workers 0 and 1 hold the 10-block opening (half the fleet); nobody holds more.
+        let matched = [10u32, 10, 0, 0];
+        let busy = [2.0f32, 1.5, 0.0, 0.2];
+        let mut inp = inputs(&m, &reqs, &z, &matched, 1);
+        inp.head_blocks = 10;
+        inp.busy = &busy;
+        let mut seen = [0usize; 4];
+        for key in 0..64 {
+            inp.affinity = key;
+            let (w, reason) = choose(&p, &inp);
+            assert!(w == 2 || w == 3, "key {key}: {w}");
+            assert_eq!(reason, Reason::LoadSpill);
+            seen[w] += 1;
+        }
+        assert!(seen[2] > 8 && seen[3] > 8, "ties spread by rendezvous: {seen:?}");
+        // Tolerance 0: only the least busy.
+        let tight = PolicyConfig {
+            busy_tolerance: 0.0,
+            ..PolicyConfig::default()
+        };
+        assert_eq!(choose(&tight, &inp).0, 2);
+        // Off: the holders' cached opening wins again.
+        let off = PolicyConfig {
+            fleet_prefix_share: 0.0,
+            ..PolicyConfig::default()
+        };
+        assert!(choose(&off, &inp).0 < 2);
+        // Held by fewer than half the workers: a document, not a fleet prefix.
+        let one = [10u32, 0, 0, 0];
+        let mut doc = inputs(&m, &reqs, &z, &one, 1);
+        doc.head_blocks = 10;
+        doc.busy = &busy;
+        assert_eq!(choose(&p, &doc), (0, Reason::PrefixHit));
+        // A worker holds the conversation past its opening: its own history wins.
+        let own = [40u32, 10, 10, 0];
+        let mut turn = inputs(&m, &reqs, &z, &own, 1);
+        turn.head_blocks = 10;
+        turn.busy = &busy;
+        assert_eq!(choose(&p, &turn), (0, Reason::PrefixHit));
+        // No opening message (a single-message prompt): the cost rule.
+        inp.head_blocks = 0;
+        assert!(choose(&p, &inp).0 < 2);
+    }
+
+    #[test]
+    fn fleet_prefix_respects_the_load_bound() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        // The idle-looking worker 3 has 4 requests right now: share 2*(5+1)/4 = 3, cap 4.
+        let (reqs, z) = ([1u32, 0, 0, 4], [0u32; 4]);
+        let matched = [10u32, 10, 10, 0];
+        let busy = [3.0f32, 2.0, 2.2, 0.0];
+        let mut inp = inputs(&m, &reqs, &z, &matched, 9);
+        inp.head_blocks = 10;
+        inp.busy = &busy;
+        let (w, _) = choose(&p, &inp);
+        assert!(w == 1 || w == 2, "{w}");
     }
 
     #[test]

@@ -84,6 +84,11 @@ pub struct Inputs<'a> {
     /// message (system prompt + first user message); 0 otherwise. A worker holding more than
     /// that holds this conversation's own history.
     pub conversation_blocks: u32,
+    /// For a chat prompt of two or more messages, the block count at the end of its first
+    /// message (usually the system prompt); 0 otherwise.
+    pub head_blocks: u32,
+    /// Each worker's decayed in-flight average (`busy.rs`); empty or shorter: 0.
+    pub busy: &'a [f32],
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.
