@@ -19,7 +19,8 @@
 //!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
 //! * **A new conversation on a fleet prefix.** When the prompt's opening message (a system
 //!   prompt) is followed by more, nobody holds anything past that opening, and at least
-//!   `fleet_prefix_share` (0.5) of the workers hold some of it, the opening is a fleet-wide
+//!   `fleet_prefix_share` (0.5) of the workers hold some of it (or all of the index's
+//!   `HOLDERS` slots for it are taken, in fleets larger than 8), the opening is a fleet-wide
 //!   prefix that every worker will end up caching once; ranking by it would stack every new
 //!   conversation on its first holders, whose caches then evict each other's histories while
 //!   the rest of the fleet idles. Such a request goes to the least busy eligible worker (decayed
@@ -31,6 +32,7 @@
 
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::{Model, PolicyConfig};
+use crate::index::HOLDERS;
 
 /// The default policy (stateless: everything it needs is in [`Inputs`]).
 pub struct CacheAware;
@@ -120,8 +122,11 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
     {
         return false;
     }
+    // The index keeps at most `HOLDERS` holders per checkpoint: in a larger fleet a prefix
+    // whose holder slots are all taken counts as held widely enough.
     let holders = inp.matched.iter().filter(|&&m| m > 0).count();
-    holders as f64 >= p.fleet_prefix_share * inp.model.workers.len() as f64
+    let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
+    holders as f64 >= need.min(HOLDERS as f64)
 }
 
 /// The least busy worker under the load bound with slack 1, rendezvous among those within
@@ -378,7 +383,10 @@ mod tests {
             assert_eq!(reason, Reason::LoadSpill);
             seen[w] += 1;
         }
-        assert!(seen[2] > 8 && seen[3] > 8, "ties spread by rendezvous: {seen:?}");
+        assert!(
+            seen[2] > 8 && seen[3] > 8,
+            "ties spread by rendezvous: {seen:?}"
+        );
         // Tolerance 0: only the least busy.
         let tight = PolicyConfig {
             busy_tolerance: 0.0,
