@@ -115,7 +115,6 @@ def test_shared_prefix_concurrent_spills_within_load_bound(env):
     counts, peaks = env.pool.counts(), env.pool.max_inflight()
     reasons = Counter(rep.decision.get("reason") for rep in results)
     info = f"counts={counts} peaks={peaks} reasons={reasons} bound={bound}"
-    print(info)
     assert sum(counts.values()) == 200, info
     assert max(peaks.values()) <= bound, info
     assert sum(1 for v in counts.values() if v) > 1, info
@@ -266,7 +265,6 @@ def test_shuffled_prefix_groups_under_concurrency(env):
     reasons = Counter(rep.decision["reason"] for _, rep in results)
     pairs = {(rep.worker, g) for g, rep in results}
     info = f"pairs={len(pairs)} reasons={reasons} counts={env.pool.counts()} peaks={env.pool.max_inflight()}"
-    print(info)
     assert set(reasons) <= {"prefix_hit", "hash_affinity", "load_spill"}, info
     assert len(pairs) <= groups + reasons["load_spill"], info
     assert reasons["prefix_hit"] >= groups * per_group // 2, info
@@ -274,3 +272,59 @@ def test_shuffled_prefix_groups_under_concurrency(env):
     assert max(env.pool.max_inflight().values()) <= bound, info
     gauges = wait_inflight_zero(env)
     assert all(v == 0 for v in gauges.values()), gauges
+
+
+def test_conversations_over_a_fleet_prefix_use_every_worker(env):
+    """A system prompt cached on half the workers is a fleet prefix: new conversations on it go to
+    the least busy workers (all idle here, so spread by conversation key), not only to its
+    holders, and each conversation's later turns stay on its worker."""
+    r = wl.rng("fleet")
+    system = {"role": "system", "content": wl.text(r, 3000)}
+    n = len(env.names)
+
+    def first_turn(i):
+        return [system, {"role": "user", "content": f"Task {i}: " + wl.text(r, 100)}]
+
+    def send(msgs):
+        c = Client(env.envoy.listener_port)
+        try:
+            return c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+        finally:
+            c.close()
+
+    # Seed: concurrent first turns held in flight spill the prompt to more than one worker.
+    env.pool.set_delay(0.3)
+    seeds = [first_turn(i) for i in range(n)]
+    out = [None] * len(seeds)
+
+    def run(k):
+        out[k] = send(seeds[k])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(seeds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    env.pool.set_delay(0.0)
+    assert all(rep is not None and rep.status == 200 for rep in out), out
+    holders = {rep.worker for rep in out}
+    wait_inflight_zero(env)
+
+    # New conversations, one at a time, then each one's second turn.
+    convs = [first_turn(100 + i) for i in range(6 * n)]
+    starts = []
+    for msgs in convs:
+        rep = send(msgs)
+        assert rep.status == 200, rep.body
+        starts.append(rep)
+        msgs.append({"role": "assistant", "content": wl.text(r, 50)})
+        msgs.append({"role": "user", "content": wl.text(r, 50)})
+    served = Counter(rep.worker for rep in starts)
+    info = f"seed holders={sorted(holders)} starts={dict(served)}"
+    assert 2 * len(holders) >= n, info  # the load bound spilled the concurrent seeds
+    assert set(served) == set(env.names), info
+    for msgs, first in zip(convs, starts):
+        rep = send(msgs)
+        assert rep.status == 200, rep.body
+        assert rep.worker == first.worker, (info, first.decision, rep.decision)
+        assert rep.decision["reason"] == "prefix_hit", rep.decision
