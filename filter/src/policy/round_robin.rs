@@ -47,6 +47,8 @@ mod tests {
             prompt_tokens: 0,
             affinity: 0,
             conversation_blocks: 0,
+            head_blocks: 0,
+            busy: &[],
         };
         let mut rr = RoundRobin { next: usize::MAX };
         let seq: Vec<usize> = (0..6).map(|_| rr.choose(&c.policy, &inp).0).collect();
