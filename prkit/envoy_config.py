@@ -105,6 +105,20 @@ class Worker:
 HostPort = tuple[str, int]
 
 
+@dataclass(frozen=True)
+class PdModel:
+    """A prefill/decode-disaggregated model (SGLang --disaggregation-mode): prefill workers with
+    their bootstrap ports (the decode workers fetch KV from bootstrap_host = the worker's host) and
+    decode workers. The filter picks one of each; the route mirrors the request to the prefill
+    worker."""
+
+    prefill: tuple  # of (Worker, bootstrap port)
+    decode: tuple  # of Worker
+
+
+PREFILL_HEADER = "x-prefix-router-prefill-cluster"
+
+
 @dataclass
 class Options:
     """Everything a config depends on. Build with `profile()`; check with `validate()`."""
@@ -139,6 +153,11 @@ class Options:
     plugin: dict = field(default_factory=dict)
     # the command line recorded in the header of rendered configs (None: no command line)
     command: str | None = None
+    # prefill/decode-disaggregated models (docs/design.md "Prefill/decode disaggregation")
+    pd_models: dict = field(default_factory=dict)
+    # route timeout of PD requests: bounds the decode stream and the prefill mirror (which
+    # inherits it); a mirror has no timeout of its own
+    pd_timeout: str = "600s"
 
 
 def fleet(model: str, ports: dict[str, int], host: str = "127.0.0.1") -> dict[str, list[Worker]]:
@@ -183,8 +202,8 @@ def validate(o: Options) -> None:
     """Raises ConfigError naming the option and the reason for the first bad value."""
     if o.shape not in ("production", "simple"):
         raise ConfigError("shape", f"expected production or simple, got {o.shape!r}")
-    if not o.models:
-        raise ConfigError("--model", "at least one model with its workers is required")
+    if not o.models and not o.pd_models:
+        raise ConfigError("--model", "at least one model with its workers is required (or --pd-model)")
     seen_clusters: set[str] = set()
     for model, workers in o.models.items():
         if not NAME_RE.match(model):
@@ -203,7 +222,8 @@ def validate(o: Options) -> None:
             seen_clusters.add(w.cluster)
             if w.weight is not None and not (math.isfinite(w.weight) and w.weight > 0):
                 raise ConfigError(f"--model {model}", f"worker {w.host}:{w.port}: weight must be a number > 0, got {w.weight}")
-    if o.default_model is not None and o.default_model not in o.models:
+    _validate_pd(o, seen_clusters)
+    if o.default_model is not None and o.default_model not in o.models and o.default_model not in o.pd_models:
         raise ConfigError("--default-model", f"{o.default_model!r} is not one of the models ({', '.join(o.models)})")
     _check_hostport(o.listen, "--listen", allow_zero=True)
     _check_hostport(o.admin, "--admin", allow_zero=True)
@@ -238,6 +258,40 @@ def validate(o: Options) -> None:
     if set(clusters) & reserved:
         raise ConfigError("--model", "a worker's cluster name collides with the peer clusters "
                           "(prefix_router_peer_<i>), the load-poll clusters (<worker>_load) or admin: rename it")
+
+
+def _validate_pd(o: Options, seen_clusters: set) -> None:
+    if not isinstance(o.pd_timeout, str) or not DURATION_RE.match(o.pd_timeout) or o.pd_timeout.strip("0.s") == "":
+        raise ConfigError("--pd-timeout", f"expected a duration > 0 like 600s, got {o.pd_timeout!r}")
+    for model, pd in o.pd_models.items():
+        opt = f"--pd-model {model}"
+        if not NAME_RE.match(model):
+            raise ConfigError("--pd-model", f"bad model name {model!r}")
+        if model in o.models:
+            raise ConfigError(opt, "is also a --model")
+        if not pd.prefill:
+            raise ConfigError("--prefill", f"model {model}: at least one prefill worker HOST:PORT@BOOTSTRAP_PORT")
+        if not pd.decode:
+            raise ConfigError("--decode", f"model {model}: at least one decode worker HOST:PORT")
+        eps = [(w.host, w.port) for w, _ in pd.prefill] + [(w.host, w.port) for w in pd.decode]
+        if len(set(eps)) != len(eps):
+            raise ConfigError(opt, "duplicate worker (the same HOST:PORT twice, or in both roles)")
+        for w, bport in pd.prefill:
+            _check_hostport((w.host, w.port), "--prefill")
+            _int_range("--prefill", bport, 1, 65535, f"bootstrap port of {w.host}:{w.port}")
+        for w in pd.decode:
+            _check_hostport((w.host, w.port), "--decode")
+        for w in [w for w, _ in pd.prefill] + list(pd.decode):
+            if not CLUSTER_RE.match(w.cluster):
+                raise ConfigError(opt, f"bad cluster name {w.cluster!r}")
+            if w.cluster in seen_clusters:
+                raise ConfigError(opt, f"cluster name {w.cluster!r} is used twice")
+            seen_clusters.add(w.cluster)
+
+
+def _pd_workers(o: Options) -> list:
+    """Every PD worker (prefill then decode) of every PD model."""
+    return [w for pd in o.pd_models.values() for w in [w for w, _ in pd.prefill] + list(pd.decode)]
 
 
 def _int_range(opt: str, v, lo: int, hi: int, what: str) -> None:
@@ -290,6 +344,41 @@ def parse_model(spec: str, index_from: int = 0) -> tuple[str, list[Worker]]:
     if not out:
         raise ConfigError(f"--model {name}", "no workers")
     return name, out
+
+
+def parse_pd(name: str | None, prefill: str | None, decode: str | None) -> dict:
+    """--pd-model NAME --prefill [CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...] --decode
+    [CLUSTER=]HOST:PORT[@WEIGHT][,...]; clusters default to NAME_prefill_<i> / NAME_decode_<i>."""
+    if name is None:
+        raise ConfigError("--prefill / --decode", "need --pd-model NAME")
+    if not prefill:
+        raise ConfigError("--prefill", f"--pd-model {name} needs --prefill HOST:PORT@BOOTSTRAP_PORT[,...]")
+    if not decode:
+        raise ConfigError("--decode", f"--pd-model {name} needs --decode HOST:PORT[,...]")
+    pre = []
+    for i, item in enumerate(prefill.split(",")):
+        hp, sep, bport = item.rpartition("@")
+        if not sep or not bport.isdigit():
+            raise ConfigError("--prefill", f"expected [CLUSTER=]HOST:PORT@BOOTSTRAP_PORT, got {item!r}")
+        try:
+            _, ws = parse_model(f"{name}={hp}")
+        except ConfigError as e:
+            raise ConfigError("--prefill", e.reason) from None
+        w = ws[0]
+        if w.weight is not None:
+            raise ConfigError("--prefill", f"{item!r}: prefill workers take no weight")
+        cluster = w.cluster if "=" in hp else f"{cluster_id(name)}_prefill_{i}"
+        pre.append((Worker(cluster, w.host, w.port), int(bport)))
+    dec = []
+    for i, item in enumerate(decode.split(",")):
+        try:
+            _, ws = parse_model(f"{name}={item}")
+        except ConfigError as e:
+            raise ConfigError("--decode", e.reason) from None
+        w = ws[0]
+        cluster = w.cluster if "=" in item.split("@")[0] else f"{cluster_id(name)}_decode_{i}"
+        dec.append(Worker(cluster, w.host, w.port, w.weight))
+    return {name: PdModel(prefill=tuple(pre), decode=tuple(dec))}
 
 
 def parse_peers(spec: str) -> list[HostPort]:
@@ -349,7 +438,7 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def _worker_names(o: Options) -> list[str]:
-    return [w.cluster for ws in o.models.values() for w in ws]
+    return [w.cluster for ws in o.models.values() for w in ws] + [w.cluster for w in _pd_workers(o)]
 
 
 def _poll_clusters(o: Options) -> bool:
@@ -362,9 +451,16 @@ def plugin_config(o: Options) -> dict:
     for model, ws in o.models.items():
         models[model] = {"workers": [w.cluster if w.weight is None else {"cluster": w.cluster, "weight": w.weight}
                                      for w in ws]}
+    for model, pd in o.pd_models.items():
+        models[model] = {
+            "prefill": [{"cluster": w.cluster, "bootstrap_host": w.host, "bootstrap_port": bport}
+                        for w, bport in pd.prefill],
+            "decode": [w.cluster if w.weight is None else {"cluster": w.cluster, "weight": w.weight}
+                       for w in pd.decode],
+        }
     plugin: dict = {
         "models": models,
-        "default_model": o.default_model or next(iter(o.models)),
+        "default_model": o.default_model or next(iter(models)),
         "unknown_model": "default",
         "cluster_header": CLUSTER_HEADER,
         "debug_header": DEBUG_HEADER if o.debug_header else None,
@@ -526,12 +622,52 @@ def clusters(o: Options) -> list:
         for i, w in enumerate(ws):
             group = [(ws[(i + j) % len(ws)].host, ws[(i + j) % len(ws)].port) for j in range(k + 1)]
             out.append(worker_cluster(o, w, group, model))
+    out += pd_clusters(o)
     if _poll_clusters(o):
         out += [poll_cluster(w) for ws in o.models.values() for w in ws]
+        out += [poll_cluster(w) for w in _pd_workers(o)]
     out += [peer_cluster(i, hp) for i, hp in enumerate(o.peers)]
     if o.stats_listen is not None:
         out.append(admin_cluster(o))
     return out
+
+
+def pd_clusters(o: Options) -> list:
+    """PD models' clusters. A prefill cluster has no fallbacks: the body names that worker as the
+    bootstrap host, so KV computed elsewhere would never be fetched. A decode cluster falls back
+    to the model's other decode workers: a retried request carries the same body and room."""
+    out = []
+    for model, pd in o.pd_models.items():
+        pre = [w for w, _ in pd.prefill]
+        dec = list(pd.decode)
+        if o.shape == "simple":
+            out += [simple_cluster(w) for w in pre + dec]
+            continue
+        for w in pre:
+            c = worker_cluster(o, w, [(w.host, w.port)], model)
+            c["#"] = f"Prefill worker {w.cluster} of model {model}: {w.host}:{w.port} (mirror target, no fallbacks)."
+            out.append(c)
+        k = min(o.fallbacks, len(dec) - 1)
+        for i, w in enumerate(dec):
+            group = [(dec[(i + j) % len(dec)].host, dec[(i + j) % len(dec)].port) for j in range(k + 1)]
+            c = worker_cluster(o, w, group, model)
+            c["#"] = "Decode " + c["#"][0].lower() + c["#"][1:]
+            out.append(c)
+    return out
+
+
+def pd_route(o: Options, route: dict) -> dict:
+    """The route of PD requests (the filter set the prefill header): the usual route plus the mirror
+    to the prefill worker and a finite timeout, which the mirror inherits."""
+    r = {k: v for k, v in route.items() if k != "timeout"}
+    r["#pd"] = ("PD: Envoy mirrors the (rewritten) request to the prefill worker the filter named; the\n"
+                "answer is discarded and a failed mirror cannot cancel the decode request, which then waits\n"
+                "for KV until its bootstrap timeout. The mirror inherits this route's timeout.")
+    r["request_mirror_policies"] = [{"cluster_header": PREFILL_HEADER, "disable_shadow_host_suffix_append": True}]
+    r["timeout"] = o.pd_timeout
+    return {"match": {"prefix": "/", "headers": [{"name": PREFILL_HEADER, "present_match": True}]},
+            "#": "Requests of PD models: the filter sets the prefill header (client values are removed).",
+            "request_body_buffer_limit": MIB16, "route": r}
 
 
 def wasm_filter(o: Options, plugin: dict, comment: str) -> dict:
@@ -668,6 +804,8 @@ def route_config(o: Options) -> dict:
     vhost["routes"] = [{"match": {"prefix": "/"},
                         "#": "Route-level body buffer limit (16 MiB, as the listener's).",
                         "request_body_buffer_limit": MIB16, "route": route}]
+    if o.pd_models:
+        vhost["routes"].insert(0, pd_route(o, route))
     return {"name": "prefix_router",
             "#": "Every cluster named statically must exist (names set through cluster_header are not checked).",
             "validate_clusters": True, "virtual_hosts": [vhost]}
@@ -814,7 +952,9 @@ def config(o: Options, comments: bool = False) -> dict:
 
 
 def header(o: Options) -> str:
-    models = ", ".join(f"{m} ({len(ws)} workers)" for m, ws in o.models.items())
+    models = ", ".join([f"{m} ({len(ws)} workers)" for m, ws in o.models.items()]
+                       + [f"{m} (PD: {len(pd.prefill)} prefill + {len(pd.decode)} decode)"
+                          for m, pd in o.pd_models.items()])
     lines = []
     if o.command is not None:
         lines += ["GENERATED by envoy/gen -- do not edit; change prkit/envoy_config.py and regenerate:",
@@ -824,7 +964,7 @@ def header(o: Options) -> str:
         lines += ["Run from the repository root (the .wasm path is relative to it):",
                   "  cargo build -p prefix-router --target wasm32-wasip1 --release",
                   "  .venv/bin/envoy -c <this file> --concurrency 2"]
-    lines.append(f"Models: {models}; default model: {o.default_model or next(iter(o.models))}.")
+    lines.append(f"Models: {models}; default model: {o.default_model or next(iter([*o.models, *o.pd_models]))}.")
     if o.peer_secret is not None:
         lines.append(f"Scale-out: index records sent to {len(o.peers)} peer(s); "
                      + (f"peer listener on {o.peer_listen[0]}:{o.peer_listen[1]}" if o.peer_listen else "no peer listener")
@@ -997,6 +1137,13 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="defaults for everything below (default: ingress)")
     ap.add_argument("--model", action="append", default=[], metavar="NAME=[CLUSTER=]HOST:PORT[@WEIGHT][,...]",
                     help="a model and its workers (repeat for several models); clusters default to <model>_<i>")
+    ap.add_argument("--pd-model", metavar="NAME",
+                    help="a prefill/decode-disaggregated model (with --prefill and --decode)")
+    ap.add_argument("--prefill", metavar="[CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...]",
+                    help="--pd-model's prefill workers and their bootstrap ports")
+    ap.add_argument("--decode", metavar="[CLUSTER=]HOST:PORT[@WEIGHT][,...]", help="--pd-model's decode workers")
+    ap.add_argument("--pd-timeout", metavar="DURATION",
+                    help="route timeout of PD requests, which the prefill mirror inherits (600s)")
     ap.add_argument("--default-model", help="model for requests without one (default: the first)")
     ap.add_argument("--listen", metavar="HOST:PORT", help="client listener (default 127.0.0.1:10000)")
     ap.add_argument("--admin", metavar="HOST:PORT", help="admin interface (default 127.0.0.1:9901; keep it on loopback)")
@@ -1065,8 +1212,14 @@ def options_from_args(argv: list[str]) -> Options:
                 raise ConfigError("--model", f"model {name!r} is given twice")
             models[name] = ws
         over["models"] = models
-    elif a.profile in ("ingress", "test", "bench"):
+    elif a.profile in ("ingress", "test", "bench") and a.pd_model is None and a.prefill is None and a.decode is None:
         raise ConfigError("--model", f"at least one model is required (profile {a.profile})")
+    if a.pd_model is not None or a.prefill is not None or a.decode is not None:
+        over["pd_models"] = parse_pd(a.pd_model, a.prefill, a.decode)
+        if not a.model:
+            over["models"] = {}
+    if a.pd_timeout is not None:
+        over["pd_timeout"] = a.pd_timeout
     if a.default_model is not None:
         over["default_model"] = a.default_model
     for opt, key, allow_none in (("--listen", "listen", False), ("--admin", "admin", False),

@@ -192,6 +192,7 @@ class Worker:
                             "cluster_header": self.headers.get_all(CLUSTER_HEADER) or [],
                             "debug_header": self.headers.get_all(DEBUG_HEADER) or [],
                             "body_len": len(body),
+                            "body": body,
                         }
                     )
                 try:

@@ -1,0 +1,87 @@
+"""envoy/gen's prefill/decode options: --pd-model, --prefill, --decode, --pd-timeout.
+
+The generated config passes the real `envoy --mode validate` (the filter checks its PD plugin
+configuration there); the structure is read from prkit.envoy_config's dicts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from prkit import envoy_config as ec
+
+from .conftest import GEN, envoy_validate, run_gen, wasm_path
+
+PD = ["--pd-model", "m", "--prefill", "10.0.0.1:30000@8998,p1.llm.svc:30000@9000",
+      "--decode", "10.0.0.3:30000,10.0.0.4:30000,10.0.0.5:30000"]
+
+
+def gen_fail(*args: str) -> str:
+    r = subprocess.run([str(GEN), *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[:200])
+    assert r.stderr.startswith("envoy/gen: "), r.stderr
+    return r.stderr
+
+
+def test_pd_config_validates(tmp_path):
+    envoy_validate(run_gen(*PD, "--wasm", str(wasm_path())), tmp_path)
+    envoy_validate(run_gen(*PD, "--profile", "test", "--wasm", str(wasm_path())), tmp_path, "test.yaml")
+
+
+def test_pd_route_mirrors_to_the_prefill_header_and_clusters_have_the_right_fallbacks():
+    opts = ec.options_from_args(PD + ["--pd-timeout", "120s"])
+    cfg = ec.config(opts)
+    (listener,) = [li for li in cfg["static_resources"]["listeners"] if li["name"] == "ingress"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    pd_route, plain = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert pd_route["match"]["headers"] == [{"name": ec.PREFILL_HEADER, "present_match": True}]
+    assert pd_route["route"]["request_mirror_policies"] == [
+        {"cluster_header": ec.PREFILL_HEADER, "disable_shadow_host_suffix_append": True}]
+    assert pd_route["route"]["timeout"] == "120s"
+    assert pd_route["route"]["cluster_header"] == ec.CLUSTER_HEADER
+    assert pd_route["route"]["retry_policy"] == plain["route"]["retry_policy"]
+    assert "request_mirror_policies" not in plain["route"] and plain["route"]["timeout"] == "0s"
+
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    for i in range(2):
+        eps = clusters[f"m_prefill_{i}"]["load_assignment"]["endpoints"]
+        assert len(eps) == 1, "a prefill cluster has no fallbacks (the body names that worker)"
+        assert f"m_prefill_{i}_load" in clusters
+    for i in range(3):
+        eps = clusters[f"m_decode_{i}"]["load_assignment"]["endpoints"]
+        assert len(eps) == 3 and [g.get("priority", 0) for g in eps] == [0, 1, 1]
+        assert f"m_decode_{i}_load" in clusters
+
+    wasm = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"][0]
+    plugin = json.loads(wasm["typed_config"]["config"]["configuration"]["value"])
+    assert plugin["default_model"] == "m"
+    assert plugin["models"]["m"] == {
+        "prefill": [{"cluster": "m_prefill_0", "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998},
+                    {"cluster": "m_prefill_1", "bootstrap_host": "p1.llm.svc", "bootstrap_port": 9000}],
+        "decode": ["m_decode_0", "m_decode_1", "m_decode_2"],
+    }
+
+
+def test_pd_and_plain_models_together():
+    opts = ec.options_from_args(["--model", "n=10.0.0.9:8000"] + PD)
+    plugin = ec.plugin_config(opts)
+    assert set(plugin["models"]) == {"n", "m"} and plugin["default_model"] == "n"
+    assert "workers" in plugin["models"]["n"] and "prefill" in plugin["models"]["m"]
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--pd-model", "m", "--prefill", "10.0.0.1:30000", "--decode", "10.0.0.3:1"], "--prefill"),
+    (["--pd-model", "m", "--prefill", "10.0.0.1:30000@x", "--decode", "10.0.0.3:1"], "--prefill"),
+    (["--pd-model", "m", "--prefill", "10.0.0.1:30000@70000", "--decode", "10.0.0.3:1"], "--prefill"),
+    (["--pd-model", "m", "--prefill", "10.0.0.1:30000@8998"], "--decode"),
+    (["--pd-model", "m", "--decode", "10.0.0.3:1"], "--prefill"),
+    (["--prefill", "10.0.0.1:30000@8998", "--decode", "10.0.0.3:1"], "--prefill / --decode"),
+    (["--pd-model", "m", "--prefill", "10.0.0.1:30000@8998", "--decode", "10.0.0.1:30000"], "--pd-model m"),
+    (PD + ["--pd-timeout", "0s"], "--pd-timeout"),
+    (PD + ["--model", "m=10.0.0.9:1"], "--pd-model m"),
+])
+def test_pd_errors_name_the_option(args, option):
+    err = gen_fail(*args)
+    assert err.startswith(f"envoy/gen: {option}: "), err

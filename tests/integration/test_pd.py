@@ -1,0 +1,376 @@
+"""Prefill/decode disaggregation through a real Envoy: the filter picks a prefill worker (prefix
+cache + load) and a decode worker (load), rewrites the body with SGLang's bootstrap fields,
+routes the request to the decode worker and Envoy mirrors the same body to the prefill worker
+(`request_mirror_policies[].cluster_header`). Configs come from `envoy/gen --pd-model`.
+
+Two fleets:
+  * fake recording workers (harness.Worker): what each worker received, byte for byte, and
+    decode failover (production shape: retries move a request to a decode fallback);
+  * simulated SGLang PD workers (sglang-sim --disaggregation-mode prefill|decode): the decode
+    worker waits for the room's KV from the prefill worker named in the body, then streams; a
+    dead prefill worker makes the decode worker give up after its bootstrap timeout (500,
+    counted in `sglang:num_bootstrap_failed_reqs_total`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from . import conftest as it_conftest
+from .harness import REPO_ROOT, Client, Envoy, WorkerPool, free_port, parse_prometheus, wasm_path
+from sim.conftest import sim_binary
+
+GEN = REPO_ROOT / "envoy" / "gen"
+MODEL = "m"
+PREFILL_HEADER = "x-prefix-router-prefill-cluster"
+BOOTSTRAP_PORT = 8998  # the fake fleet's: nobody connects to it
+DEADLINE_S = 30.0
+# sglang-sim decode workers give up on a room after this long (the bound a dead prefill costs).
+SIM_BOOTSTRAP_TIMEOUT_S = 2.0
+
+
+def gen(args: list) -> str:
+    r = subprocess.run([sys.executable, str(GEN), *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def base_args(listener: int, admin: int) -> list:
+    return ["--listen", f"127.0.0.1:{listener}", "--admin", f"127.0.0.1:{admin}",
+            "--stats-listen", "none", "--rate-limit", "0", "--debug-header",
+            "--wasm", str(wasm_path()), "--health-interval", "0.5s"]
+
+
+def wait_for(cond, what: str, timeout_s: float = DEADLINE_S):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def stats(envoy: Envoy) -> dict:
+    return envoy.stats()
+
+
+def inflight(envoy: Envoy) -> dict:
+    return {k: v for k, v in stats(envoy).items() if k.startswith("prefix_router_inflight_")}
+
+
+def all_inflight_zero(envoy: Envoy) -> bool:
+    g = inflight(envoy)
+    return bool(g) and all(v == 0 for v in g.values())
+
+
+def all_hosts_healthy(envoy: Envoy, clusters: list) -> bool:
+    """Every host of these clusters (their own and their fallbacks) passed its health check: on a
+    starved machine a first check can time out, and a retry cannot move to an unhealthy fallback."""
+    status, text = envoy.admin_get("/clusters")
+    assert status == 200
+    flags = [line.rsplit("::", 1)[1] for line in text.splitlines()
+             if "::health_flags::" in line and line.split("::", 1)[0] in clusters]
+    return bool(flags) and all(f == "healthy" for f in flags)
+
+
+def cluster_health(envoy: Envoy, cluster: str, port: int) -> str:
+    """Health flags of the cluster's own host (127.0.0.1:port; the others are its fallbacks)."""
+    status, text = envoy.admin_get("/clusters")
+    assert status == 200
+    for line in text.splitlines():
+        if line.startswith(f"{cluster}::127.0.0.1:{port}::health_flags::"):
+            return line.rsplit("::", 1)[1]
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# Fleet 1: recording fake workers, production shape (fallbacks + retries for decode)
+# --------------------------------------------------------------------------------------------
+
+PREFILLS = [f"{MODEL}_prefill_{i}" for i in range(2)]
+DECODES = [f"{MODEL}_decode_{i}" for i in range(2)]
+
+
+class FakeFleet:
+    def __init__(self, tmp):
+        self.pool = WorkerPool(PREFILLS + DECODES)
+        p = self.pool.ports
+        listener, admin = free_port(), free_port()
+        text = gen(base_args(listener, admin) + [
+            "--pd-model", MODEL,
+            "--prefill", ",".join(f"127.0.0.1:{p[n]}@{BOOTSTRAP_PORT}" for n in PREFILLS),
+            "--decode", ",".join(f"127.0.0.1:{p[n]}" for n in DECODES),
+        ])
+        for n in PREFILLS + DECODES:
+            assert f"- name: {n}\n" in text, n
+        self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp)
+        self.client = Client(listener)
+
+    def start(self):
+        self.envoy.start()
+        wait_for(lambda: all_hosts_healthy(self.envoy, PREFILLS + DECODES), "every worker host healthy")
+        # Envoy's worker threads see a host turn healthy some time after /clusters does (until
+        # then a cluster sends its traffic to its fallback): wait until each decode cluster
+        # answers from its own worker.
+        own = set()
+
+        def warmed():
+            r = self.client.post("/v1/completions", {"model": MODEL, "prompt": f"warm-up {uuid.uuid4().hex}"})
+            if r.status == 200 and r.decision.get("decode") == r.worker:
+                own.add(r.worker)
+            return own == set(DECODES)
+        wait_for(warmed, "each decode cluster served by its own worker")
+        return self
+
+    def close(self):
+        self.client.close()
+        self.envoy.stop()
+        self.pool.close()
+
+    def requests(self, name: str) -> list:
+        w = self.pool.workers[name]
+        with w.lock:
+            return [r for r in w.stats.requests if r["method"] == "POST"]
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    f = FakeFleet(tmp_path_factory.mktemp("pd-fake"))
+    try:
+        f.start()
+    except Exception:
+        f.close()
+        raise
+    it_conftest._ACTIVE_STACKS.append(f)
+    yield f
+    it_conftest._ACTIVE_STACKS.remove(f)
+    f.close()
+
+
+@pytest.fixture
+def ff(fake):
+    fake.pool.reset()
+    yield fake
+    for name in PREFILLS + DECODES:
+        if fake.pool.workers[name].server is None:
+            fake.pool.restart(name)
+
+
+def posts_by_worker(f: FakeFleet, n_expected: int, tag: str) -> dict:
+    """Wait until n_expected POSTs whose body holds `tag` arrived in all (mirrors are asynchronous,
+    and may still arrive from an earlier test); {worker: [requests]}."""
+    def seen():
+        got = {n: [q for q in f.requests(n) if tag.encode() in q["body"]] for n in PREFILLS + DECODES}
+        return got if sum(len(v) for v in got.values()) >= n_expected else None
+    return wait_for(seen, f"{n_expected} worker requests")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "once upon a time"}),
+    ("/generate", {"text": "once upon a time", "sampling_params": {"max_new_tokens": 4}}),
+])
+def test_prefill_gets_the_same_body_and_room_as_decode(ff, path, body):
+    tag = uuid.uuid4().hex
+    body = dict(body, user=tag, bootstrap_room=7, bootstrap_host="attacker.example")
+    r = ff.client.post(path, body, headers={PREFILL_HEADER: DECODES[0], "x-prefix-router-cluster": PREFILLS[0]})
+    assert r.status == 200, r.body
+    d = r.decision
+    assert r.worker in DECODES and d["decode"] == r.worker, (r.worker, d)
+    got = posts_by_worker(ff, 2, tag)
+    on_prefill = [(n, q) for n in PREFILLS for q in got[n]]
+    on_decode = [(n, q) for n in DECODES for q in got[n]]
+    assert len(on_prefill) == 1 and len(on_decode) == 1, got
+    (pn, pq), (dn, dq) = on_prefill[0], on_decode[0]
+    assert pn == d["worker"] and dn == r.worker
+    assert pq["body"] == dq["body"], "the mirror carries the rewritten body byte for byte"
+    sent = json.loads(dq["body"])
+    assert sent["bootstrap_host"] == "127.0.0.1"
+    assert sent["bootstrap_port"] == BOOTSTRAP_PORT
+    assert isinstance(sent["bootstrap_room"], int) and 0 <= sent["bootstrap_room"] < 2**63
+    assert sent["bootstrap_room"] != 7, "the client's room never reaches a worker"
+    assert sent["user"] == tag
+    assert dq["body"].count(b'"bootstrap_') == 3, dq["body"]
+    # the decode worker saw the cluster header naming it; the client's values were dropped
+    assert dq["cluster_header"] == [dn]
+
+
+def test_rooms_differ_per_request(ff):
+    tag = uuid.uuid4().hex
+    for i in range(4):
+        r = ff.client.post("/v1/completions", {"model": MODEL, "prompt": f"room {tag} {i}"})
+        assert r.status == 200
+    got = posts_by_worker(ff, 8, tag)
+    rooms = [json.loads(q["body"])["bootstrap_room"] for n in DECODES for q in got[n]]
+    assert len(rooms) == 4 and len(set(rooms)) == 4, rooms
+
+
+def test_inflight_returns_to_zero_for_both_roles(ff):
+    for i in range(3):
+        r = ff.client.post("/v1/chat/completions",
+                           {"model": MODEL, "stream": True, "x_events": 3, "x_interval": 0.01,
+                            "messages": [{"role": "user", "content": uuid.uuid4().hex}]})
+        assert r.status == 200
+    wait_for(lambda: all_inflight_zero(ff.envoy), "in-flight gauges at 0")
+    g = inflight(ff.envoy)
+    for n in PREFILLS + DECODES:
+        assert f"prefix_router_inflight_requests_{n}" in g, sorted(g)
+
+
+def test_body_that_is_not_an_object_is_refused_and_counted(ff):
+    before = stats(ff.envoy).get("prefix_router_pd_bad_body", 0)
+    r = ff.client.post("/v1/completions", "[1, 2, 3]")
+    assert r.status == 400
+    assert r.json()["object"] == "error"
+    assert stats(ff.envoy).get("prefix_router_pd_bad_body", 0) == before + 1
+    assert not any(b"[1, 2, 3]" in q["body"] for n in PREFILLS + DECODES for q in ff.requests(n))
+
+
+def test_decode_worker_down_fails_over(ff):
+    """(Last of this fleet: it leaves a worker ejected.) A dead decode worker: connect failure, Envoy retries on the cluster's fallback (another
+    decode worker, same body and room), as for any model's workers."""
+    ff.pool.workers[DECODES[0]].close()
+    chose_dead = 0
+    for i in range(60):
+        r = ff.client.post("/v1/completions", {"model": MODEL, "prompt": f"failover {i} {uuid.uuid4().hex}"})
+        assert r.status == 200, r.body
+        assert r.worker == DECODES[1]
+        chose_dead += r.decision["decode"] == DECODES[0]
+        if chose_dead >= 2:
+            break
+    assert chose_dead >= 2, "the filter never chose the dead decode worker: nothing failed over"
+
+
+# --------------------------------------------------------------------------------------------
+# Fleet 2: simulated SGLang PD workers (2 prefill + 2 decode), test shape
+# --------------------------------------------------------------------------------------------
+
+
+class SimWorker:
+    def __init__(self, name: str, mode: str, *extra: str):
+        self.name = name
+        self.port = free_port()
+        self.bootstrap_port = free_port() if mode == "prefill" else None
+        args = [str(sim_binary()), "--port", str(self.port), "--model", MODEL, "--worker-id", name,
+                "--time-scale", "0.05", "--disaggregation-mode", mode,
+                "--disaggregation-timeout-s", str(SIM_BOOTSTRAP_TIMEOUT_S), *extra]
+        if self.bootstrap_port:
+            args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self.healthy, f"{name} up")
+
+    def get(self, path: str) -> tuple[int, str]:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            c.request("GET", path)
+            r = c.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            c.close()
+
+    def healthy(self) -> bool:
+        try:
+            return self.get("/health")[0] == 200
+        except OSError:
+            return False
+
+    def metric(self, name: str) -> float:
+        return parse_prometheus(self.get("/metrics")[1]).get(f'{name}{{model_name="{MODEL}"}}', 0.0)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+class SimFleet:
+    def __init__(self, tmp):
+        self.prefill = [SimWorker(f"p{i}", "prefill") for i in range(2)]
+        self.decode = [SimWorker(f"d{i}", "decode") for i in range(2)]
+        listener, admin = free_port(), free_port()
+        text = gen(base_args(listener, admin) + [
+            "--profile", "test",
+            "--pd-model", MODEL,
+            "--prefill", ",".join(f"127.0.0.1:{w.port}@{w.bootstrap_port}" for w in self.prefill),
+            "--decode", ",".join(f"127.0.0.1:{w.port}" for w in self.decode),
+        ])
+        self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp)
+        self.client = Client(listener)
+
+    def close(self):
+        self.client.close()
+        self.envoy.stop()
+        for w in self.prefill + self.decode:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory):
+    f = None
+    try:
+        f = SimFleet(tmp_path_factory.mktemp("pd-sim"))
+        f.envoy.start()
+    except Exception:
+        if f:
+            f.close()
+        raise
+    it_conftest._ACTIVE_STACKS.append(f)
+    yield f
+    it_conftest._ACTIVE_STACKS.remove(f)
+    f.close()
+
+
+def sse_events(body: bytes) -> list:
+    out = []
+    for line in body.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_decode_streams_after_the_prefill_worker_hands_over_the_kv(sims):
+    system = "You are a careful assistant. " * 60 + uuid.uuid4().hex
+    cached = []
+    for q in ("first question", "second question"):
+        body = {"model": MODEL, "stream": True, "max_tokens": 8, "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+        r = sims.client.post("/v1/chat/completions", body)
+        assert r.status == 200, r.body
+        assert r.worker in ("d0", "d1"), r.worker
+        assert r.body.endswith(b"data: [DONE]\n\n")
+        ev = sse_events(r.body)
+        usage = ev[-1]["usage"]
+        assert usage["completion_tokens"] == 8
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev if e["choices"])
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        assert r.decision["decode"] == f"{MODEL}_decode_{r.worker[1:]}", r.decision
+    # the second turn went to the prefill worker holding the system prompt: a cache hit there
+    assert cached[0] == 0 and cached[1] > 0, cached
+    wait_for(lambda: all_inflight_zero(sims.envoy), "in-flight gauges at 0")
+    transfers = sum(w.metric("sglang:kv_transfer_total") for w in sims.prefill)
+    assert transfers >= 2
+
+
+def test_prefill_worker_down_gives_a_counted_error_within_the_bootstrap_timeout(sims):
+    """Mirroring cannot cancel the decode request: it waits for KV until its bootstrap timeout,
+    then answers 500; the decode worker counts it."""
+    for w in sims.prefill:
+        w.stop()
+    before = sum(w.metric("sglang:num_bootstrap_failed_reqs_total") for w in sims.decode)
+    r = sims.client.post("/v1/completions", {"model": MODEL, "prompt": uuid.uuid4().hex, "max_tokens": 2})
+    assert r.status == 500, r.body
+    msg = r.json()["message"]
+    assert "Decode bootstrap failed" in msg and f"timed out after {SIM_BOOTSTRAP_TIMEOUT_S:.1f}s" in msg, msg
+    after = sum(w.metric("sglang:num_bootstrap_failed_reqs_total") for w in sims.decode)
+    assert after == before + 1
+    wait_for(lambda: all_inflight_zero(sims.envoy), "in-flight gauges at 0")
