@@ -528,6 +528,7 @@ impl RootContext for Root {
             endpoint: None,
             decision: None,
             decode: None,
+            prefill_held: false,
             charged: false,
             peer_batch: false,
         }))
@@ -542,8 +543,11 @@ struct Stream {
     shared: Rc<Shared>,
     endpoint: Option<Endpoint>,
     decision: Option<Decision>,
-    /// PD models: the decode half (released with `decision`).
+    /// PD models: the decode half (released when the stream ends).
     decode: Option<Decision>,
+    /// PD models: the prefill half (`decision`) is still charged; released at the first response
+    /// headers (the decode worker answers only once it has the prefill's KV) or at stream end.
+    prefill_held: bool,
     /// True while this stream holds a load charge that must be released exactly once.
     charged: bool,
     /// A peer's record batch (peer listener only), applied when its body is complete.
@@ -718,7 +722,22 @@ impl Stream {
         self.charged = true;
         self.decision = Some(*d);
         self.decode = Some(dec);
+        self.prefill_held = true;
         Some(Action::Continue)
+    }
+
+    /// PD: releases the prefill worker's charge once (its work ends when the decode worker
+    /// answers, long before the decode stream does).
+    fn release_prefill(&mut self) {
+        if !std::mem::take(&mut self.prefill_held) {
+            return;
+        }
+        if let Some(d) = &self.decision {
+            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
+                r.release(&EnvoyStore, d);
+            }
+            self.shared.metrics.inflight(d, -1);
+        }
     }
 
     fn release(&mut self) {
@@ -730,6 +749,11 @@ impl Stream {
                 r.release(&EnvoyStore, &d);
             }
             self.shared.metrics.inflight(&d, -1);
+            self.release_prefill();
+            if self.shared.closing.get() {
+                self.shared.flush_all();
+            }
+            return;
         }
         if let Some(d) = &self.decision {
             if let Ok(mut r) = self.shared.router.try_borrow_mut() {
@@ -823,6 +847,7 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        self.release_prefill();
         let r = self.shared.router.borrow();
         if let (Some(h), Some(d)) = (&r.cfg.debug_header, &self.decision) {
             let mut v = String::with_capacity(96);
