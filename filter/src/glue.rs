@@ -1,4 +1,9 @@
-//! The proxy-wasm glue: moves data between Envoy and the pure core, nothing else.
+//! The glue: moves data between the [`Host`] (Envoy) and the pure core, nothing else.
+//!
+//! [`Root`] is a plugin's root context, [`Stream`] one HTTP stream's context; `abi` calls their
+//! methods from the module's exported proxy-wasm callbacks, and native tests call them against
+//! `host::FakeHost`. Only the callbacks the filter needs exist (see `abi`): response bodies
+//! and trailers never enter the VM.
 //!
 //! Host calls per inference request (steady state, cache-aware): 1 header removal, 2 header
 //! reads (`:method`, `:path`), 1 clock read, 1 body read, 1 load read + 1 load CAS, the index
@@ -6,19 +11,15 @@
 //! a few metric increments; at stream end 1 load read + 1 load CAS.
 
 use crate::config::{Config, PEER_PATH, PEER_SECRET_HEADER};
+use crate::host::{Buffer, Host, Map, MetricKind};
 use crate::peers;
 use crate::policy::Reason;
 use crate::poll::{self, Lease, Polled, Poller};
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
-use crate::store::{CasMismatch, Store};
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::{Cell, RefCell};
 use std::fmt::Write;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
 
 /// The root context's timer: flushes batched metrics and parked load releases, and re-measures
 /// whether this VM is busy enough to park releases at all. Short, because a parked release is
@@ -27,43 +28,12 @@ const TICK_MS: u32 = 50;
 /// Ticks between metric flushes from the timer (200 ms).
 const METRICS_EVERY: u32 = 4;
 
-proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root {
-        shared: None,
-        ticks: 0,
-        me: 0,
-        poller: Poller::default(),
-        peer_calls: Vec::new(),
-        last_peer_flush_ms: 0,
-    }) });
-}}
-
-/// Envoy shared data behind the core's `Store` trait.
-struct EnvoyStore;
-
-impl Store for EnvoyStore {
-    fn get(&self, key: &str, out: &mut Vec<u8>) -> Option<u32> {
-        match hostcalls::get_shared_data(key) {
-            Ok((Some(v), cas)) => {
-                *out = v;
-                Some(cas.unwrap_or(0))
-            }
-            Ok((None, Some(cas))) => {
-                out.clear();
-                Some(cas)
-            }
-            _ => {
-                out.clear();
-                None
-            }
-        }
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch> {
-        let cas = if cas == 0 { None } else { Some(cas) };
-        hostcalls::set_shared_data(key, Some(value), cas).map_err(|_| CasMismatch)
-    }
+/// What a stream callback tells Envoy (proxy-wasm `Action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue = 0,
+    /// Stop iteration (headers) / stop and buffer (body).
+    Pause = 1,
 }
 
 /// Metric ids plus VM-local pending increments.
@@ -107,45 +77,45 @@ struct Metrics {
 }
 
 impl Metrics {
-    fn define(cfg: &Config) -> Metrics {
+    fn define(h: &impl Host, cfg: &Config) -> Metrics {
         let mut ids = Vec::new();
-        let mut def = |t: MetricType, name: &str| {
-            ids.push(hostcalls::define_metric(t, name).unwrap_or(0));
+        let mut def = |t: MetricKind, name: &str| {
+            ids.push(h.define_metric(t, name));
             ids.len() - 1
         };
         let mut reasons = [0usize; Reason::ALL.len()];
         for r in Reason::ALL {
             reasons[r.index()] = def(
-                MetricType::Counter,
+                MetricKind::Counter,
                 &format!("prefix_router.requests.{}", r.as_str()),
             );
         }
-        let blocks_prompt = def(MetricType::Counter, "prefix_router.blocks.prompt");
-        let blocks_matched = def(MetricType::Counter, "prefix_router.blocks.matched");
-        let index_writes = def(MetricType::Counter, "prefix_router.index.writes");
-        let index_conflicts = def(MetricType::Counter, "prefix_router.index.cas_conflicts");
-        let index_dropped = def(MetricType::Counter, "prefix_router.index.dropped_updates");
-        let index_probes = def(MetricType::Counter, "prefix_router.index.probes");
-        let truncated = def(MetricType::Counter, "prefix_router.prompts.truncated");
-        let poll_answers = def(MetricType::Counter, "prefix_router.load_poll.answers");
-        let poll_failures = def(MetricType::Counter, "prefix_router.load_poll.failures");
-        let peer_batches_sent = def(MetricType::Counter, "prefix_router.peers.batches_sent");
-        let peer_records_sent = def(MetricType::Counter, "prefix_router.peers.records_sent");
-        let peer_send_failures = def(MetricType::Counter, "prefix_router.peers.send_failures");
-        let peer_records_dropped = def(MetricType::Counter, "prefix_router.peers.records_dropped");
+        let blocks_prompt = def(MetricKind::Counter, "prefix_router.blocks.prompt");
+        let blocks_matched = def(MetricKind::Counter, "prefix_router.blocks.matched");
+        let index_writes = def(MetricKind::Counter, "prefix_router.index.writes");
+        let index_conflicts = def(MetricKind::Counter, "prefix_router.index.cas_conflicts");
+        let index_dropped = def(MetricKind::Counter, "prefix_router.index.dropped_updates");
+        let index_probes = def(MetricKind::Counter, "prefix_router.index.probes");
+        let truncated = def(MetricKind::Counter, "prefix_router.prompts.truncated");
+        let poll_answers = def(MetricKind::Counter, "prefix_router.load_poll.answers");
+        let poll_failures = def(MetricKind::Counter, "prefix_router.load_poll.failures");
+        let peer_batches_sent = def(MetricKind::Counter, "prefix_router.peers.batches_sent");
+        let peer_records_sent = def(MetricKind::Counter, "prefix_router.peers.records_sent");
+        let peer_send_failures = def(MetricKind::Counter, "prefix_router.peers.send_failures");
+        let peer_records_dropped = def(MetricKind::Counter, "prefix_router.peers.records_dropped");
         let peer_records_received =
-            def(MetricType::Counter, "prefix_router.peers.records_received");
-        let peer_records_ignored = def(MetricType::Counter, "prefix_router.peers.records_ignored");
+            def(MetricKind::Counter, "prefix_router.peers.records_received");
+        let peer_records_ignored = def(MetricKind::Counter, "prefix_router.peers.records_ignored");
         let peer_requests_rejected =
-            def(MetricType::Counter, "prefix_router.peers.requests_rejected");
-        let load_underflows = def(MetricType::Counter, "prefix_router.load.underflows");
-        let pd_requests = def(MetricType::Counter, "prefix_router.pd.requests");
-        let pd_bad_body = def(MetricType::Counter, "prefix_router.pd.bad_body");
+            def(MetricKind::Counter, "prefix_router.peers.requests_rejected");
+        let load_underflows = def(MetricKind::Counter, "prefix_router.load.underflows");
+        let pd_requests = def(MetricKind::Counter, "prefix_router.pd.requests");
+        let pd_bad_body = def(MetricKind::Counter, "prefix_router.pd.bad_body");
         let pd_client_fields = def(
-            MetricType::Counter,
+            MetricKind::Counter,
             "prefix_router.pd.client_bootstrap_fields",
         );
-        let gauge = |name: &str| hostcalls::define_metric(MetricType::Gauge, name).unwrap_or(0);
+        let gauge = |name: &str| h.define_metric(MetricKind::Gauge, name);
         let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
         let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
         let inflight = cfg
@@ -157,11 +127,11 @@ impl Metrics {
                     .map(|w| {
                         (
                             def(
-                                MetricType::Gauge,
+                                MetricKind::Gauge,
                                 &format!("prefix_router.inflight_requests.{}", w.cluster),
                             ),
                             def(
-                                MetricType::Gauge,
+                                MetricKind::Gauge,
                                 &format!("prefix_router.inflight_tokens.{}", w.cluster),
                             ),
                         )
@@ -219,21 +189,21 @@ impl Metrics {
     }
 
     /// Sends pending increments to Envoy (gauges take signed deltas).
-    fn flush(&self) {
+    fn flush(&self, h: &impl Host) {
         let mut pending = self.pending.borrow_mut();
         for (&id, p) in self.ids.iter().zip(pending.iter_mut()) {
             if *p != 0 && id != 0 {
-                let _ = hostcalls::increment_metric(id, *p);
+                h.increment_metric(id, *p);
             }
             *p = 0;
         }
     }
 
     /// Flushes when at least one clock unit (100 ms) passed since the last flush.
-    fn maybe_flush(&self, now: u32) {
+    fn maybe_flush(&self, h: &impl Host, now: u32) {
         if now != self.last_flush.get() {
             self.last_flush.set(now);
-            self.flush();
+            self.flush(h);
         }
     }
 }
@@ -249,15 +219,15 @@ struct Shared {
 
 impl Shared {
     /// Sends everything this VM still holds: parked load deltas and batched metric increments.
-    fn flush_all(&self) {
+    fn flush_all(&self, h: &impl Host) {
         if let Ok(mut r) = self.router.try_borrow_mut() {
-            r.flush_pending(&EnvoyStore);
+            r.flush_pending(h);
         }
-        self.metrics.flush();
+        self.metrics.flush(h);
     }
 }
 
-struct Root {
+pub struct Root {
     shared: Option<Rc<Shared>>,
     ticks: u32,
     /// This root context's identity in the poller lease.
@@ -268,17 +238,32 @@ struct Root {
     last_peer_flush_ms: u64,
 }
 
-fn now_ticks() -> (u32, u64) {
-    let t = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .unwrap_or_default();
-    ((t.as_millis() / 100) as u32, t.as_nanos() as u64)
+/// (clock in 100 ms units, the core's clock; nanoseconds since the epoch).
+fn now_ticks(h: &impl Host) -> (u32, u64) {
+    let nanos = h.now_nanos();
+    ((nanos / 100_000_000) as u32, nanos)
+}
+
+impl Default for Root {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Root {
+    pub fn new() -> Root {
+        Root {
+            shared: None,
+            ticks: 0,
+            me: 0,
+            poller: Poller::default(),
+            peer_calls: Vec::new(),
+            last_peer_flush_ms: 0,
+        }
+    }
+
     /// The lease holder asks every worker for its load when a round is due.
-    fn poll_workers(&mut self, s: &Shared, now_ms: u64) {
+    fn poll_workers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
         let r = s.router.borrow();
         let lp = &r.cfg.load_poll;
         if lp.interval_ms == 0 || r.cfg.peer_listener {
@@ -286,14 +271,13 @@ impl Root {
         }
         let ttl = 3 * u64::from(lp.interval_ms.max(TICK_MS));
         let mut buf = Vec::new();
-        if !Lease::hold(&EnvoyStore, self.me, now_ms, ttl, &mut buf) {
+        if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
         }
         if !self.poller.due(now_ms, lp.interval_ms) {
             return;
         }
         let targets: Vec<poll::Target> = self.poller.round().collect();
-        let timeout = Duration::from_millis(u64::from(lp.timeout_ms));
         for t in targets {
             let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
                 let i = usize::from(t.worker);
@@ -306,12 +290,12 @@ impl Root {
             } else {
                 lp.path.as_str()
             };
-            let headers = vec![
+            let headers = [
                 (":method", "GET"),
                 (":path", path),
                 (":authority", w.cluster.as_str()),
             ];
-            match self.dispatch_http_call(upstream, headers, None, vec![], timeout) {
+            match h.http_call(upstream, &headers, None, lp.timeout_ms) {
                 Ok(token) => self.poller.sent(token, t),
                 Err(_) => {
                     // Unknown cluster, or Envoy refused the call: a failed poll like any other.
@@ -323,7 +307,7 @@ impl Root {
     }
 
     /// Sends this VM's new index records to every peer, every `peers.flush_ms`.
-    fn flush_peers(&mut self, s: &Shared, now_ms: u64) {
+    fn flush_peers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
         let mut guard = s.router.borrow_mut();
         let r = &mut *guard;
         let Some(p) = &r.cfg.peers else {
@@ -345,21 +329,20 @@ impl Root {
             std::mem::take(&mut ob.dropped) as i64,
         );
         let n = ob.len() as i64;
-        let timeout = Duration::from_millis(u64::from(p.timeout_ms));
         for c in &p.clusters {
             if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {
                 // Answers are overdue (timeouts pending): skip rather than pile up calls.
                 m.add(m.peer_send_failures, 1);
                 continue;
             }
-            let headers = vec![
+            let headers = [
                 (":method", "POST"),
                 (":path", PEER_PATH),
                 (":authority", c.as_str()),
                 ("content-type", "application/octet-stream"),
                 (PEER_SECRET_HEADER, p.secret.as_str()),
             ];
-            match self.dispatch_http_call(c, headers, Some(ob.batch()), vec![], timeout) {
+            match h.http_call(c, &headers, Some(ob.batch()), p.timeout_ms) {
                 Ok(token) => {
                     self.peer_calls.push(token);
                     m.add(m.peer_batches_sent, 1);
@@ -370,17 +353,15 @@ impl Root {
         }
         ob.clear();
     }
-}
 
-impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, _nh: usize, body_size: usize, _nt: usize) {
+    /// `proxy_on_http_call_response`: a peer batch's or a load poll's answer.
+    pub fn on_http_call_response(&mut self, h: &impl Host, token: u32, body_size: usize) {
         let Some(s) = self.shared.clone() else {
             return;
         };
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|v| v.parse::<u32>().ok());
+        let status = h
+            .header(Map::HttpCallResponseHeaders, ":status")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
         let m = &s.metrics;
         if let Some(k) = self.peer_calls.iter().position(|&t| t == token) {
             self.peer_calls.swap_remove(k);
@@ -389,10 +370,7 @@ impl Context for Root {
             }
             return;
         }
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let body = h.buffer(Buffer::HttpCallResponseBody, body_size);
         let Some((t, load)) = self.poller.answer(token, status, &body) else {
             return;
         };
@@ -404,13 +382,13 @@ impl Context for Root {
             },
             1,
         );
-        let (now, _) = now_ticks();
+        let (now, _) = now_ticks(h);
         let Ok(mut r) = s.router.try_borrow_mut() else {
             return;
         };
         let (mi, w) = (usize::from(t.model), usize::from(t.worker));
         let r = &mut *r;
-        let (snap_reqs, snap_tokens) = r.ledger.own_of(&EnvoyStore, &r.cfg, mi, w);
+        let (snap_reqs, snap_tokens) = r.ledger.own_of(h, &r.cfg, mi, w);
         let p = match load {
             Some((reqs, tokens)) => Polled {
                 reqs,
@@ -425,14 +403,7 @@ impl Context for Root {
             return;
         };
         let mut buf = Vec::new();
-        poll::publish(
-            &EnvoyStore,
-            &model.poll_key,
-            model.workers[w].id,
-            w,
-            &p,
-            &mut buf,
-        );
+        poll::publish(h, &model.poll_key, model.workers[w].id, w, &p, &mut buf);
         // Gauges: the oldest answer's age and the workers without a fresh one.
         let mut all = Vec::new();
         if let Some(ids) = r.ledger.ids(mi) {
@@ -449,81 +420,81 @@ impl Context for Root {
             .map(|p| now.wrapping_sub(p.at))
             .max()
             .unwrap_or(0);
-        let _ = hostcalls::record_metric(m.poll_age_ms, u64::from(oldest) * 100);
-        let _ = hostcalls::record_metric(m.poll_unknown, unknown as u64);
+        h.record_metric(m.poll_age_ms, u64::from(oldest) * 100);
+        h.record_metric(m.poll_unknown, unknown as u64);
     }
 
-    fn on_done(&mut self) -> bool {
+    /// `proxy_on_done` of the root context.
+    pub fn on_done(&mut self, h: &impl Host) -> bool {
         // Envoy is removing this plugin (its filter chain drained after a config update, or
         // shutdown). Without this, the in-flight gauge decrements of the last streams (batched
         // until the next tick, which never comes) and any parked load deltas would be lost, and
         // the gauges would stay above zero for good.
         if let Some(s) = &self.shared {
             s.closing.set(true);
-            s.flush_all();
+            s.flush_all(h);
         }
         true
     }
-}
 
-impl RootContext for Root {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+    /// `proxy_on_configure`: a new plugin configuration (at start or on a config update).
+    pub fn on_configure(&mut self, h: &impl Host, size: usize) -> bool {
+        let raw = h.buffer(Buffer::PluginConfiguration, size);
         let cfg = match Config::from_json(&raw) {
             Ok(c) => c,
             Err(e) => {
-                let _ = hostcalls::log(LogLevel::Error, &format!("prefix-router: {e}"));
+                h.log_error(&format!("prefix-router: {e}"));
                 return false;
             }
         };
-        let (_, nanos) = now_ticks();
-        let metrics = Metrics::define(&cfg);
+        let (_, nanos) = now_ticks(h);
+        let metrics = Metrics::define(h, &cfg);
         self.me = nanos | 1;
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         let mut router = Router::new(cfg, nanos);
-        router.init_store(&EnvoyStore);
+        router.init_store(h);
         if let Some(old) = &self.shared {
             // Reconfigured in place: streams of the old configuration release into the old
             // state, which no tick flushes any more.
             old.closing.set(true);
-            old.flush_all();
+            old.flush_all(h);
         }
         self.shared = Some(Rc::new(Shared {
             router: RefCell::new(router),
             metrics,
             closing: Cell::new(false),
         }));
-        let _ = hostcalls::set_tick_period(Duration::from_millis(u64::from(TICK_MS)));
+        h.set_tick_period_ms(TICK_MS);
         true
     }
 
-    fn on_tick(&mut self) {
+    /// `proxy_on_tick`.
+    pub fn on_tick(&mut self, h: &impl Host) {
         self.ticks = self.ticks.wrapping_add(1);
         if let Some(s) = &self.shared {
             // Metrics every METRICS_EVERY ticks (200 ms): a busy thread also flushes them at a
             // decision every 100 ms, so flushing on each 50 ms tick would only add host calls.
             if self.ticks.is_multiple_of(METRICS_EVERY) {
-                s.metrics.flush();
+                s.metrics.flush(h);
             }
             if let Ok(mut r) = s.router.try_borrow_mut() {
-                r.tick(&EnvoyStore, TICK_MS);
+                r.tick(h, TICK_MS);
                 let u = r.ledger.take_underflows();
                 s.metrics.add(s.metrics.load_underflows, u as i64);
             }
             let s = s.clone();
-            let (_, nanos) = now_ticks();
+            let (_, nanos) = now_ticks(h);
             let now_ms = nanos / 1_000_000;
-            self.poll_workers(&s, now_ms);
-            self.flush_peers(&s, now_ms);
+            self.poll_workers(h, &s, now_ms);
+            self.flush_peers(h, &s, now_ms);
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    /// A new stream of this plugin; `None` before a configuration was accepted (the stream then
+    /// has no context in the VM and every callback continues).
+    pub fn new_stream(&self) -> Option<Stream> {
         let shared = self.shared.clone()?;
-        Some(Box::new(Stream {
+        Some(Stream {
             shared,
             endpoint: None,
             decision: None,
@@ -531,15 +502,11 @@ impl RootContext for Root {
             prefill_held: false,
             charged: false,
             peer_batch: false,
-        }))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+        })
     }
 }
 
-struct Stream {
+pub struct Stream {
     shared: Rc<Shared>,
     endpoint: Option<Endpoint>,
     decision: Option<Decision>,
@@ -554,36 +521,34 @@ struct Stream {
     peer_batch: bool,
 }
 
-fn header(name: &str) -> Vec<u8> {
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+fn header(h: &impl Host, name: &str) -> Vec<u8> {
+    h.header(Map::RequestHeaders, name).unwrap_or_default()
 }
 
-fn local_reply(status: u32, body: &str) -> Action {
-    let _ = hostcalls::send_http_response(
+fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
+    h.local_reply(
         status,
-        vec![("content-type", "application/json")],
-        Some(body.as_bytes()),
+        &[("content-type", "application/json")],
+        body.as_bytes(),
     );
     Action::Pause
 }
 
 impl Stream {
     /// Peer listener: only `POST /prefix-router/v1/records` with the shared secret is accepted.
-    fn peer_headers(&mut self, end_of_stream: bool) -> Action {
+    fn peer_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
         let ok = {
             let r = self.shared.router.borrow();
             let secret = r.cfg.peers.as_ref().map_or("", |p| p.secret.as_str());
-            header(":method") == b"POST"
-                && header(":path") == PEER_PATH.as_bytes()
-                && peers::secret_ok(&header(PEER_SECRET_HEADER), secret)
+            header(h, ":method") == b"POST"
+                && header(h, ":path") == PEER_PATH.as_bytes()
+                && peers::secret_ok(&header(h, PEER_SECRET_HEADER), secret)
         };
         if !ok || end_of_stream {
             let m = &self.shared.metrics;
             m.add(m.peer_requests_rejected, 1);
             return local_reply(
+                h,
                 403,
                 r#"{"object":"error","message":"forbidden","type":"PermissionDenied","code":403}"#,
             );
@@ -592,12 +557,12 @@ impl Stream {
         Action::Pause
     }
 
-    fn peer_body(&mut self, body: &[u8]) -> Action {
-        let (now, _) = now_ticks();
+    fn peer_body(&mut self, h: &impl Host, body: &[u8]) -> Action {
+        let (now, _) = now_ticks(h);
         let res = {
             let mut guard = self.shared.router.borrow_mut();
             let r = &mut *guard;
-            peers::apply(&EnvoyStore, &r.cfg, body, now, &mut r.sc)
+            peers::apply(h, &r.cfg, body, now, &mut r.sc)
         };
         let m = &self.shared.metrics;
         match res {
@@ -607,14 +572,15 @@ impl Stream {
                 m.add(m.index_writes, i64::from(a.writes.writes));
                 m.add(m.index_conflicts, i64::from(a.writes.conflicts));
                 m.add(m.index_dropped, i64::from(a.writes.dropped));
-                m.maybe_flush(now);
-                let _ = hostcalls::send_http_response(204, vec![], None);
+                m.maybe_flush(h, now);
+                h.local_reply(204, &[], &[]);
                 Action::Pause
             }
             Err(_) => {
                 m.add(m.peer_requests_rejected, 1);
-                m.maybe_flush(now);
+                m.maybe_flush(h, now);
                 local_reply(
+                    h,
                     400,
                     r#"{"object":"error","message":"bad record batch","type":"BadRequestError","code":400}"#,
                 )
@@ -622,24 +588,24 @@ impl Stream {
         }
     }
 
-    fn decide(&mut self, body: &[u8]) -> Action {
+    fn decide(&mut self, h: &impl Host, body: &[u8]) -> Action {
         let Some(ep) = self.endpoint.take() else {
             return Action::Continue;
         };
-        let (now, _) = now_ticks();
+        let (now, _) = now_ticks(h);
         let outcome = {
             let mut r = self.shared.router.borrow_mut();
-            r.route(&EnvoyStore, ep, body, now)
+            r.route(h, ep, body, now)
         };
         let m = &self.shared.metrics;
         match outcome {
             Outcome::Reject { status, body } => {
                 m.add(m.reasons[Reason::Rejected.index()], 1);
-                m.maybe_flush(now);
-                local_reply(status, &body)
+                m.maybe_flush(h, now);
+                local_reply(h, status, &body)
             }
             Outcome::Route(d) => {
-                if let Some(action) = self.pd_route(&d, body, now) {
+                if let Some(action) = self.pd_route(h, &d, body, now) {
                     return action;
                 }
                 let m = &self.shared.metrics;
@@ -652,14 +618,10 @@ impl Stream {
                 m.add(m.index_probes, i64::from(d.probes));
                 m.add(m.truncated, i64::from(d.truncated));
                 m.inflight(&d, 1);
-                m.maybe_flush(now);
+                m.maybe_flush(h, now);
                 self.charged = true;
                 let r = self.shared.router.borrow();
-                let _ = hostcalls::add_map_value(
-                    MapType::HttpRequestHeaders,
-                    &r.cfg.cluster_header,
-                    r.cluster(&d),
-                );
+                h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&d));
                 self.decision = Some(d);
                 Action::Continue
             }
@@ -669,40 +631,33 @@ impl Stream {
     /// PD model: rewrites the body for the prefill worker `d` chose, picks and charges a decode
     /// worker, and points the cluster header at it and the prefill header at `d`'s worker (the
     /// route mirrors the body there). `None`: not a PD model, route as usual.
-    fn pd_route(&mut self, d: &Decision, body: &[u8], now: u32) -> Option<Action> {
+    fn pd_route(&mut self, h: &impl Host, d: &Decision, body: &[u8], now: u32) -> Option<Action> {
         let mut guard = self.shared.router.borrow_mut();
         let r = &mut *guard;
         let rewritten = crate::pd::rewrite_for(r, d, body)?;
         let m = &self.shared.metrics;
         if rewritten.is_err() {
             // not a JSON object: no worker could use it; undo the prefill charge
-            r.release(&EnvoyStore, d);
+            r.release(h, d);
             m.add(m.pd_bad_body, 1);
             m.add(m.reasons[Reason::Rejected.index()], 1);
-            m.maybe_flush(now);
+            m.maybe_flush(h, now);
             return Some(local_reply(
+                h,
                 400,
                 r#"{"object":"error","message":"request body must be a JSON object","type":"BadRequestError","code":400}"#,
             ));
         }
         let tokens = (body.len() / r.cfg.policy.chars_per_token.max(1) as usize) as u32;
-        let dec = crate::pd::decode_decision(r, &EnvoyStore, d, tokens, now)?;
-        let _ = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), &r.pd.out);
-        if !header("content-length").is_empty() {
+        let dec = crate::pd::decode_decision(r, h, d, tokens, now)?;
+        h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
+        if !header(h, "content-length").is_empty() {
             let len = r.pd.out.len().to_string();
-            let _ = hostcalls::set_map_value(
-                MapType::HttpRequestHeaders,
-                "content-length",
-                Some(len.as_str()),
-            );
+            h.replace_header(Map::RequestHeaders, "content-length", &len);
         }
-        let _ = hostcalls::add_map_value(
-            MapType::HttpRequestHeaders,
-            &r.cfg.cluster_header,
-            r.cluster(&dec),
-        );
-        let _ = hostcalls::add_map_value(
-            MapType::HttpRequestHeaders,
+        h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&dec));
+        h.add_header(
+            Map::RequestHeaders,
             &r.cfg.prefill_cluster_header,
             r.cluster(d),
         );
@@ -718,7 +673,7 @@ impl Stream {
         m.add(m.pd_client_fields, i64::from(r.pd.dropped));
         m.inflight(d, 1);
         m.inflight(&dec, 1);
-        m.maybe_flush(now);
+        m.maybe_flush(h, now);
         self.charged = true;
         self.decision = Some(*d);
         self.decode = Some(dec);
@@ -728,70 +683,65 @@ impl Stream {
 
     /// PD: releases the prefill worker's charge once (its work ends when the decode worker
     /// answers, long before the decode stream does).
-    fn release_prefill(&mut self) {
+    fn release_prefill(&mut self, h: &impl Host) {
         if !std::mem::take(&mut self.prefill_held) {
             return;
         }
         if let Some(d) = &self.decision {
             if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(&EnvoyStore, d);
+                r.release(h, d);
             }
             self.shared.metrics.inflight(d, -1);
         }
     }
 
-    fn release(&mut self) {
+    /// Gives back this stream's load charge; a no-op after the first call.
+    fn release(&mut self, h: &impl Host) {
         if !std::mem::take(&mut self.charged) {
             return;
         }
         if let Some(d) = self.decode.take() {
             if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(&EnvoyStore, &d);
+                r.release(h, &d);
             }
             self.shared.metrics.inflight(&d, -1);
-            self.release_prefill();
+            self.release_prefill(h);
             if self.shared.closing.get() {
-                self.shared.flush_all();
+                self.shared.flush_all(h);
             }
             return;
         }
         if let Some(d) = &self.decision {
             if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(&EnvoyStore, d);
+                r.release(h, d);
             }
             self.shared.metrics.inflight(d, -1);
             if self.shared.closing.get() {
-                self.shared.flush_all();
+                self.shared.flush_all(h);
             }
         }
     }
-}
 
-impl Context for Stream {}
-
-impl HttpContext for Stream {
-    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> Action {
+    /// `proxy_on_request_headers`.
+    pub fn on_request_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
         {
             // Whatever the client sent under our header names is never trusted or forwarded.
             let r = self.shared.router.borrow();
-            let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, &r.cfg.cluster_header);
-            let _ = hostcalls::remove_map_value(
-                MapType::HttpRequestHeaders,
-                &r.cfg.prefill_cluster_header,
-            );
-            if let Some(h) = &r.cfg.debug_header {
-                let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, h);
+            h.remove_header(Map::RequestHeaders, &r.cfg.cluster_header);
+            h.remove_header(Map::RequestHeaders, &r.cfg.prefill_cluster_header);
+            if let Some(d) = &r.cfg.debug_header {
+                h.remove_header(Map::RequestHeaders, d);
             }
         }
         if self.shared.router.borrow().cfg.peer_listener {
-            return self.peer_headers(end_of_stream);
+            return self.peer_headers(h, end_of_stream);
         }
-        let method = header(":method");
-        let path = header(":path");
+        let method = header(h, ":method");
+        let path = header(h, ":path");
         if let Some(ep) = Endpoint::classify(&method, &path) {
             self.endpoint = Some(ep);
             if end_of_stream {
-                return self.decide(&[]);
+                return self.decide(h, &[]);
             }
             return Action::Pause;
         }
@@ -804,23 +754,28 @@ impl HttpContext for Stream {
             (None, Some(c)) => c.as_str(),
             (None, None) => "",
         };
-        let _ =
-            hostcalls::add_map_value(MapType::HttpRequestHeaders, &r.cfg.cluster_header, cluster);
+        h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, cluster);
         self.decision = d;
         Action::Continue
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    /// `proxy_on_request_body`. A request body that ends in trailers is never seen whole here
+    /// (the module does not export `proxy_on_request_trailers`, to keep Envoy out of the VM for
+    /// every other stream's trailers): it goes upstream without a routing decision, and the
+    /// route's missing cluster header answers it (see docs/design.md).
+    pub fn on_request_body(
+        &mut self,
+        h: &impl Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
         if self.peer_batch {
             if !end_of_stream {
                 return Action::Pause;
             }
             self.peer_batch = false;
-            let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default();
-            return self.peer_body(&body);
+            let body = h.buffer(Buffer::RequestBody, body_size);
+            return self.peer_body(h, &body);
         }
         if self.endpoint.is_none() {
             return Action::Continue;
@@ -828,28 +783,16 @@ impl HttpContext for Stream {
         if !end_of_stream {
             return Action::Pause; // Envoy buffers until the whole body is here
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        self.decide(&body)
+        let body = h.buffer(Buffer::RequestBody, body_size);
+        self.decide(h, &body)
     }
 
-    fn on_http_request_trailers(&mut self, _n: usize) -> Action {
-        if self.endpoint.is_none() {
-            return Action::Continue;
-        }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        self.decide(&body)
-    }
-
-    fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
-        self.release_prefill();
+    /// `proxy_on_response_headers`: once per response (never per body chunk). Adds the debug
+    /// header when configured.
+    pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
+        self.release_prefill(h);
         let r = self.shared.router.borrow();
-        if let (Some(h), Some(d)) = (&r.cfg.debug_header, &self.decision) {
+        if let (Some(name), Some(d)) = (&r.cfg.debug_header, &self.decision) {
             let mut v = String::with_capacity(96);
             let _ = write!(
                 v,
@@ -862,19 +805,14 @@ impl HttpContext for Stream {
             if let Some(dec) = &self.decode {
                 let _ = write!(v, "; decode={}", r.cluster(dec));
             }
-            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, h, &v);
+            h.add_header(Map::ResponseHeaders, name, &v);
         }
         Action::Continue
     }
 
-    fn on_log(&mut self) {
-        self.release();
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // Streams that end without an access-log callback still release their charge.
-        self.release();
+    /// `proxy_on_done` (and `proxy_on_delete` when done never came): the stream ended,
+    /// whichever way (response complete, client reset, local reply). Releases the charge.
+    pub fn on_done(&mut self, h: &impl Host) {
+        self.release(h);
     }
 }

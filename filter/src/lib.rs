@@ -1,12 +1,16 @@
 //! prefix-router: cache-aware routing of LLM inference requests inside Envoy.
 //!
-//! The pure core (everything but `glue`) is plain Rust over the [`store::Store`] trait, tested
-//! natively; `glue` is the thin proxy-wasm layer compiled only for Wasm.
+//! The pure core is plain Rust over the [`store::Store`] trait; [`glue`] drives it from a
+//! stream's callbacks over the [`host::Host`] trait; both are tested natively (`host::FakeHost`).
+//! `abi` is the only Wasm-specific part: the exported proxy-wasm callbacks (only the ones the
+//! filter needs) and the host-call imports behind `Host`.
 
 pub mod blocks;
 pub mod busy;
 pub mod config;
 mod config_path;
+pub mod glue;
+pub mod host;
 pub mod index;
 pub mod load;
 pub mod pd;
@@ -19,4 +23,4 @@ pub mod router;
 pub mod store;
 
 #[cfg(target_arch = "wasm32")]
-mod glue;
+mod abi;

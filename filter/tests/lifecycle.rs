@@ -1,0 +1,256 @@
+//! The stream lifecycle, natively: `glue` driven over `host::FakeHost` exactly as `abi` drives
+//! it from Envoy's callbacks. Metric batching, the load charge released exactly once (asserted
+//! on the shared-data load vector, not only on the VM-side gauge), the passthrough choice, the
+//! client's routing headers stripped, the debug header, and streams of an unconfigured root.
+
+use prefix_router::config::Config;
+use prefix_router::glue::{Action, Root, Stream};
+use prefix_router::host::FakeHost;
+use prefix_router::load;
+use prefix_router::policy::Reason;
+use prefix_router::records::ById;
+use prefix_router::store::Store;
+
+const T0: u64 = 1_700_000_000_000_000_000;
+const WORKERS: [&str; 3] = ["w0", "w1", "w2"];
+
+fn config(extra: &str) -> String {
+    format!(r#"{{"models":{{"llama":{{"workers":["w0","w1","w2"]}}}}{extra}}}"#)
+}
+
+fn configured(cfg: &str) -> (FakeHost, Root) {
+    let h = FakeHost::new();
+    {
+        let mut s = h.state.borrow_mut();
+        s.plugin_config = cfg.as_bytes().to_vec();
+        s.now_nanos = T0;
+    }
+    let mut root = Root::new();
+    assert!(
+        root.on_configure(&h, cfg.len()),
+        "{:?}",
+        h.state.borrow().errors
+    );
+    (h, root)
+}
+
+/// Runs a stream's request callbacks as Envoy does; returns the stream and the last action.
+fn request(
+    h: &FakeHost,
+    root: &Root,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (Stream, Action) {
+    {
+        let mut s = h.state.borrow_mut();
+        s.request_headers = vec![
+            (":method".into(), method.into()),
+            (":path".into(), path.into()),
+        ];
+        s.request_headers
+            .extend(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        s.request_body = body.as_bytes().to_vec();
+        s.response_headers.clear();
+    }
+    let mut st = root.new_stream().expect("a configured root makes streams");
+    let a = st.on_request_headers(h, body.is_empty());
+    if body.is_empty() {
+        return (st, a);
+    }
+    assert_eq!(a, Action::Pause, "an inference request waits for its body");
+    let a = st.on_request_body(h, body.len(), true);
+    (st, a)
+}
+
+fn chat(user: &str) -> String {
+    format!(r#"{{"model":"llama","messages":[{{"role":"user","content":"{user}"}}]}}"#)
+}
+
+fn request_header(h: &FakeHost, name: &str) -> Option<String> {
+    let s = h.state.borrow();
+    let mut it = s.request_headers.iter().filter(|e| e.0 == name);
+    let v = it.next().map(|e| e.1.clone());
+    assert!(it.next().is_none(), "{name} appears twice");
+    v
+}
+
+/// In-flight requests per worker, from the shared-data load vector.
+fn loads(h: &FakeHost, cfg: &str) -> Vec<u32> {
+    let c = Config::from_json(cfg.as_bytes()).expect("config");
+    let m = &c.models[0];
+    let mut buf = Vec::new();
+    h.get(&m.load_key, &mut buf);
+    let (mut reqs, mut tokens) = (Vec::new(), Vec::new());
+    let ids = ById::new(m.workers.iter().map(|w| w.id));
+    load::decode(&buf, &ids, m.workers.len(), &mut reqs, &mut tokens);
+    reqs
+}
+
+#[test]
+fn a_charge_is_released_exactly_once_whichever_callbacks_end_the_stream() {
+    let cfg = config("");
+    let (h, mut root) = configured(&cfg);
+    let (mut a, act) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("one"));
+    assert_eq!(act, Action::Continue);
+    let (mut b, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("two"));
+    assert_eq!(
+        loads(&h, &cfg).iter().sum::<u32>(),
+        2,
+        "two streams charged"
+    );
+    // Envoy ends a stream with on_done, then on_delete (abi calls on_done again there when
+    // done never came): each stream gives its charge back once, however often it is told.
+    a.on_done(&h);
+    a.on_done(&h);
+    assert_eq!(loads(&h, &cfg).iter().sum::<u32>(), 1, "one released once");
+    b.on_done(&h);
+    for _ in 0..8 {
+        root.on_tick(&h); // flushes parked releases and batched gauges
+    }
+    assert_eq!(
+        loads(&h, &cfg),
+        vec![0; WORKERS.len()],
+        "no charge left, none below zero"
+    );
+    for w in WORKERS {
+        let g = h.metric(&format!("prefix_router.inflight_requests.{w}"));
+        assert_eq!(g, Some(0), "gauge of {w}");
+    }
+}
+
+/// Decisions counted in Envoy's stats so far, over every reason.
+fn decisions(h: &FakeHost) -> i64 {
+    Reason::ALL
+        .iter()
+        .filter_map(|r| h.metric(&format!("prefix_router.requests.{}", r.as_str())))
+        .sum()
+}
+
+#[test]
+fn metrics_are_batched_per_100ms_and_flushed_by_the_tick() {
+    let (h, mut root) = configured(&config(""));
+    let mut streams = Vec::new();
+    for i in 0..5 {
+        let (s, _) = request(
+            &h,
+            &root,
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat(&i.to_string()),
+        );
+        streams.push(s);
+    }
+    let decided = decisions(&h);
+    // The first decision flushes (a new 100 ms unit); the next four in the same unit wait.
+    assert!(decided < 5, "every decision was sent at once ({decided})");
+    let calls_before = h.calls();
+    for _ in 0..4 {
+        root.on_tick(&h);
+    }
+    assert!(h.calls() > calls_before, "the tick sends the batch");
+    assert_eq!(
+        decisions(&h),
+        5,
+        "all five decisions counted after the flush"
+    );
+    for mut s in streams {
+        s.on_done(&h);
+    }
+}
+
+#[test]
+fn passthrough_takes_the_configured_cluster_and_the_client_never_picks_one() {
+    let cfg = config(r#","passthrough_cluster":"info","debug_header":"x-debug""#);
+    let (h, root) = configured(&cfg);
+    let spoof = [("x-prefix-router-cluster", "admin"), ("x-debug", "forged")];
+    let (mut s, act) = request(&h, &root, "GET", "/v1/models", &spoof, "");
+    assert_eq!(act, Action::Continue);
+    assert_eq!(
+        request_header(&h, "x-prefix-router-cluster").as_deref(),
+        Some("info")
+    );
+    assert_eq!(
+        request_header(&h, "x-debug"),
+        None,
+        "client's debug header stripped"
+    );
+    assert_eq!(
+        loads(&h, &cfg),
+        vec![0; WORKERS.len()],
+        "passthrough charges nothing"
+    );
+    s.on_done(&h);
+
+    let (mut s, _) = request(
+        &h,
+        &root,
+        "POST",
+        "/v1/completions",
+        &spoof,
+        r#"{"model":"llama","prompt":"hi"}"#,
+    );
+    let w = request_header(&h, "x-prefix-router-cluster").expect("routed");
+    assert!(WORKERS.contains(&w.as_str()), "routed to a worker, not {w}");
+    s.on_done(&h);
+}
+
+#[test]
+fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
+    let (h, root) = configured(&config(r#","debug_header":"x-debug""#));
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("dbg"));
+    let worker = request_header(&h, "x-prefix-router-cluster").expect("routed");
+    assert_eq!(s.on_response_headers(&h), Action::Continue);
+    let v = h
+        .state
+        .borrow()
+        .response_headers
+        .iter()
+        .find(|e| e.0 == "x-debug")
+        .map(|e| e.1.clone())
+        .expect("debug header on the response");
+    assert!(v.starts_with(&format!("worker={worker}; reason=")), "{v}");
+    assert!(v.contains("; total="), "{v}");
+    s.on_done(&h);
+
+    let (h, root) = configured(&config(""));
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("x"));
+    s.on_response_headers(&h);
+    assert!(
+        h.state.borrow().response_headers.is_empty(),
+        "no debug header by default"
+    );
+    s.on_done(&h);
+}
+
+#[test]
+fn an_unknown_model_is_answered_locally_and_charges_nothing() {
+    let cfg = config(r#","unknown_model":"reject""#);
+    let (h, root) = configured(&cfg);
+    let body = r#"{"model":"nope","prompt":"hi"}"#;
+    let (mut s, act) = request(&h, &root, "POST", "/v1/completions", &[], body);
+    assert_eq!(act, Action::Pause, "a local reply stops the chain");
+    let replies = h.state.borrow().replies.clone();
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].0, 404);
+    assert_eq!(request_header(&h, "x-prefix-router-cluster"), None);
+    s.on_done(&h);
+    assert_eq!(loads(&h, &cfg), vec![0; WORKERS.len()]);
+}
+
+#[test]
+fn a_root_without_an_accepted_configuration_makes_no_streams() {
+    assert!(Root::new().new_stream().is_none());
+    let h = FakeHost::new();
+    let bad = r#"{"models":{},"nope":1}"#;
+    h.state.borrow_mut().plugin_config = bad.as_bytes().to_vec();
+    let mut root = Root::new();
+    assert!(!root.on_configure(&h, bad.len()));
+    assert!(!h.state.borrow().errors.is_empty(), "the refusal is logged");
+    assert!(root.new_stream().is_none());
+    root.on_tick(&h); // no configuration: nothing to do, no panic
+    assert!(root.on_done(&h));
+    assert!(h.state.borrow().replies.is_empty());
+}
