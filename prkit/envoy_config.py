@@ -69,6 +69,8 @@ POLL_SUFFIX = "_load"  # load_poll.cluster_suffix of the per-worker poll cluster
 PEER_PREFIX = "prefix_router_peer_"
 CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
 LOCAL_WASM = "target/wasm32-wasip1/release/prefix_router.wasm"
+NO_WORKER_BODY = ('{"object":"error","message":"no worker was chosen for this request",'
+                  '"type":"ServiceUnavailableError","param":null,"code":503}')
 PROFILES = ("demo", "test", "bench", "ingress", "compose")
 
 NAME_RE = re.compile(r"^[^=,@\s\"'\\]+$")  # model names may hold / . - (e.g. org/model)
@@ -134,7 +136,9 @@ class Options:
     wasm: str = CONTAINER_WASM
     debug_header: bool = False
     access_log: bool = True
-    rate_limit: int = 1000  # requests/s per Envoy replica; 0 = no rate-limit filter
+    rate_limit: int = 1000  # requests/s per Envoy replica; 0 = no global bucket
+    rate_limit_per_client: int = 0  # requests/s per client address; 0 = no per-client buckets
+    rate_limit_clients: int = 10000  # per-client buckets kept (least recently used evicted)
     health_interval: str = "5s"
     stream_idle_timeout: str = "300s"
     per_try_idle_timeout: str = "180s"
@@ -234,6 +238,8 @@ def validate(o: Options) -> None:
         if not isinstance(v, str) or not DURATION_RE.match(v):
             raise ConfigError(opt, f"expected a duration in seconds like 5s or 0.5s, got {v!r}")
     _int_range("--rate-limit", o.rate_limit, 0, 10**9, "0 = no rate limit")
+    _int_range("--rate-limit-per-client", o.rate_limit_per_client, 0, 10**9, "0 = no per-client limit")
+    _int_range("--rate-limit-clients", o.rate_limit_clients, 1, 10**7, "per-client buckets kept")
     _int_range("--fallbacks", o.fallbacks, 0, 1000, "workers of the same model a worker cluster falls back to")
     _int_range("--max-requests", o.max_requests, 1, 10**9, "circuit breaker per worker cluster")
     _int_range("--max-ejection-percent", o.max_ejection_percent, 0, 100, "a percentage")
@@ -665,7 +671,13 @@ def pd_route(o: Options, route: dict) -> dict:
                 "for KV until its bootstrap timeout. The mirror inherits this route's timeout.")
     r["request_mirror_policies"] = [{"cluster_header": PREFILL_HEADER, "disable_shadow_host_suffix_append": True}]
     r["timeout"] = o.pd_timeout
-    return {"match": {"prefix": "/", "headers": [{"name": PREFILL_HEADER, "present_match": True}]},
+    def only(header: str, names: list[str]) -> dict:
+        return {"name": header, "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(n) for n in names) + ")$"}}}
+
+    prefill = [w.cluster for pd in o.pd_models.values() for w, _ in pd.prefill]
+    # both headers must name workers (never admin: a mirror to it would POST the client's path there)
+    return {"match": {"prefix": "/", "headers": [only(PREFILL_HEADER, prefill),
+                                                 only(CLUSTER_HEADER, _worker_names(o))]},
             "#": "Requests of PD models: the filter sets the prefill header (client values are removed).",
             "request_body_buffer_limit": MIB16, "route": r}
 
@@ -711,21 +723,33 @@ def router_filter() -> dict:
 
 
 def rate_limit_filter(o: Options) -> dict:
-    return {
-        "#": f"Local rate limit (per Envoy replica, shared by its worker threads): a token bucket of\n"
-             f"{o.rate_limit} requests refilled every second; over it, 429 with x-local-rate-limit: true.\n"
-             "Runs before the Wasm filter, so rejected requests cost no body parsing.",
-        "name": "envoy.filters.http.local_ratelimit",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
-            "stat_prefix": "ingress_ratelimit",
-            "token_bucket": {"max_tokens": o.rate_limit, "tokens_per_fill": o.rate_limit, "fill_interval": "1s"},
-            "filter_enabled": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-            "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
-            "response_headers_to_add": [{"append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                                         "header": {"key": "x-local-rate-limit", "value": "true"}}],
-        },
+    comment = []
+    cfg: dict = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+        "stat_prefix": "ingress_ratelimit",
     }
+    if o.rate_limit:
+        comment.append(f"Local rate limit (per Envoy replica, shared by its worker threads): a token bucket of\n"
+                       f"{o.rate_limit} requests refilled every second.")
+        cfg["token_bucket"] = {"max_tokens": o.rate_limit, "tokens_per_fill": o.rate_limit, "fill_interval": "1s"}
+    if o.rate_limit_per_client:
+        comment.append(f"Per client address (the peer address; use_remote_address): {o.rate_limit_per_client} requests\n"
+                       f"a second each, one bucket per address (a descriptor without a value is a wildcard),\n"
+                       f"the {o.rate_limit_clients} most recent addresses kept.")
+        cfg["rate_limits"] = [{"actions": [{"remote_address": {}}]}]
+        cfg["descriptors"] = [{"entries": [{"key": "remote_address"}],
+                               "token_bucket": {"max_tokens": o.rate_limit_per_client,
+                                                "tokens_per_fill": o.rate_limit_per_client, "fill_interval": "1s"}}]
+        cfg["max_dynamic_descriptors"] = o.rate_limit_clients
+    comment.append("Over a limit: 429 with x-local-rate-limit: true. Runs before the Wasm filter, so rejected\n"
+                   "requests cost no body parsing.")
+    cfg.update({
+        "filter_enabled": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        "filter_enforced": {"default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        "response_headers_to_add": [{"append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                                     "header": {"key": "x-local-rate-limit", "value": "true"}}],
+    })
+    return {"#": "\n".join(comment), "name": "envoy.filters.http.local_ratelimit", "typed_config": cfg}
 
 
 ACCESS_LOG_FIELDS = {
@@ -801,9 +825,18 @@ def route_config(o: Options) -> dict:
         vhost["#"] = "x-envoy-attempt-count on the upstream request and the response: retries are visible."
         vhost["include_request_attempt_count"] = True
         vhost["include_attempt_count_in_response"] = True
-    vhost["routes"] = [{"match": {"prefix": "/"},
-                        "#": "Route-level body buffer limit (16 MiB, as the listener's).",
-                        "request_body_buffer_limit": MIB16, "route": route}]
+    names = "|".join(re.escape(c) for c in _worker_names(o))
+    vhost["routes"] = [
+        {"#": "Only a worker cluster: the header must name one of them (never admin, a peer or a\n"
+              "<worker>_load poll cluster), even if the filter were bypassed.",
+         "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER,
+                                               "string_match": {"safe_regex": {"regex": f"^({names})$"}}}]},
+         "#b": "Route-level body buffer limit (16 MiB, as the listener's).",
+         "request_body_buffer_limit": MIB16, "route": route},
+        {"#": "No worker named (the filter did not run): refuse rather than guess.",
+         "match": {"prefix": "/"},
+         "direct_response": {"status": 503, "body": {"inline_string": NO_WORKER_BODY}}},
+    ]
     if o.pd_models:
         vhost["routes"].insert(0, pd_route(o, route))
     return {"name": "prefix_router",
@@ -838,6 +871,14 @@ def http_connection_manager(o: Options, filters: list) -> dict:
         hcm["#"] = "Edge proxy: the client address is the peer address (no trusted X-Forwarded-For hops)."
         hcm["use_remote_address"] = True
     hcm.update({
+        "#p": "One path for the filter, the route and the worker: RFC 3986 normalization (%63 -> c, dot\n"
+              "segments), // -> /, and %2F / %5C unescaped and forwarded as / and \\. SGLang decodes such\n"
+              "paths as inference; without this the filter would classify /v1/chat%2Fcompletions as\n"
+              "passthrough. UNESCAPE_AND_FORWARD, not _REDIRECT: OpenAI clients do not replay a POST body\n"
+              "on a redirect.",
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         "#t": "Generations stream for minutes: no overall deadline; a stream with no bytes either way\n"
               f"for {o.stream_idle_timeout} is dropped.",
         "request_timeout": "0s",
@@ -858,7 +899,7 @@ def http_connection_manager(o: Options, filters: list) -> dict:
 
 def ingress_listener(o: Options, plugin: dict) -> dict:
     filters = []
-    if o.rate_limit:
+    if o.rate_limit or o.rate_limit_per_client:
         filters.append(rate_limit_filter(o))
     filters.append({"#": "prefix-router: reads the body, chooses a worker, sets x-prefix-router-cluster.",
                     **wasm_filter(o, plugin, _plugin_comment(o, plugin))})
@@ -1160,6 +1201,9 @@ def arg_parser() -> argparse.ArgumentParser:
                      help="one JSON line per request on stdout (default on, off in bench)")
     log.add_argument("--no-access-log", dest="access_log", action="store_const", const=False)
     ap.add_argument("--rate-limit", metavar="N", help="local rate limit, requests/s per Envoy replica (0 = none)")
+    ap.add_argument("--rate-limit-per-client", metavar="N",
+                    help="local rate limit per client address, requests/s (0 = none, the default)")
+    ap.add_argument("--rate-limit-clients", metavar="N", help="per-client buckets kept (10000)")
     ap.add_argument("--health-interval", metavar="DURATION", help="active health check interval (5s)")
     ap.add_argument("--stream-idle-timeout", metavar="DURATION", help="(300s)")
     ap.add_argument("--per-try-idle-timeout", metavar="DURATION", help="(180s)")
@@ -1230,7 +1274,8 @@ def options_from_args(argv: list[str]) -> Options:
     for key in ("wasm", "debug_header", "access_log", "health_interval", "stream_idle_timeout", "per_try_idle_timeout"):
         if getattr(a, key) is not None:
             over[key] = getattr(a, key)
-    for opt, key in (("--rate-limit", "rate_limit"), ("--fallbacks", "fallbacks"), ("--max-requests", "max_requests"),
+    for opt, key in (("--rate-limit", "rate_limit"), ("--rate-limit-per-client", "rate_limit_per_client"),
+                     ("--rate-limit-clients", "rate_limit_clients"), ("--fallbacks", "fallbacks"), ("--max-requests", "max_requests"),
                      ("--max-ejection-percent", "max_ejection_percent"), ("--max-connections", "max_connections"),
                      ("--load-poll-ms", "load_poll_ms")):
         v = _int_opt(opt, getattr(a, key))

@@ -91,7 +91,8 @@ def test_envoy_service(project):
     assert {v["target"]: v["source"] for v in project["services"]["filter"]["volumes"]} == {"/out": "wasm"}
     assert "/ready" in " ".join(envoy["healthcheck"]["test"])
     ports = {(p.get("host_ip", ""), p["published"], p["target"]) for p in envoy["ports"]}
-    assert ports == {("", "10000", 10000), ("127.0.0.1", "9902", 9902)}
+    # published on the host's loopback only
+    assert ports == {("127.0.0.1", "10000", 10000), ("127.0.0.1", "9902", 9902)}
 
 
 def test_envoy_config_matches_services(project, composecheck, tmp_path):

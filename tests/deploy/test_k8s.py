@@ -60,6 +60,7 @@ def test_files_and_kinds(docs):
     ]
     assert [(d["apiVersion"], d["kind"]) for d in docs["envoy-gateway.yaml"]] == [
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
+        ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"),
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"),
     ]
     assert [(d["apiVersion"], d["kind"]) for d in docs["statefulset.yaml"]] == [
@@ -77,7 +78,10 @@ def test_istio_wasmplugin(docs):
     spec = by_kind(docs, "istio-wasmplugin.yaml", "WasmPlugin")["spec"]
     assert spec["url"].startswith("oci://") and spec["url"].endswith(":0.1.0")
     assert re.fullmatch(r"[0-9a-f]{64}", spec["sha256"])
-    assert spec["failStrategy"] == "FAIL_CLOSE"
+    # FAIL_RELOAD: a trapped VM is replaced (FAIL_CLOSE left a crashed thread answering 503 for good)
+    assert spec["failStrategy"] == "FAIL_RELOAD"
+    # after Istio's authentication and authorization filters
+    assert spec["phase"] == "STATS"
     assert spec["pluginName"] == "prefix_router"
     assert spec["selector"]["matchLabels"] == {"istio": "ingressgateway"}
     workers = check_plugin_config(spec["pluginConfig"])
@@ -90,6 +94,11 @@ def test_istio_wasmplugin(docs):
     assert route["route"]["timeout"] == "0s"
     assert route["request_body_buffer_limit"] == 16 * 1024 * 1024
     assert patches["LISTENER"]["patch"]["value"]["per_connection_buffer_limit_bytes"] == 16 * 1024 * 1024
+    hcm = patches["NETWORK_FILTER"]["patch"]["value"]["typed_config"]
+    assert patches["NETWORK_FILTER"]["match"]["listener"]["filterChain"]["filter"]["name"] == \
+        "envoy.filters.network.http_connection_manager"
+    assert (hcm["normalize_path"], hcm["merge_slashes"], hcm["path_with_escaped_slashes_action"]) == \
+        (True, True, "UNESCAPE_AND_FORWARD")
     ext = patches["EXTENSION_CONFIG"]["patch"]["value"]
     # Istio names the WasmPlugin's extension config <namespace>.<name>
     assert ext["name"] == "istio-system.prefix-router"
@@ -108,7 +117,21 @@ def test_envoy_gateway(docs):
 
     patch = by_kind(docs, "envoy-gateway.yaml", "EnvoyPatchPolicy")["spec"]
     assert patch["type"] == "JSONPatch" and patch["targetRef"]["kind"] == "Gateway"
-    clusters = [p for p in patch["jsonPatches"] if p["type"].endswith("envoy.config.cluster.v3.Cluster")]
+    ctp = by_kind(docs, "envoy-gateway.yaml", "ClientTrafficPolicy")["spec"]
+    assert ctp["path"] == {"escapedSlashesAction": "UnescapeAndForward", "disableMergeSlashes": False}
+    assert ctp["targetRefs"][0]["kind"] == "Gateway"
+    every = [p for p in patch["jsonPatches"] if p["type"].endswith("envoy.config.cluster.v3.Cluster")]
+    # the load-poll clusters: the worker's own host only, nothing that could eject it
+    polls = [c for c in every if c["name"].endswith("_load")]
+    assert [c["name"] for c in polls] == [w + "_load" for w in workers]
+    assert wasm["config"]["load_poll"]["cluster_suffix"] == "_load"
+    for c in polls:
+        v = c["operation"]["value"]
+        assert "health_checks" not in v and "outlier_detection" not in v
+        (ep,) = v["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert ep["endpoint"]["address"]["socket_address"]["address"].startswith(
+            "sglang-llama-" + c["name"].split("_")[1] + ".")
+    clusters = [c for c in every if not c["name"].endswith("_load")]
     # every worker of the plugin config is a cluster added here, STRICT_DNS, health checked on /health
     assert [c["name"] for c in clusters] == workers
     for c in clusters:
@@ -129,7 +152,7 @@ def test_envoy_gateway(docs):
 def test_load_poll_in_gateway_examples(docs):
     for cfg in (by_kind(docs, "istio-wasmplugin.yaml", "WasmPlugin")["spec"]["pluginConfig"],
                 by_kind(docs, "envoy-gateway.yaml", "EnvoyExtensionPolicy")["spec"]["wasm"][0]["config"]):
-        assert cfg["load_poll"] == {"interval_ms": 100}
+        assert cfg["load_poll"]["interval_ms"] == 100
         assert "peers" not in cfg and "peer_listener" not in cfg
 
 
