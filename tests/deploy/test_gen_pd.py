@@ -6,6 +6,7 @@ configuration there); the structure is read from prkit.envoy_config's dicts."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -35,8 +36,14 @@ def test_pd_route_mirrors_to_the_prefill_header_and_clusters_have_the_right_fall
     cfg = ec.config(opts)
     (listener,) = [li for li in cfg["static_resources"]["listeners"] if li["name"] == "ingress"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    pd_route, plain = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert pd_route["match"]["headers"] == [{"name": ec.PREFILL_HEADER, "present_match": True}]
+    pd_route, plain, default = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    # both headers must name workers of the right role (a client's own header never reaches admin)
+    (prefill_h, cluster_h) = pd_route["match"]["headers"]
+    assert prefill_h["name"] == ec.PREFILL_HEADER and cluster_h["name"] == ec.CLUSTER_HEADER
+    prefill_rx = re.compile(prefill_h["string_match"]["safe_regex"]["regex"])
+    assert prefill_rx.search("m_prefill_0") and prefill_rx.search("m_prefill_1")
+    assert not any(prefill_rx.search(c) for c in ("admin", "m_decode_0", "m_prefill_0_load", ""))
+    assert default["direct_response"]["status"] == 503
     assert pd_route["route"]["request_mirror_policies"] == [
         {"cluster_header": ec.PREFILL_HEADER, "disable_shadow_host_suffix_append": True}]
     assert pd_route["route"]["timeout"] == "120s"

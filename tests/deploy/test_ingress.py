@@ -224,7 +224,12 @@ class Worker:
                 worker.requests.append((self.path, self.headers.get("x-envoy-attempt-count")))
                 self._reply(200, json.dumps({"worker": worker.name}).encode())
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        class Server(ThreadingHTTPServer):
+            # a loaded machine accepts slowly: a short backlog drops connects (Envoy retries them
+            # on another worker, and the test sees the wrong worker)
+            request_queue_size = 128
+
+        self.server = Server(("127.0.0.1", 0), H)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -273,9 +278,13 @@ def live(tmp_path):
         "--stats-listen", f"127.0.0.1:{stats}",
         "--wasm", str(wasm_path()),
         "--debug-header",
-        # one health check at start-up, the next far away: a worker that dies is still "healthy"
-        # to Envoy when the next request arrives, so only the retry can save that request
-        "--health-interval", "60s",
+        # health checks every 2 s with 2 failures to mark a host down: a worker killed right
+        # before a request still looks healthy to Envoy for that request (only the retry can save
+        # it), and a first check that timed out while the main thread compiled the Wasm module
+        # (seconds on a loaded machine) is repaired 2 s later
+        "--health-interval", "2s",
+        # no load polls: fewer connections to the workers; this test is about routing and retries
+        "--load-poll-ms", "0",
     )
     cfg = tmp_path / "ingress.yaml"
     cfg.write_text(text)
@@ -295,7 +304,7 @@ def live(tmp_path):
         # Every worker healthy in every worker cluster before the first request: a first health
         # check that times out (a loaded machine) leaves a host unhealthy until the next one, 60 s
         # later, and the cluster's traffic would go to its fallback.
-        deadline = time.time() + 150
+        deadline = time.time() + 60
         while True:
             flags = [line.rsplit("::", 1)[1] for line in get(admin, "/clusters")[1].decode().splitlines()
                      if re.match(r"llama_\d::", line) and "::health_flags::" in line]
