@@ -2,7 +2,7 @@
 Envoy round robin, prefix-router (2 threads) and smg cache_aware (installed into .venv-smg on
 first use, ~25 s); then `--replicas 2` on the agentic scenario for prefix-router and smg (two
 router processes each, k6 spraying requests over both). Seconds per router; the full comparison
-(all routers, full sizing) is not a CI step (README "Results" has its command)."""
+(all routers, full sizing) is not a CI step (docs/results.md has its command)."""
 
 from __future__ import annotations
 
