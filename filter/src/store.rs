@@ -1,6 +1,6 @@
 //! The one host facility the routing core needs: Envoy's shared-data key/value store.
 //!
-//! Semantics mirror Envoy's (see REFERENCE): a get returns the value and a CAS token; a set with
+//! Semantics mirror Envoy's shared data: a get returns the value and a CAS token; a set with
 //! `cas == 0` is unconditional; a set with a stale non-zero token fails with `CasMismatch`; a set
 //! on a missing key inserts; keys are never deleted. The core only talks to this trait, so it
 //! runs natively against [`MemStore`] in tests and benches and against Envoy in the `.wasm`.
