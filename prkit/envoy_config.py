@@ -140,6 +140,7 @@ class Options:
     rate_limit_per_client: int = 0  # requests/s per client address; 0 = no per-client buckets
     rate_limit_clients: int = 10000  # per-client buckets kept (least recently used evicted)
     health_interval: str = "5s"
+    health_timeout: str = "2s"
     stream_idle_timeout: str = "300s"
     per_try_idle_timeout: str = "180s"
     fallbacks: int = 3
@@ -233,7 +234,7 @@ def validate(o: Options) -> None:
     _check_hostport(o.admin, "--admin", allow_zero=True)
     if o.stats_listen is not None:
         _check_hostport(o.stats_listen, "--stats-listen", allow_zero=True)
-    for opt, v in (("--health-interval", o.health_interval), ("--stream-idle-timeout", o.stream_idle_timeout),
+    for opt, v in (("--health-interval", o.health_interval), ("--health-timeout", o.health_timeout), ("--stream-idle-timeout", o.stream_idle_timeout),
                    ("--per-try-idle-timeout", o.per_try_idle_timeout)):
         if not isinstance(v, str) or not DURATION_RE.match(v):
             raise ConfigError(opt, f"expected a duration in seconds like 5s or 0.5s, got {v!r}")
@@ -572,7 +573,7 @@ def worker_cluster(o: Options, w: Worker, group: list[HostPort], model: str) -> 
         }]},
         "#h": "Active health checks on SGLang's /health (200 when serving; 503 while starting or draining).",
         "health_checks": [{
-            "timeout": "2s", "interval": o.health_interval, "no_traffic_interval": o.health_interval,
+            "timeout": o.health_timeout, "interval": o.health_interval, "no_traffic_interval": o.health_interval,
             "interval_jitter": "0.5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
             "always_log_health_check_failures": True, "http_health_check": {"path": "/health"},
         }],
@@ -1205,6 +1206,9 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="local rate limit per client address, requests/s (0 = none, the default)")
     ap.add_argument("--rate-limit-clients", metavar="N", help="per-client buckets kept (10000)")
     ap.add_argument("--health-interval", metavar="DURATION", help="active health check interval (5s)")
+    ap.add_argument("--health-timeout", metavar="DURATION",
+                    help="active health check timeout (2s; a check still running when the main thread "
+                    "was busy, e.g. compiling the Wasm module, fails when it resumes)")
     ap.add_argument("--stream-idle-timeout", metavar="DURATION", help="(300s)")
     ap.add_argument("--per-try-idle-timeout", metavar="DURATION", help="(180s)")
     ap.add_argument("--fallbacks", metavar="N",
@@ -1271,7 +1275,7 @@ def options_from_args(argv: list[str]) -> Options:
         v = getattr(a, key)
         if v is not None:
             over[key] = None if allow_none and v == "none" else parse_hostport(v, opt, allow_zero=True)
-    for key in ("wasm", "debug_header", "access_log", "health_interval", "stream_idle_timeout", "per_try_idle_timeout"):
+    for key in ("wasm", "debug_header", "access_log", "health_interval", "health_timeout", "stream_idle_timeout", "per_try_idle_timeout"):
         if getattr(a, key) is not None:
             over[key] = getattr(a, key)
     for opt, key in (("--rate-limit", "rate_limit"), ("--rate-limit-per-client", "rate_limit_per_client"),
