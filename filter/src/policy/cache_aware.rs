@@ -24,7 +24,7 @@
 //!   prefix that every worker will end up caching once; ranking by it would stack every new
 //!   conversation on its first holders, whose caches then evict each other's histories while
 //!   the rest of the fleet idles. Such a request goes to the least busy eligible worker (decayed
-//!   in-flight average, `busy.rs`, per unit weight; load bound with slack 1), rendezvous among
+//!   in-flight average, `busy.rs`, plus the requests in flight now, per unit weight; load bound with slack 1), rendezvous among
 //!   those within `busy_tolerance` of the least busy so that threads and replicas reading the
 //!   same averages spread rather than herd. Prompts whose opening is held by fewer workers (a
 //!   document or a per-tenant prompt) keep the cost rule above, and a conversation's later
@@ -134,8 +134,13 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
 fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
     let model = inp.model;
     let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
-    let busy =
-        |i: usize| f64::from(inp.busy.get(i).copied().unwrap_or(0.0)) / model.workers[i].weight;
+    // The decayed average plus the requests in flight now: the average alone moves slowly
+    // (`busy_window_ms`), so a worker that just took new conversations would keep looking idle
+    // and take every conversation starting in the next seconds.
+    let busy = |i: usize| {
+        let now = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+        (f64::from(inp.busy.get(i).copied().unwrap_or(0.0)) + now) / model.workers[i].weight
+    };
     let eligible = |i: usize| {
         let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
         let share =
@@ -393,6 +398,12 @@ mod tests {
             ..PolicyConfig::default()
         };
         assert_eq!(choose(&tight, &inp).0, 2);
+        // What is in flight now counts too: worker 2 just took a request, worker 3 did not.
+        let now = [1u32, 1, 1, 0];
+        let mut fresh = inputs(&m, &now, &z, &matched, 1);
+        fresh.head_blocks = 10;
+        fresh.busy = &busy;
+        assert_eq!(choose(&tight, &fresh).0, 3);
         // Off: the holders' cached opening wins again.
         let off = PolicyConfig {
             fleet_prefix_share: 0.0,
