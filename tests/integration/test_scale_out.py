@@ -136,7 +136,7 @@ class Fleet:
             args = [sys.executable, str(GEN), "--model", f"{MODEL}={workers}",
                     "--listen", f"127.0.0.1:{listener}", "--admin", f"127.0.0.1:{admin}",
                     "--stats-listen", "none", "--rate-limit", "0", "--debug-header",
-                    "--wasm", str(wasm_path()), "--load-poll-ms", str(POLL_MS),
+                    "--wasm", str(wasm_path()), "--load-poll-ms", str(POLL_MS), "--health-timeout", "10s",
                     "--peers", peers, "--peer-listen", f"127.0.0.1:{peer_port}", "--peer-secret", self.secret]
             r = subprocess.run(args, capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
@@ -156,8 +156,9 @@ class Fleet:
             rep.envoy.start()
         for rep in self.replicas.values():
             wait_polling(rep)
-            # Start-up health checks passed (on a starved machine the first one can time out,
-            # and Envoy then sends a worker's traffic to its fallbacks until the next one).
+            # Start-up health checks passed. On a starved machine the first one can time out while
+            # the main thread compiles the Wasm module, and Envoy then sends part of a worker's
+            # traffic to its fallbacks: hence --health-timeout 10s above.
             for w in self.names:
                 wait_for(lambda rep=rep, w=w: primary_health(rep, w) == "healthy",
                          f"replica {rep.name}: {w} healthy in Envoy")
