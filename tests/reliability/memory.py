@@ -5,8 +5,8 @@ Envoy never deletes shared-data keys, so a filter that created one key per prefi
 without bound; prefix-router's index is a fixed slot table (`index.capacity` entries, capacity/4
 keys per model), so RSS must flatten once the table is full, whatever the number of prefixes.
 
-    .venv/bin/python tests/reliability/memory.py --prefixes 1000000            # the full run
-    .venv/bin/python tests/reliability/memory.py --prefixes 20000 --capacity 1024
+    .venv/bin/python -m tests.reliability.memory --prefixes 1000000    # the full run (repository root)
+    .venv/bin/python -m tests.reliability.memory --prefixes 20000 --capacity 1024
 
 Real Envoy (demo config, the plugin's index.capacity overridden) in front of 4 `sglang-sim`
 workers answering at once (--time-scale 0, 1 output token); every prompt is distinct from its
@@ -26,10 +26,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.reliability.common import EnvoyProc, SimFleet, free_port, new_base_id, wasm_path  # noqa: E402
-from tests.integration.harness import DEMO_CONFIG, render_config  # noqa: E402
+from prkit.build import wasm_path
+from prkit.envoy import Envoy
+from prkit.fleet import SimFleet
+from prkit.ports import free_port
+from prkit.render import DEMO_CONFIG, render_config
 
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor " * 13
 
@@ -50,9 +51,9 @@ def run(prefixes: int, capacity: int, threads: int = 4, samples: int = 20, log=p
     text, _ = render_config(DEMO_CONFIG.read_text(), listener_port=listen, admin_port=admin,
                             worker_ports=fleet.ports, wasm=wasm_path(),
                             plugin_overrides={"index": {"capacity": capacity}, "debug_header": None})
-    envoy = EnvoyProc(text, workdir, listen, admin, base_id=new_base_id())
+    envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=workdir, log_level="warn")
     try:
-        envoy.wait_ready()
+        envoy.start()
         counter = itertools.count()
         errors = [0]
         done = [0]

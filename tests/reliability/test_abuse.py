@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from .common import MODEL, chat_body, gen_stack, one_request, vm_failures  # noqa: I001 (sets sys.path)
-from tests.integration.harness import Stack  # noqa: E402
+from tests.integration.harness import Stack
+
+from .common import MODEL, chat_body, gen_stack, one_request, vm_failures
 
 LIMIT = 16 * 1024 * 1024
 
@@ -80,10 +81,10 @@ def check_413(head: bytes, body: bytes):
 
 
 def test_oversize_body_gets_json_413_generated_config(gen):
-    head, body = post_oversize(gen.envoy.listen, LIMIT + (1 << 20))
+    head, body = post_oversize(gen.envoy.listener_port, LIMIT + (1 << 20))
     check_413(head, body)
     # and a normal request right after is fine; nothing charged, no VM failure
-    r = one_request(gen.envoy.listen, chat_body(1, 1, False))
+    r = one_request(gen.envoy.listener_port, chat_body(1, 1, False))
     assert r.ok, r
     assert not vm_failures(gen.envoy)
 
@@ -107,7 +108,7 @@ def test_non_post_methods_on_inference_paths_pass_through_to_a_worker(gen, metho
     client's routing header ignored); the worker (SGLang, or the simulator) answers 405."""
     body = chat_body(2, 2, False) if method != "GET" else None
 
-    c = http.client.HTTPConnection("127.0.0.1", gen.envoy.listen, timeout=30)
+    c = http.client.HTTPConnection("127.0.0.1", gen.envoy.listener_port, timeout=30)
     try:
         c.request(method, path, body=json.dumps(body) if body else None,
                   headers={"content-type": "application/json", "x-prefix-router-cluster": "admin"})

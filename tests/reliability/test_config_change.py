@@ -17,15 +17,14 @@ from collections import Counter
 from pathlib import Path
 
 from .common import (
-    EnvoyProc,
     SimFleet,
     chat_body,
     free_port,
     gen_config,
-    new_base_id,
     one_request,
     rng,
     run_load,
+    start_envoy,
     vm_failures,
     wait_inflight_zero,
 )
@@ -36,12 +35,10 @@ def test_hot_restart_with_an_added_worker_keeps_serving(capsys):
     fleet = SimFleet(4, workdir, ["--time-scale", "0.1"])
     fleet.start()
     listen, admin0, admin1 = free_port(), free_port(), free_port()
-    base = new_base_id()
     three = {w: fleet.ports[w] for w in ("w0", "w1", "w2")}
     e0 = e1 = None
     try:
-        e0 = EnvoyProc(gen_config(three, listen, admin0, "--health-interval", "1s"), workdir, listen, admin0,
-                       base_id=base, epoch=0).wait_ready()
+        e0 = start_envoy(gen_config(three, listen, admin0, "--health-interval", "1s"), workdir, listen, admin0)
         r0 = rng("hot")
         results: list = []
         lock = threading.Lock()
@@ -55,8 +52,8 @@ def test_hot_restart_with_an_added_worker_keeps_serving(capsys):
                            results=results, lock=lock)
         time.sleep(3)
         t_restart = time.monotonic()
-        e1 = EnvoyProc(gen_config(fleet.ports, listen, admin1, "--health-interval", "1s"), workdir, listen, admin1,
-                       base_id=base, epoch=1).wait_ready()
+        # epoch 1 on the same base id (Envoy.hot_restart); e0 drains and exits by itself
+        e1 = e0.hot_restart(gen_config(fleet.ports, listen, admin1, "--health-interval", "1s"), admin_port=admin1)
         t_ready = time.monotonic()
         for t in threads:
             t.join(timeout=120)

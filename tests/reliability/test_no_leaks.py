@@ -64,7 +64,7 @@ def test_inflight_gauges_return_to_zero_after_aborts_resets_and_timeouts(capsys)
         chaos_t = threading.Thread(target=chaos, daemon=True)
         chaos_t.start()
         t0 = time.monotonic()
-        threads = run_load(s.envoy.listen, threads=8, stop_at=t0 + 600, max_requests=n, make=make,
+        threads = run_load(s.envoy.listener_port, threads=8, stop_at=t0 + 600, max_requests=n, make=make,
                            results=results, lock=lock)
         for t in threads:
             t.join(timeout=660)

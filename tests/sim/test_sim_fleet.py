@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 
 import httpx
 
-from .conftest import REPO_ROOT, free_port, sim_binary
+from prkit.build import sim_binary
+from prkit.paths import REPO_ROOT
+from prkit.ports import port_pair
 
 
 def test_fleet_start_stop(tmp_path):
-    base = free_port()
-    while True:  # two consecutive free ports
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", base + 1))
-            break
-        except OSError:
-            base = free_port()
+    base = port_pair()  # two consecutive free ports
     env = dict(os.environ, FLEET_STATE_DIR=str(tmp_path / "fleet"), SGLANG_SIM_BIN=str(sim_binary()))
     fleet = str(REPO_ROOT / "scripts" / "fleet")
     r = subprocess.run([fleet, "start", "2", str(base), "--time-scale", "0.01"], env=env,

@@ -1,0 +1,1 @@
+"""Load tools: k6 scenarios, the demo and the router comparison (run `load/compare`)."""

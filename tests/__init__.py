@@ -1,0 +1,1 @@
+"""The Python test suites (pytest); shared infrastructure lives in prkit/."""
