@@ -75,6 +75,23 @@ async fn get(addr: SocketAddr, path: &str) -> Reply {
     call(addr, "GET", path, None, "").await
 }
 
+/// Polls GET `path` until `done` holds for its JSON (a condition, never a fixed sleep: a loaded
+/// machine only makes it slower); panics naming `what` after a generous deadline.
+async fn wait_json(a: SocketAddr, path: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = get(a, path).await.json();
+        if done(&v) {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn fast() -> Config {
     Config {
         port: 0,
@@ -408,32 +425,34 @@ async fn errors_are_sglang_shaped() {
 async fn cached_prompt_has_lower_ttft_and_flush_restores_it() {
     let cfg = Config {
         time_scale: 1.0,
-        prefill_tokens_per_sec: 10_000.0,
+        prefill_tokens_per_sec: 2_000.0,
         ..fast()
     };
     let (a, _) = start(cfg).await;
-    // ~4000 tokens: uncached prefill ~400 ms, cached ~3 ms
+    // ~4000 tokens: uncached prefill ~2 s, cached ~3 ms. Lower bounds hold however loaded the
+    // machine; the cached one is relative, with a second of slack.
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(355);
     let body =
         json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2, "stream": true});
     let cold = post(a, "/v1/chat/completions", body.clone()).await;
     let warm = post(a, "/v1/chat/completions", body.clone()).await;
     assert!(
-        cold.ttfb > Duration::from_millis(150),
+        cold.ttfb > Duration::from_millis(1500),
         "cold {:?}",
         cold.ttfb
     );
     assert!(
-        warm.ttfb < Duration::from_millis(60),
-        "warm {:?}",
-        warm.ttfb
+        warm.ttfb < cold.ttfb / 2,
+        "warm {:?} cold {:?}",
+        warm.ttfb,
+        cold.ttfb
     );
     let r = call(a, "POST", "/flush_cache", None, "").await;
     assert_eq!(r.status, 200);
     assert_worker(&r);
     let again = post(a, "/v1/chat/completions", body).await;
     assert!(
-        again.ttfb > Duration::from_millis(150),
+        again.ttfb > Duration::from_millis(1500),
         "after flush {:?}",
         again.ttfb
     );
@@ -448,16 +467,15 @@ async fn flush_cache_refused_while_busy_and_load_reports_queue() {
     };
     let (a, _) = start(cfg).await;
     let mut hs = Vec::new();
+    // 250 tokens at 8 ms: ~2 s busy, long enough to be seen however slow the machine
     for i in 0..2 {
         hs.push(tokio::spawn(post(
             a,
             "/v1/completions",
-            json!({"prompt": format!("busy {i}"), "max_tokens": 60, "ignore_eos": true}),
+            json!({"prompt": format!("busy {i}"), "max_tokens": 250, "ignore_eos": true}),
         )));
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let v = get(a, "/get_load").await.json();
-    assert_eq!(v[0]["num_reqs"], 2, "{v}");
+    let v = wait_json(a, "/get_load", "2 requests in", |v| v[0]["num_reqs"] == 2).await;
     assert_eq!(v[0]["num_waiting_reqs"], 1, "{v}");
     let r = call(a, "POST", "/flush_cache", None, "").await;
     assert_eq!(r.status, 400);
@@ -482,12 +500,9 @@ async fn decode_time_grows_with_output_length() {
     )
     .await;
     assert_eq!(r.status, 200);
-    // prefill 3 ms + 25 decode steps of 8 ms = 203 ms
+    // prefill 3 ms + 25 decode steps of 8 ms = 203 ms (a lower bound: a loaded machine is slower)
     let e = t.elapsed();
-    assert!(
-        e >= Duration::from_millis(200) && e < Duration::from_millis(1000),
-        "{e:?}"
-    );
+    assert!(e >= Duration::from_millis(200), "{e:?}");
 }
 
 #[tokio::test]
@@ -550,12 +565,16 @@ async fn draining_answers_503_and_waits_for_running() {
         ..fast()
     };
     let (a, app) = start(cfg).await;
+    // 250 tokens at 8 ms: ~2 s running while the test drains
     let running = tokio::spawn(post(
         a,
         "/v1/completions",
-        json!({"prompt": "x", "max_tokens": 20, "ignore_eos": true}),
+        json!({"prompt": "x", "max_tokens": 250, "ignore_eos": true}),
     ));
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    wait_json(a, "/get_load", "the request running", |v| {
+        v[0]["num_reqs"] == 1
+    })
+    .await;
     app.draining.store(true, Ordering::SeqCst);
     assert_eq!(get(a, "/health").await.status, 503);
     assert_error(
@@ -569,7 +588,7 @@ async fn draining_answers_503_and_waits_for_running() {
     );
     assert!(!server::wait_drained(&app, Duration::from_millis(10)).await);
     assert_eq!(running.await.unwrap().status, 200);
-    assert!(server::wait_drained(&app, Duration::from_secs(2)).await);
+    assert!(server::wait_drained(&app, Duration::from_secs(30)).await);
 }
 
 #[tokio::test]
@@ -667,13 +686,16 @@ async fn v1_loads_reports_sglang_shape_and_queue() {
     )
     .await;
     assert_eq!(r.status, 200);
-    // B runs (slow), then C (uncached) and A (cached) wait behind it
+    // B runs (slow: 400 tokens at 8 ms, ~3 s), then C (uncached) and A (cached) wait behind it
     let b = tokio::spawn(post(
         a,
         "/v1/completions",
-        json!({"prompt": "b".repeat(400), "max_tokens": 60, "ignore_eos": true}),
+        json!({"prompt": "b".repeat(400), "max_tokens": 400, "ignore_eos": true}),
     ));
-    tokio::time::sleep(Duration::from_millis(40)).await;
+    wait_json(a, "/v1/loads", "B running", |v| {
+        v["loads"][0]["num_running_reqs"] == 1
+    })
+    .await;
     let mut hs = vec![b];
     for p in ["c".repeat(400), a_prompt.clone()] {
         hs.push(tokio::spawn(post(
@@ -682,7 +704,10 @@ async fn v1_loads_reports_sglang_shape_and_queue() {
             json!({"prompt": p, "max_tokens": 2, "ignore_eos": true}),
         )));
     }
-    tokio::time::sleep(Duration::from_millis(80)).await;
+    wait_json(a, "/v1/loads", "C and A waiting", |v| {
+        v["loads"][0]["num_waiting_reqs"] == 2
+    })
+    .await;
     let l = load_rank(a).await;
     assert_eq!(l["num_running_reqs"], 1, "{l}");
     assert_eq!(l["num_waiting_reqs"], 2, "{l}");

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
+from prkit.prom import inflight_requests
+from prkit.wait import poll
+
 from . import workload as wl
-from .harness import delta, inflight_gauges, reason_counters, wait_inflight_zero
+from .harness import Client, delta, inflight_gauges, reason_counters, wait_inflight_zero
 
 MODEL = "llama"
 REASONS = {"prefix_hit", "hash_affinity", "load_spill", "fallback", "passthrough", "parse_error", "rejected",
@@ -65,15 +70,12 @@ def test_inflight_gauges_exist_per_worker_and_return_to_zero(env, client):
 
 
 def test_inflight_gauges_track_requests_in_progress(env):
-    """While slow requests are being served, the gauges show them; afterwards they drain to 0."""
-    import threading
-
-    from .harness import Client
-
+    """While requests are held upstream, the gauges show them; once released they drain to 0.
+    (The workers hold the requests until the gauges were seen: no race with a fixed delay.)"""
     r = wl.rng("gauges-live")
-    env.pool.set_delay(1.0)
     prompts = [wl.text(r, 1000) for _ in range(4)]
     done = []
+    env.pool.hold()
 
     def send(p):
         c = Client(env.envoy.listener_port)
@@ -85,20 +87,13 @@ def test_inflight_gauges_track_requests_in_progress(env):
     threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
-    import time
-
-    peak = 0.0
-    deadline = time.monotonic() + 0.9
-    while time.monotonic() < deadline:
-        g = inflight_gauges(env.envoy.stats())
-        peak = max(peak, sum(v for k, v in g.items() if k.startswith("prefix_router_inflight_requests_")))
-        if peak >= 4:
-            break
-        time.sleep(0.05)
-    for t in threads:
-        t.join(timeout=30)
-    env.pool.set_delay(0.0)
+    try:
+        seen = poll(lambda: inflight_requests(env.envoy.stats_now()), lambda n: n >= 4, timeout_s=30)
+    finally:
+        env.pool.release()
+        for t in threads:
+            t.join(timeout=60)
     assert done == [200] * 4
-    assert peak == 4, f"in-flight request gauges peaked at {peak} with 4 requests held upstream"
+    assert seen == 4, f"in-flight request gauges read {seen} with 4 requests held upstream"
     gauges = wait_inflight_zero(env)
     assert all(v == 0 for v in gauges.values()), gauges

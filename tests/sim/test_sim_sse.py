@@ -11,6 +11,8 @@ import time
 import httpx
 from httpx_sse import connect_sse
 
+from prkit.wait import wait_until
+
 from .conftest import MODEL
 
 
@@ -73,21 +75,23 @@ def test_completion_and_generate_streams(sim):
 
 
 def test_stream_headers_arrive_with_first_token(sim_factory):
-    # uncached prefill of ~4000 tokens at 10k tokens/s = ~400 ms before the first byte
-    s = sim_factory("--prefill-tokens-per-sec", "10000")
+    # uncached prefill of ~4000 tokens at 2k tokens/s = ~2 s before the first byte; the same
+    # prompt again is cached (prefill of the last token only). The bounds are relative and wide:
+    # a loaded machine only makes the cold wait longer, and the cached one has a second of slack.
+    s = sim_factory("--prefill-tokens-per-sec", "2000")
     body = {"messages": [{"role": "user", "content": "lorem ipsum " * 1334}], "max_tokens": 2, "stream": True}
-    with httpx.Client(timeout=10) as c:
+    with httpx.Client(timeout=30) as c:
         t0 = time.monotonic()
         with c.stream("POST", s.base + "/v1/chat/completions", json=body) as r:
             head = time.monotonic() - t0
             r.read()
         assert r.status_code == 200
-        assert head > 0.3, head
+        assert head > 1.5, head  # the headers waited for the prefill
         t0 = time.monotonic()
         with c.stream("POST", s.base + "/v1/chat/completions", json=body) as r:
             head2 = time.monotonic() - t0
             r.read()
-        assert head2 < 0.15, head2
+        assert head2 < head / 2, (head2, head)
 
 
 def test_sigterm_drains_and_exits_zero(sim_factory):
@@ -95,18 +99,19 @@ def test_sigterm_drains_and_exits_zero(sim_factory):
     result = {}
 
     def long_request():
+        # 300 output tokens at 8 ms: ~2.4 s, running while the test signals and probes
         r = httpx.post(s.base + "/v1/completions",
-                       json={"prompt": "x", "max_tokens": 60, "ignore_eos": True}, timeout=20)
+                       json={"prompt": "x", "max_tokens": 300, "ignore_eos": True}, timeout=60)
         result["status"] = r.status_code
 
     t = threading.Thread(target=long_request)
     t.start()
-    time.sleep(0.15)
+    wait_until(lambda: httpx.get(s.base + "/get_load", timeout=5).json()[0]["num_reqs"] == 1,
+               "the long request running", timeout_s=30)
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.05)
-    assert httpx.get(s.base + "/health", timeout=2).status_code == 503
+    wait_until(lambda: httpx.get(s.base + "/health", timeout=2).status_code == 503, "/health 503 while draining")
     r = httpx.post(s.base + "/v1/completions", json={"prompt": "y"}, timeout=2)
     assert r.status_code == 503 and r.json()["code"] == 503
-    t.join(timeout=20)
+    t.join(timeout=60)
     assert result.get("status") == 200
-    assert s.proc.wait(timeout=10) == 0
+    assert s.proc.wait(timeout=30) == 0
