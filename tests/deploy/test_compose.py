@@ -36,7 +36,7 @@ def test_all_profiles_load_and_every_referenced_file_exists(project):
     services = project["services"]
     assert set(services) == {
         "filter", "envoy", "k6", "w0", "w1", "w2", "w3",
-        "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3",
+        "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3", "prometheus", "grafana",
     }
     # the checker really resolved the build files (absolute paths inside this repo)
     assert services["w0"]["build"]["dockerfile"] == "docker/sim.Dockerfile"
@@ -51,6 +51,7 @@ def test_all_profiles_load_and_every_referenced_file_exists(project):
         ("sim,load", {"filter", "envoy", "w0", "w1", "w2", "w3", "k6"}),
         ("gpu", {"filter", "envoy", "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3"}),
         ("gpu,load", {"filter", "envoy", "sglang-w0", "sglang-w1", "sglang-w2", "sglang-w3", "k6"}),
+        ("sim,monitoring", {"filter", "envoy", "w0", "w1", "w2", "w3", "prometheus", "grafana"}),
     ],
 )
 def test_profiles_select_one_worker_set(composecheck, profiles, expected):
@@ -179,6 +180,26 @@ def test_k6_load(project):
     assert mount["source"] == str(REPO / "load") and mount["target"] == "/scripts"
     assert k6["command"] == ["run", "/scripts/shared_prefix.js"]
     assert (REPO / "load" / "shared_prefix.js").is_file()
+
+
+def test_monitoring_profile(project):
+    """Prometheus + Grafana (tests/deploy/test_dashboard.py checks the dashboard's queries)."""
+    prom, graf = project["services"]["prometheus"], project["services"]["grafana"]
+    assert prom["profiles"] == ["monitoring"] and graf["profiles"] == ["monitoring"]
+    assert re.fullmatch(r"prom/prometheus:v3\.\d+\.\d+", prom["image"])
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", graf["image"])
+    assert {v["target"]: v["source"] for v in prom["volumes"]} == {
+        "/etc/prometheus/prometheus.yml": str(REPO / "docker" / "prometheus" / "prometheus.yml")}
+    mounts = {v["target"]: v["source"] for v in graf["volumes"]}
+    assert mounts["/var/lib/grafana/dashboards"] == str(REPO / "docker" / "grafana" / "dashboards")
+    for kind in ("datasources", "dashboards"):
+        assert mounts[f"/etc/grafana/provisioning/{kind}"] == str(REPO / "docker" / "grafana" / "provisioning" / kind)
+    home = graf["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith("/var/lib/grafana/dashboards/")
+    assert (REPO / "docker" / "grafana" / "dashboards" / home.rsplit("/", 1)[1]).is_file()
+    # loopback only: the dashboards and Prometheus are not published to the network
+    for s in (prom, graf):
+        assert all(p.get("host_ip") == "127.0.0.1" for p in s["ports"]), s["ports"]
 
 
 def test_filter_dockerfile_stages():
