@@ -25,6 +25,7 @@ from prkit.fleet import SimFleet
 from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
 from prkit.prom import inflight_gauges as inflight  # noqa: F401 (re-exported for the tests)
+from prkit.wait import wait_until
 
 GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "llama"
@@ -169,12 +170,25 @@ def gen_stack(workdir: Path, n: int, sim_args: list[str], per_worker: dict | Non
     fleet = SimFleet(n, workdir, sim_args, models=MODEL, per_worker=per_worker)
     fleet.start()
     listen, admin = free_port(), free_port()
+    clusters = {w: f"{MODEL}_{i}" for i, w in enumerate(fleet.names)}
     try:
         envoy = start_envoy(gen_config(fleet.ports, listen, admin, *gen_extra), workdir, listen, admin)
+        wait_primaries_healthy(envoy, fleet, clusters)
     except Exception:
         fleet.stop()
         raise
-    return Stack(fleet, envoy, workdir, {w: f"{MODEL}_{i}" for i, w in enumerate(fleet.names)})
+    return Stack(fleet, envoy, workdir, clusters)
+
+
+def wait_primaries_healthy(envoy: Envoy, fleet: SimFleet, clusters: dict, timeout_s: float = 120.0) -> None:
+    """Every worker healthy in its own cluster before the first request: a first health check that
+    times out on a loaded machine leaves the host unhealthy until a later one passes, and its
+    cluster's traffic would go to the fallbacks meanwhile."""
+    def health():
+        return {w: envoy.host_health(c, f"127.0.0.1:{fleet.ports[w]}") for w, c in clusters.items()}
+
+    wait_until(lambda: all(h == "healthy" for h in health().values()), lambda: f"workers healthy in Envoy: {health()}",
+               timeout_s, 0.1)
 
 
 def rng(seed: str) -> random.Random:

@@ -159,15 +159,19 @@ def test_slow_worker_gets_less_traffic(workdir, capsys):
             t.join(timeout=120)
         assert all(r.ok for r in results), _summary(results)
         served = Counter(r.served_by for r in results)
+        decided = Counter(r.cluster for r in results)
         reasons = Counter(r.reason for r in results)
-        # Every worker is up and healthy: each request is served by the worker it was routed to
-        # (a fallback serving it would hide the routing decision this test is about).
+        # The filter's decisions are what this test is about: count where it routed. (Envoy may
+        # serve a few of them on a cluster's fallbacks when a health check times out on a loaded
+        # machine; a moved request of the slow worker's cluster only makes it look less loaded,
+        # so that cannot make this pass.)
         moved = Counter((r.cluster, r.served_by) for r in results if s.clusters[r.served_by] != r.cluster)
-        assert not moved, moved
-        others = [served[w] for w in ("w0", "w1", "w3")]
+        slow = s.clusters["w2"]
+        others = [decided[s.clusters[w]] for w in ("w0", "w1", "w3")]
         with capsys.disabled():
-            print(f"\n[slow worker] {len(results)} distinct prompts, served {dict(served)}, reasons {dict(reasons)}")
-        assert served["w2"] < 0.5 * min(others), served
+            print(f"\n[slow worker] {len(results)} distinct prompts, decided {dict(decided)}, served {dict(served)}, "
+                  f"reasons {dict(reasons)}, served by a fallback {sum(moved.values())}")
+        assert decided[slow] < 0.5 * min(others), decided
         assert reasons["load_spill"] > 0, reasons
         assert all(v == 0 for v in wait_inflight_zero(s.envoy).values())
     finally:
