@@ -11,15 +11,16 @@ Routers (--replicas N: N separate router processes, each a full router of the wh
 sends every request to a random replica, or with --pin every request of a conversation / prompt
 group to the replica its id hashes to):
   round_robin, least_request   Envoy-native load balancing: one cluster with every worker as an
-                               endpoint, a plain `cluster:` route, no Wasm (load/envoy-lb.yaml);
+                               endpoint, a plain `cluster:` route, no Wasm (envoy_lb_config);
                                always ONE Envoy (2 threads), whatever --replicas says
   smg_cache_aware, smg_power_of_two
                                `smg launch --policy ...` (smg==1.13.0 in .venv-smg), defaults;
                                N smg processes, each with the full worker list
   prefix_router_1t, prefix_router_2t
                                N Envoy processes (1 or 2 worker threads each) + the prefix-router
-                               filter, configs from envoy/gen (loopback listeners, no rate limit, no
-                               stats listener; --policy merged into the plugin JSON). When envoy/gen
+                               filter, configs from prkit.envoy_config (envoy/gen's; loopback
+                               listeners, no rate limit, no stats listener; --policy merged into
+                               the plugin's policy). When envoy/gen
                                has --peers, N > 1 replicas are one fleet: each gets --peers = every
                                replica's peer listener, its own --peer-listen and a shared
                                --peer-secret (and gen's default --load-poll-ms)
@@ -43,7 +44,6 @@ import re
 import secrets
 import shutil
 import signal
-import string
 import subprocess
 import sys
 import tempfile
@@ -52,12 +52,12 @@ import urllib.request
 from pathlib import Path
 
 from load.runner import log, run_k6
+from prkit import envoy_config as ec
 from prkit.build import ensure_smg, wasm_path
 from prkit.envoy import METRICS_FLUSH_S, Envoy
 from prkit.fleet import SimFleet
 from prkit.paths import REPO_ROOT as REPO
 from prkit.ports import free_port
-from prkit.render import merge_plugin_configs
 
 LOAD = REPO / "load"
 GEN = Path(os.environ.get("ENVOY_GEN", REPO / "envoy" / "gen"))
@@ -156,27 +156,6 @@ SINGLE = ("round_robin", "least_request")
 # --------------------------------------------------------------------------------------------
 
 
-def _cluster_yaml(name: str, ports: list[int], lb_policy: str | None = None) -> str:
-    lines = [
-        f"    - name: {name}",
-        "      type: STATIC",
-        "      connect_timeout: 1s",
-        "      per_connection_buffer_limit_bytes: 16777216",
-    ]
-    if lb_policy:
-        lines.append(f"      lb_policy: {lb_policy}")
-    # Default circuit breakers (1024 requests per cluster) are far above the scenarios' concurrency.
-    lines += [
-        "      load_assignment:",
-        f"        cluster_name: {name}",
-        "        endpoints:",
-        "          - lb_endpoints:",
-    ]
-    for p in ports:
-        lines.append(f"              - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}")
-    return "\n".join(lines)
-
-
 def _by_model(fleet: SimFleet) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in fleet.names:
@@ -185,48 +164,54 @@ def _by_model(fleet: SimFleet) -> dict[str, list[str]]:
 
 
 def envoy_lb_config(fleet: SimFleet, lb_policy: str, listener: int, admin: int) -> str:
+    """Envoy-native load balancing baseline (no Wasm filter): every worker of a model is an endpoint
+    of one cluster (`pool`, or `pool_<model>` with several models, routed by the `x-model` header
+    the k6 scenarios send: Envoy cannot read the body); timeouts, buffer limits and access log as
+    the filter's configs, so only the routing differs (prkit.envoy_config.plain_proxy)."""
     groups = _by_model(fleet)
-    models = list(groups)
-    pool = (lambda m: "pool") if len(models) == 1 else (lambda m: f"pool_{m}")
-    ind = " " * 24
-    routes = []
-    if len(models) > 1:
-        for m in models:
-            routes.append(
-                f'{ind}- match: {{ prefix: "/", headers: [{{ name: x-model, string_match: {{ exact: "{m}" }} }}] }}\n'
-                f"{ind}  route: {{ cluster: {pool(m)}, timeout: 0s, idle_timeout: 300s }}\n"
-                f"{ind}  request_body_buffer_limit: 16777216"
-            )
-    routes.append(
-        f'{ind}- match: {{ prefix: "/" }}\n'
-        f"{ind}  route: {{ cluster: {pool(models[0])}, timeout: 0s, idle_timeout: 300s }}\n"
-        f"{ind}  request_body_buffer_limit: 16777216"
-    )
-    clusters = [_cluster_yaml(pool(m), [fleet.ports[n] for n in groups[m]], lb_policy) for m in models]
-    return string.Template((LOAD / "envoy-lb.yaml").read_text()).substitute(
-        listener_port=listener, admin_port=admin, routes="\n".join(routes), clusters="\n".join(clusters)
-    )
+    pool = (lambda m: "pool") if len(groups) == 1 else (lambda m: f"pool_{m}")
+    pools = {pool(m): [("127.0.0.1", fleet.ports[n]) for n in names] for m, names in groups.items()}
+    routes = {m: pool(m) for m in groups} if len(groups) > 1 else {}
+    return ec.dump(ec.plain_proxy(("127.0.0.1", listener), ("127.0.0.1", admin), pools, lb_policy=lb_policy,
+                                  header_routes=routes))
+
+
+SCALE_OUT_FLAGS = ("--peers", "--peer-listen", "--peer-secret", "--load-poll-ms")
 
 
 def gen_flags() -> set[str]:
-    """The scale-out flags this checkout's envoy/gen knows (its --help)."""
+    """The scale-out flags the config generator knows: all of them, or those ENVOY_GEN's --help
+    lists (an older generator for an older filter build)."""
+    if not os.environ.get("ENVOY_GEN"):
+        return set(SCALE_OUT_FLAGS)
     out = subprocess.run([sys.executable, str(GEN), "--help"], capture_output=True, text=True, timeout=30).stdout
-    return {f for f in ("--peers", "--peer-listen", "--peer-secret", "--load-poll-ms") if f in out}
+    return {f for f in SCALE_OUT_FLAGS if f in out}
 
 
 def prefix_router_config(fleet: SimFleet, policy: dict, listener: int, admin: int, extra: list[str]) -> str:
-    """envoy/gen output for the fleet (one cluster per worker, its models), loopback listeners."""
+    """envoy/gen's config for the fleet (one cluster per worker, its models), loopback listeners,
+    no rate limit, no stats listener, `policy` merged into the plugin's policy. In process
+    (prkit.envoy_config); with ENVOY_GEN, that generator's output (no policy overrides)."""
     groups = _by_model(fleet)
-    args = [sys.executable, str(GEN)]
+    args = []
     for model, names in groups.items():
         args += ["--model", model + "=" + ",".join(f"127.0.0.1:{fleet.ports[n]}" for n in names)]
     args += ["--default-model", next(iter(groups)), "--listen", f"127.0.0.1:{listener}",
              "--admin", f"127.0.0.1:{admin}", "--stats-listen", "none", "--rate-limit", "0",
              "--wasm", str(wasm_path()), *extra]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        raise RuntimeError(f"envoy/gen failed ({r.returncode}): {r.stderr.strip()}\n  {' '.join(args)}")
-    return merge_plugin_configs(r.stdout, {"policy": policy}) if policy else r.stdout
+    if os.environ.get("ENVOY_GEN"):
+        if policy:
+            raise SystemExit("compare: --policy needs the current generator (unset ENVOY_GEN)")
+        r = subprocess.run([sys.executable, str(GEN), *args], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"{GEN} failed ({r.returncode}): {r.stderr.strip()}\n  {' '.join(args)}")
+        return r.stdout
+    try:
+        opts = ec.options_from_args(args)
+    except ec.ConfigError as e:
+        raise RuntimeError(f"envoy config: {e}\n  envoy/gen {' '.join(args)}") from None
+    opts.plugin = ec.merge(opts.plugin, {"policy": policy})
+    return ec.render(opts)
 
 
 class Smg:

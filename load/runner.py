@@ -14,12 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from prkit import envoy_config as ec
 from prkit.build import k6_binary, wasm_path
 from prkit.envoy import Envoy
 from prkit.fleet import SimFleet
 from prkit.paths import REPO_ROOT as REPO
 from prkit.ports import free_port
-from prkit.render import DEMO_CONFIG, render_config
 
 
 def log(msg: str) -> None:
@@ -28,15 +28,8 @@ def log(msg: str) -> None:
 
 def start_envoy(fleet: SimFleet, plugin_overrides: dict, workdir: Path) -> Envoy:
     listener, admin = free_port(), free_port()
-    text, _ = render_config(
-        DEMO_CONFIG.read_text(),
-        listener_port=listener,
-        admin_port=admin,
-        worker_ports=fleet.ports,
-        wasm=wasm_path(),
-        plugin_overrides=plugin_overrides,
-    )
-    return Envoy(text, listener_port=listener, admin_port=admin, workdir=workdir).start()
+    opts = ec.local_demo(fleet.ports, listen=listener, admin=admin, wasm=str(wasm_path()), plugin=plugin_overrides)
+    return Envoy(ec.render(opts), listener_port=listener, admin_port=admin, workdir=workdir).start()
 
 
 def run_k6(script: Path, env: dict, summary: Path, workdir: Path, extra_args: list[str] | None = None) -> dict:

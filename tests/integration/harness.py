@@ -1,7 +1,7 @@
 """Real-Envoy test harness: fake LLM workers, the stack (workers + Envoy), small clients.
 
 Nothing here is mocked on the Envoy side: the tests run the `envoy` binary from the virtualenv with
-the compiled filter and a config rendered from envoy/envoy.yaml (the demo config itself). The
+the compiled filter and the demo config (envoy/envoy.yaml) from prkit.envoy_config on test ports. The
 Envoy process, binaries, ports and metric parsing come from prkit.
 """
 
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from prkit import envoy_config as ec
 from prkit.build import wasm_path
 from prkit.envoy import Envoy
 from prkit.envoy import wait_inflight_zero as _envoy_wait_inflight_zero
 from prkit.ports import free_port
 from prkit.prom import delta, inflight_gauges, reason_counters  # noqa: F401 (the tests' metric helpers)
-from prkit.render import DEMO_CONFIG, plugin_config, render_config, worker_names
 
 CLUSTER_HEADER = "x-prefix-router-cluster"
 DEBUG_HEADER = "x-prefix-router-decision"
@@ -324,23 +324,20 @@ class WorkerPool:
 
 
 class Stack:
-    """Workers + Envoy rendered from a config file; the unit the fixtures hand to tests."""
+    """Fake workers + Envoy on the demo config (prkit.envoy_config profile demo: its models, worker
+    names and plugin configuration) with the workers' real ports and `plugin_overrides` merged into
+    the plugin configuration; the unit the fixtures hand to tests."""
 
-    def __init__(self, *, config_file: Path = DEMO_CONFIG, plugin_overrides: dict | None = None):
-        template = config_file.read_text()
-        self.names = worker_names(plugin_config(template))
+    def __init__(self, *, plugin_overrides: dict | None = None):
+        demo = ec.profile("demo")
+        self.names = [w.cluster for ws in demo.models.values() for w in ws]
         self.pool = WorkerPool(self.names)
         self.tmp = Path(tempfile.mkdtemp(prefix="prefix-router-it-"))
         listener_port, admin_port = free_port(), free_port()
-        text, self.plugin = render_config(
-            template,
-            listener_port=listener_port,
-            admin_port=admin_port,
-            worker_ports=self.pool.ports,
-            wasm=wasm_path(),
-            plugin_overrides=plugin_overrides,
-        )
-        self.envoy = Envoy(text, listener_port=listener_port, admin_port=admin_port, workdir=self.tmp)
+        opts = ec.local_demo(self.pool.ports, listen=listener_port, admin=admin_port, wasm=str(wasm_path()),
+                             plugin=plugin_overrides)
+        self.plugin = ec.plugin_config(opts)
+        self.envoy = Envoy(ec.render(opts), listener_port=listener_port, admin_port=admin_port, workdir=self.tmp)
 
     def start(self):
         try:

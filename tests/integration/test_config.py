@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -9,7 +10,9 @@ import pytest
 
 from prkit.build import envoy_binary, wasm_path
 from prkit.paths import REPO_ROOT
-from prkit.render import DEMO_CONFIG, plugin_config, render_config
+
+DEMO_CONFIG = REPO_ROOT / "envoy" / "envoy.yaml"
+from prkit import envoy_config as ec
 
 CONFIGS = sorted((REPO_ROOT / "envoy").glob("*.yaml")) + sorted((REPO_ROOT / "envoy").glob("*.yml"))
 
@@ -57,16 +60,19 @@ def test_envoy_validate(path, tmp_path):
 
 
 def test_rendered_demo_config_validates(tmp_path):
-    text, cfg = render_config(
-        DEMO_CONFIG.read_text(),
-        listener_port=18000,
-        admin_port=18001,
-        worker_ports={"w0": 18010, "w1": 18011, "w2": 18012, "w3": 18013},
-        wasm=wasm_path(),
-        plugin_overrides={"policy": {"load_eps": 0.5}},
-    )
+    """The demo config as the tests run it (prkit.envoy_config.local_demo): local ports, the local
+    build, plugin overrides merged."""
+    ports = {"w0": 18010, "w1": 18011, "w2": 18012, "w3": 18013}
+    opts = ec.local_demo(ports, listen=18000, admin=18001, wasm=str(wasm_path()),
+                         plugin={"policy": {"load_eps": 0.5}})
+    cfg = ec.plugin_config(opts)
     assert cfg["policy"] == {"name": "cache_aware", "load_eps": 0.5}
-    assert plugin_config(text) == cfg
+    doc = ec.config(opts)
+    (listener,) = doc["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
+    assert json.loads(wasm["typed_config"]["config"]["configuration"]["value"]) == cfg
+    text = ec.render(opts)
     for port in (18000, 18001, 18010, 18011, 18012, 18013):
         assert f"port_value: {port}" in text
     (tmp_path / "e.yaml").write_text(text)
@@ -80,7 +86,7 @@ def test_rendered_demo_config_validates(tmp_path):
 
 
 def test_demo_plugin_config_matches_the_contract():
-    cfg = plugin_config(DEMO_CONFIG.read_text())
+    cfg = ec.plugin_config(ec.profile("demo"))
     assert cfg["models"] == {"llama": {"workers": ["w0", "w1", "w2", "w3"]}}
     assert cfg.get("cluster_header", "x-prefix-router-cluster") == "x-prefix-router-cluster"
     text = DEMO_CONFIG.read_text()

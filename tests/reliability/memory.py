@@ -26,11 +26,11 @@ import threading
 import time
 from pathlib import Path
 
+from prkit import envoy_config as ec
 from prkit.build import wasm_path
 from prkit.envoy import Envoy
 from prkit.fleet import SimFleet
 from prkit.ports import free_port
-from prkit.render import DEMO_CONFIG, render_config
 
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor " * 13
 
@@ -48,9 +48,8 @@ def run(prefixes: int, capacity: int, threads: int = 4, samples: int = 20, log=p
     # the demo config's plugin names w0..w3 in model "llama"; the sims must serve that name
     fleet.start()
     listen, admin = free_port(), free_port()
-    text, _ = render_config(DEMO_CONFIG.read_text(), listener_port=listen, admin_port=admin,
-                            worker_ports=fleet.ports, wasm=wasm_path(),
-                            plugin_overrides={"index": {"capacity": capacity}, "debug_header": None})
+    text = ec.render(ec.local_demo(fleet.ports, listen=listen, admin=admin, wasm=str(wasm_path()),
+                                   plugin={"index": {"capacity": capacity}, "debug_header": None}))
     envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=workdir, log_level="warn")
     try:
         envoy.start()
