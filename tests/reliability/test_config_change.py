@@ -16,6 +16,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from prkit.wait import wait_until
+
 from .common import (
     SimFleet,
     chat_body,
@@ -37,6 +39,7 @@ def test_hot_restart_with_an_added_worker_keeps_serving(capsys):
     listen, admin0, admin1 = free_port(), free_port(), free_port()
     three = {w: fleet.ports[w] for w in ("w0", "w1", "w2")}
     e0 = e1 = None
+    stop = threading.Event()  # ends the clients (also when the test fails)
     try:
         e0 = start_envoy(gen_config(three, listen, admin0, "--health-interval", "1s"), workdir, listen, admin0)
         r0 = rng("hot")
@@ -47,16 +50,27 @@ def test_hot_restart_with_an_added_worker_keeps_serving(capsys):
             g = r0.randrange(48)
             return chat_body(g, k, stream=k % 3 == 0, max_tokens=8), g, {}
 
-        t_start = time.monotonic()
-        threads = run_load(listen, threads=4, stop_at=t_start + 12, max_requests=5000, make=make,
-                           results=results, lock=lock)
-        time.sleep(3)
+        threads = run_load(listen, threads=4, stop_at=time.monotonic() + 600, max_requests=1_000_000, make=make,
+                           results=results, lock=lock, stop=stop)
+
+        def done(pred) -> int:
+            with lock:
+                return sum(1 for r in results if pred(r))
+
+        # Phases end on conditions (a loaded machine only makes them slower): traffic flowing,
+        # then the new epoch ready, then enough requests answered after it.
+        wait_until(lambda: done(lambda r: r.ok) >= 50, "50 requests served by epoch 0", 120)
         t_restart = time.monotonic()
         # epoch 1 on the same base id (Envoy.hot_restart); e0 drains and exits by itself
         e1 = e0.hot_restart(gen_config(fleet.ports, listen, admin1, "--health-interval", "1s"), admin_port=admin1)
         t_ready = time.monotonic()
-        for t in threads:
-            t.join(timeout=120)
+        try:
+            wait_until(lambda: done(lambda r: r.start > t_ready + 1.0) >= 100,
+                       "100 requests answered after the new epoch was ready", 120)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
         # the old epoch drains and exits (parent-shutdown-time 4 s)
         e0.proc.wait(timeout=30)
 
@@ -76,6 +90,7 @@ def test_hot_restart_with_an_added_worker_keeps_serving(capsys):
         assert len(wait_inflight_zero(e1)) == 8
         assert not vm_failures(e1)
     finally:
+        stop.set()
         for e in (e1, e0):
             if e is not None:
                 e.stop()
