@@ -25,11 +25,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from runner import REPO, SIM_BIN, log, run_k6  # noqa: E402
-
-from tests.integration.harness import Envoy, free_port, wasm_path  # noqa: E402
+from load.runner import REPO, log, run_k6
+from prkit.build import sim_binary, wasm_path
+from prkit.envoy import Envoy
+from prkit.ports import free_port
 
 LOAD = REPO / "load"
 GEN = REPO / "envoy" / "gen"
@@ -51,7 +50,7 @@ class PdFleet:
     def _spawn(self, name: str, port: int, extra: list) -> None:
         out = open(self.workdir / f"{name}.log", "wb")
         self.procs.append(subprocess.Popen(
-            [str(SIM_BIN), "--port", str(port), "--model", MODEL, "--worker-id", name,
+            [str(sim_binary()), "--port", str(port), "--model", MODEL, "--worker-id", name,
              "--max-total-tokens", str(self.kv), "--disaggregation-timeout-s", "30", *extra],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         out.close()

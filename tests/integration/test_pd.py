@@ -23,9 +23,14 @@ import uuid
 
 import pytest
 
+from prkit.build import sim_binary, wasm_path
+from prkit.envoy import Envoy
+from prkit.paths import REPO_ROOT
+from prkit.ports import free_port
+from prkit.prom import parse_prometheus
+
 from . import conftest as it_conftest
-from .harness import REPO_ROOT, Client, Envoy, WorkerPool, free_port, parse_prometheus, wasm_path
-from sim.conftest import sim_binary
+from .harness import Client, WorkerPool
 
 GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "m"
