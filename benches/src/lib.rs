@@ -101,6 +101,10 @@ pub fn decide_and_release(
 ) -> u16 {
     match r.route(s, ep, body, now) {
         Outcome::Route(d) => {
+            // A 200 response: the index records are written.
+            if let Some(p) = r.take_plan() {
+                r.commit(s, &p, 200, now);
+            }
             r.release(s, &d);
             d.worker
         }

@@ -15,12 +15,29 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 /// Seed domain separator so our chains never equal a plain xxh3 of the same bytes.
 const CHAIN_DOMAIN: u64 = 0x7072_6566_6978_7274; // "prefixrt"
 
-/// Seed of block 0 for `model` (and optional LoRA adapter).
+/// Domain separator of the tenant's part of the seed.
+const TENANT_DOMAIN: u64 = 0x7465_6e61_6e74_2121; // "tenant!!"
+
+/// Seed of block 0 for `model` (and optional LoRA adapter), unkeyed and tenant-less.
 pub fn chain_seed(model: &[u8], lora: Option<&[u8]>) -> u64 {
-    let m = xxh3_64_with_seed(model, CHAIN_DOMAIN);
-    match lora {
+    keyed_seed(0, model, lora, b"")
+}
+
+/// Seed of block 0 under the secret `key` (config `hash_key`, see [`crate::config`]) for
+/// `model`, its LoRA adapter and the request's `tenant`. Every block hash chains from it, and a
+/// block hash also picks the index bucket, so without the key a client cannot compute where its
+/// prompts land (grinding prompts to evict a victim's entries needs it), and two tenants never
+/// share a hash, an index entry or a rendezvous key. An empty tenant is the shared space.
+pub fn keyed_seed(key: u64, model: &[u8], lora: Option<&[u8]>, tenant: &[u8]) -> u64 {
+    let m = xxh3_64_with_seed(model, CHAIN_DOMAIN ^ key);
+    let m = match lora {
         Some(l) if !l.is_empty() => xxh3_64_with_seed(l, m),
         _ => m,
+    };
+    if tenant.is_empty() {
+        m
+    } else {
+        xxh3_64_with_seed(tenant, m ^ TENANT_DOMAIN)
     }
 }
 
@@ -133,6 +150,19 @@ mod tests {
         assert!(a.iter().zip(&b).all(|(x, y)| x != y));
         assert!(a.iter().zip(&c).all(|(x, y)| x != y));
         assert_eq!(chain_seed(b"m1", Some(b"")), chain_seed(b"m1", None));
+    }
+
+    #[test]
+    fn keys_and_tenants_separate_every_hash() {
+        let data = b"a prompt an attacker would like to collide with";
+        let mut base = Vec::new();
+        hash_blocks(keyed_seed(0, b"m", None, b""), data, 8, 100, &mut base);
+        for (key, tenant) in [(1u64, &b""[..]), (0, b"t1"), (1, b"t1"), (1, b"t2")] {
+            let mut h = Vec::new();
+            hash_blocks(keyed_seed(key, b"m", None, tenant), data, 8, 100, &mut h);
+            assert!(h.iter().zip(&base).all(|(x, y)| x != y), "{key} {tenant:?}");
+        }
+        assert_eq!(keyed_seed(0, b"m", None, b""), chain_seed(b"m", None));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::fmt;
 pub const MAX_WORKERS_PER_MODEL: usize = 1024;
 pub const MAX_BLOCK_BYTES: usize = 1 << 16;
 pub const MAX_TOKEN_BLOCK: usize = 4096;
+pub const MAX_PROMPT_BLOCKS: usize = 1 << 20;
 
 /// Raw configuration as written by the operator (JSON).
 #[derive(Debug, Deserialize)]
@@ -30,6 +31,14 @@ pub struct RawConfig {
     pub prefill_cluster_header: String,
     #[serde(default)]
     pub debug_header: Option<String>,
+    /// Secret that keys block hashes and bucket choice (index poisoning, see `blocks.rs`).
+    /// Every replica (and peer) must use the same value.
+    #[serde(default)]
+    pub hash_key: Option<String>,
+    /// Request header naming the tenant (set or overwritten by Envoy after authentication, never
+    /// taken from the client): tenants never share index entries.
+    #[serde(default)]
+    pub tenant_header: Option<String>,
     #[serde(default = "default_text_block_bytes")]
     pub text_block_bytes: usize,
     #[serde(default = "default_token_block_size")]
@@ -443,6 +452,9 @@ pub struct Config {
     pub cluster_header: String,
     pub prefill_cluster_header: String,
     pub debug_header: Option<String>,
+    /// 64-bit key derived from `hash_key` (0 when unset: unkeyed).
+    pub hash_key: u64,
+    pub tenant_header: Option<String>,
     pub max_prompt_blocks: usize,
     pub index_buckets: u32,
     pub index: IndexConfig,
@@ -461,6 +473,12 @@ pub fn worker_id(cluster: &str) -> u32 {
     } else {
         id
     }
+}
+
+/// The 64-bit hashing key of a `hash_key` secret.
+fn derive_hash_key(secret: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(secret.as_bytes(), 0x6861_7368_6b65_7921)
+    // "hashkey!"
 }
 
 pub(crate) fn valid_header_name(name: &str) -> bool {
@@ -493,7 +511,7 @@ impl Config {
         }
         check_block("text_block_bytes", raw.text_block_bytes, MAX_BLOCK_BYTES)?;
         check_block("token_block_size", raw.token_block_size, MAX_TOKEN_BLOCK)?;
-        if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > 1 << 20 {
+        if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > MAX_PROMPT_BLOCKS {
             return Err(err("max_prompt_blocks", "must be between 1 and 1048576"));
         }
         let mut models = Vec::with_capacity(raw.models.len());
@@ -555,7 +573,7 @@ impl Config {
             let uniform_weights = workers.iter().all(|w| w.weight == workers[0].weight);
             let total_weight = workers.iter().map(|w| w.weight).sum();
             models.push(Model {
-                index_key_prefix: format!("pr/i/{name}/"),
+                index_key_prefix: crate::index::KEY_PREFIX.to_string(),
                 load_key: format!("pr/l/{name}"),
                 poll_key: format!("pr/p/{name}"),
                 peer_key: worker_id(name),
@@ -610,6 +628,25 @@ impl Config {
             &raw.cluster_header,
             raw.debug_header.as_deref(),
         )?;
+        if let Some(k) = &raw.hash_key {
+            if k.len() < MIN_SECRET_LEN || k.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+                return Err(err(
+                    "hash_key",
+                    format!("must be at least {MIN_SECRET_LEN} printable characters"),
+                ));
+            }
+        }
+        if let Some(h) = &raw.tenant_header {
+            if !valid_header_name(h)
+                || *h == raw.cluster_header
+                || raw.debug_header.as_ref() == Some(h)
+            {
+                return Err(err(
+                    "tenant_header",
+                    "must be a lower-case header name distinct from cluster_header and debug_header",
+                ));
+            }
+        }
         if let Some(p) = &raw.passthrough_cluster {
             if p.is_empty() {
                 return Err(err("passthrough_cluster", "must not be empty"));
@@ -622,8 +659,13 @@ impl Config {
         if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
             return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
         }
-        if idx.local_cache_ms > 60_000 {
-            return Err(err("index.local_cache_ms", "must be between 0 and 60000"));
+        // The cache works in the filter's 100 ms clock units: 1..99 would round to 0 and
+        // silently turn it off, so it is refused rather than guessed.
+        if idx.local_cache_ms > 60_000 || (1..100).contains(&idx.local_cache_ms) {
+            return Err(err(
+                "index.local_cache_ms",
+                "must be 0 (off) or between 100 and 60000 (100 ms resolution)",
+            ));
         }
         if idx.cas_retries == 0 || idx.cas_retries > 64 {
             return Err(err("index.cas_retries", "must be between 1 and 64"));
@@ -737,7 +779,10 @@ impl Config {
             load_poll: raw.load_poll,
             peers: raw.peers,
             peer_listener: raw.peer_listener,
-            index_buckets: idx.capacity.div_ceil(4) as u32,
+            // One table for all models (the model is in every hash): renaming a model reuses
+            // it; `capacity` entries per model.
+            index_buckets: (idx.capacity.div_ceil(4) * models.len().max(1)).min(u32::MAX as usize)
+                as u32,
             models,
             default_model,
             unknown_model: raw.unknown_model,
@@ -745,6 +790,8 @@ impl Config {
             cluster_header: raw.cluster_header,
             prefill_cluster_header: raw.prefill_cluster_header,
             debug_header: raw.debug_header,
+            hash_key: raw.hash_key.as_deref().map_or(0, derive_hash_key),
+            tenant_header: raw.tenant_header,
             max_prompt_blocks: raw.max_prompt_blocks,
             index: raw.index,
             policy: raw.policy,
@@ -782,6 +829,7 @@ mod tests {
         assert_eq!(c.policy.name, PolicyName::CacheAware);
         assert_eq!(c.policy.load_eps, 1.0);
         assert!(c.debug_header.is_none());
+        assert_eq!((c.hash_key, c.tenant_header.as_deref()), (0, None));
         assert!(c.models[0].uniform_weights);
     }
 
@@ -843,6 +891,24 @@ mod tests {
         assert_eq!(
             field_of(r#"{"models":{"m":{"workers":["a"]}},"text_block_bytes":0}"#),
             "text_block_bytes"
+        );
+        for ms in [1, 50, 99, 60_001] {
+            assert_eq!(
+                field_of(&format!(
+                    r#"{{"models":{{"m":{{"workers":["a"]}}}},"index":{{"local_cache_ms":{ms}}}}}"#
+                )),
+                "index.local_cache_ms"
+            );
+        }
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["a"]}},"hash_key":"short"}"#),
+            "hash_key"
+        );
+        assert_eq!(
+            field_of(
+                r#"{"models":{"m":{"workers":["a"]}},"tenant_header":"x-prefix-router-cluster"}"#
+            ),
+            "tenant_header"
         );
         let e = Config::from_json(br#"{"models":{"m":{"workers":["a"]}},"bogus":1}"#).unwrap_err();
         assert!(e.message.contains("bogus"), "{e}");

@@ -12,6 +12,7 @@
 
 use crate::config::{Config, PEER_PATH, PEER_SECRET_HEADER};
 use crate::host::{Buffer, Host, Map, MetricKind};
+use crate::index::Plan;
 use crate::peers;
 use crate::policy::Reason;
 use crate::poll::{self, Lease, Polled, Poller};
@@ -502,6 +503,8 @@ impl Root {
             prefill_held: false,
             charged: false,
             peer_batch: false,
+            plan: None,
+            tenant: Vec::new(),
         })
     }
 }
@@ -519,6 +522,11 @@ pub struct Stream {
     charged: bool,
     /// A peer's record batch (peer listener only), applied when its body is complete.
     peer_batch: bool,
+    // -- index records (issue 12 item 3) --
+    /// Index writes of this stream's decision, made once the response status is 2xx.
+    plan: Option<Plan>,
+    /// Value of `tenant_header` (set by Envoy after authentication); empty when not configured.
+    tenant: Vec<u8>,
 }
 
 fn header(h: &impl Host, name: &str) -> Vec<u8> {
@@ -595,7 +603,9 @@ impl Stream {
         let (now, _) = now_ticks(h);
         let outcome = {
             let mut r = self.shared.router.borrow_mut();
-            r.route(h, ep, body, now)
+            let o = r.route_for(h, ep, body, &self.tenant, now);
+            self.plan = r.take_plan();
+            o
         };
         let m = &self.shared.metrics;
         match outcome {
@@ -740,6 +750,9 @@ impl Stream {
         let path = header(h, ":path");
         if let Some(ep) = Endpoint::classify(&method, &path) {
             self.endpoint = Some(ep);
+            if let Some(t) = &self.shared.router.borrow().cfg.tenant_header {
+                self.tenant = header(h, t);
+            }
             if end_of_stream {
                 return self.decide(h, &[]);
             }
@@ -791,6 +804,9 @@ impl Stream {
     /// header when configured.
     pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
         self.release_prefill(h);
+        if let Some(plan) = self.plan.take() {
+            self.commit(h, &plan);
+        }
         let r = self.shared.router.borrow();
         if let (Some(name), Some(d)) = (&r.cfg.debug_header, &self.decision) {
             let mut v = String::with_capacity(96);
@@ -808,6 +824,23 @@ impl Stream {
             h.add_header(Map::ResponseHeaders, name, &v);
         }
         Action::Continue
+    }
+
+    /// Writes the decision's index records if the response status is 2xx (one `:status` read).
+    fn commit(&mut self, h: &impl Host, plan: &Plan) {
+        let status = h
+            .header(Map::ResponseHeaders, ":status")
+            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
+            .unwrap_or(0);
+        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
+            return;
+        };
+        // Stamped with the decision's time: no clock read (a host call) for it.
+        let w = r.commit(h, plan, status, plan.at);
+        let m = &self.shared.metrics;
+        m.add(m.index_writes, i64::from(w.writes));
+        m.add(m.index_conflicts, i64::from(w.conflicts));
+        m.add(m.index_dropped, i64::from(w.dropped));
     }
 
     /// `proxy_on_done` (and `proxy_on_delete` when done never came): the stream ended,

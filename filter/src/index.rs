@@ -1,7 +1,8 @@
 //! The prefix index: which workers recently received which prompt prefixes.
 //!
-//! Layout: a fixed slot table in Envoy shared data, `capacity/4` keys per model
-//! (`<prefix><bucket>`), each holding one bucket of [`ENTRIES`] entries; an entry is a full
+//! Layout: a fixed slot table in Envoy shared data shared by all models (the model seeds every
+//! hash), `capacity/4` keys per model (`pr/i2/<bucket>`, see [`KEY_PREFIX`] and [`resize`]),
+//! each holding one bucket of [`ENTRIES`] entries; an entry is a full
 //! 64-bit block-chain hash (the tag) plus up to [`HOLDERS`] `(worker id, time)` pairs. A block
 //! hash picks its bucket; a new tag replaces the bucket's least recently used entry, and a new
 //! holder replaces the entry's oldest one. Because the key space is fixed, memory is bounded by
@@ -36,6 +37,15 @@ use crate::blocks::{checkpoints_upto, nth_checkpoint};
 use crate::config::{Config, Model};
 use crate::store::Store;
 use std::fmt::Write;
+
+/// Shared-data key prefix of the index: `pr/i2/<bucket>`. The `2` is the layout version (the
+/// bucket encoding below); a new layout gets a new prefix, so no VM ever decodes another
+/// layout's bytes. One table serves every model (the model is part of every hash).
+pub const KEY_PREFIX: &str = "pr/i2/";
+/// Holds the table's bucket count (u32 LE) as last configured (see [`resize`]).
+pub const SIZE_KEY: &str = "pr/i2/size";
+/// Buckets a VM empties per tick when the table shrank (see [`clear_some`]).
+pub const CLEAR_PER_TICK: u32 = 256;
 
 pub const ENTRIES: usize = 4;
 /// Most message-boundary probes per lookup (see [`Index::lookup_bounds`]).
@@ -211,6 +221,51 @@ pub struct WriteStats {
     pub writes: u32,
     pub conflicts: u32,
     pub dropped: u32,
+}
+
+/// Most index writes one request can plan: every checkpoint of the longest hashable prompt
+/// (`max_prompt_blocks` <= 2^20 blocks: 41 checkpoints) plus its chat end.
+pub const MAX_PLANNED: usize = 48;
+
+/// The index writes one decision plans ([`Index::plan`]), made later by [`Index::write`] once
+/// the response proves the worker took the request. `Copy` and fixed-size: the stream keeps it
+/// without allocating, and it bounds what one request can write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    pub model: u16,
+    /// Worker id the records name.
+    pub worker: u32,
+    /// Decision time (the records' time stamp when the caller has no fresher clock).
+    pub at: u32,
+    len: u8,
+    hashes: [u64; MAX_PLANNED],
+}
+
+impl Default for Plan {
+    fn default() -> Self {
+        Plan {
+            model: 0,
+            worker: 0,
+            at: 0,
+            len: 0,
+            hashes: [0; MAX_PLANNED],
+        }
+    }
+}
+
+impl Plan {
+    pub fn hashes(&self) -> &[u64] {
+        self.hashes.get(..usize::from(self.len)).unwrap_or_default()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    fn push(&mut self, h: u64) {
+        if let Some(slot) = self.hashes.get_mut(usize::from(self.len)) {
+            *slot = h;
+            self.len += 1;
+        }
+    }
 }
 
 /// A model's index (a view over the store; holds no data of its own).
@@ -490,6 +545,47 @@ impl<'a> Index<'a> {
         known.blocks > 0 && (known.hole || age(now, known.oldest) > self.ttl / 4)
     }
 
+    /// Plans what [`Index::record`] writes (checkpoints, then the chat end `end` in blocks when
+    /// given and deeper than what the worker is known to hold, or on a refresh).
+    pub fn plan(&self, hashes: &[u64], end: Option<usize>, known: Known, now: u32, out: &mut Plan) {
+        out.len = 0;
+        let refresh = self.needs_refresh(known, now);
+        let m = checkpoints_upto(hashes.len());
+        for j in 0..m {
+            let blocks = nth_checkpoint(j);
+            if (blocks as u32) <= known.blocks && !refresh {
+                continue;
+            }
+            if let Some(&h) = hashes.get(blocks - 1) {
+                out.push(h);
+            }
+        }
+        if let Some(end) = end {
+            let is_checkpoint = end > 0 && nth_checkpoint(checkpoints_upto(end) - 1) == end;
+            if !is_checkpoint && (end as u32 > known.blocks || refresh) {
+                if let Some(&h) = hashes.get(end.wrapping_sub(1)) {
+                    out.push(h);
+                }
+            }
+        }
+    }
+
+    /// Makes a plan's writes: `worker` becomes a holder of each planned prefix.
+    pub fn write<S: Store>(
+        &self,
+        store: &S,
+        planned: &[u64],
+        worker: u32,
+        now: u32,
+        sc: &mut Scratch,
+    ) -> WriteStats {
+        let mut st = WriteStats::default();
+        for &h in planned {
+            self.add_holder(store, h, worker, now, sc, &mut st);
+        }
+        st
+    }
+
     /// Records `worker` as a holder of every checkpoint deeper than `known.blocks` (what the
     /// lookup proved it already holds), and rewrites every checkpoint up to `known.blocks` too
     /// when [`Index::needs_refresh`]: a hot prefix must never lose its shallow checkpoints while
@@ -503,19 +599,9 @@ impl<'a> Index<'a> {
         now: u32,
         sc: &mut Scratch,
     ) -> WriteStats {
-        let mut st = WriteStats::default();
-        let refresh = self.needs_refresh(known, now);
-        let m = checkpoints_upto(hashes.len());
-        for j in 0..m {
-            let blocks = nth_checkpoint(j);
-            if (blocks as u32) <= known.blocks && !refresh {
-                continue;
-            }
-            if let Some(&h) = hashes.get(blocks - 1) {
-                self.add_holder(store, h, worker, now, sc, &mut st);
-            }
-        }
-        st
+        let mut p = Plan::default();
+        self.plan(hashes, None, known, now, &mut p);
+        self.write(store, p.hashes(), worker, now, sc)
     }
 
     fn add_holder<S: Store>(
@@ -548,6 +634,36 @@ impl<'a> Index<'a> {
             }
         }
         st.dropped += 1;
+    }
+}
+
+/// Records that the table now has `buckets` buckets. Returns the bucket range this VM must
+/// empty, when the table shrank (a smaller `index.capacity` or fewer models on reload): Envoy
+/// never deletes keys, so without this the old tail would hold memory for the process's life.
+/// Only the VM whose CAS moves the size record cleans (one per change); growth and model renames
+/// need no cleaning (the same keys are reused; misplaced entries just miss and age out by LRU).
+pub fn resize<S: Store>(store: &S, buckets: u32) -> Option<std::ops::Range<u32>> {
+    let mut buf = Vec::with_capacity(4);
+    let cas = store.get(SIZE_KEY, &mut buf).unwrap_or(0);
+    let old = <[u8; 4]>::try_from(buf.as_slice()).map_or(0, u32::from_le_bytes);
+    if old == buckets {
+        return None;
+    }
+    store.set(SIZE_KEY, &buckets.to_le_bytes(), cas).ok()?;
+    (old > buckets).then_some(buckets..old)
+}
+
+/// Empties up to `n` buckets of `range` (advancing it): one host call each, bounded per tick.
+pub fn clear_some<S: Store>(store: &S, range: &mut std::ops::Range<u32>, n: u32, key: &mut String) {
+    for _ in 0..n {
+        if range.start >= range.end {
+            return;
+        }
+        key.clear();
+        key.push_str(KEY_PREFIX);
+        let _ = write!(key, "{}", range.start);
+        let _ = store.set(key, b"", 0);
+        range.start += 1;
     }
 }
 
@@ -831,6 +947,21 @@ mod tests {
             }
         }
         assert!(last >= 32);
+    }
+
+    #[test]
+    fn a_plan_holds_every_write_of_the_longest_prompt() {
+        let n = crate::config::MAX_PROMPT_BLOCKS;
+        assert!(checkpoints_upto(n) < MAX_PLANNED, "{}", checkpoints_upto(n));
+        let hs: Vec<u64> = (1..=n as u64).collect();
+        let mut p = Plan::default();
+        let known = Known {
+            blocks: 5,
+            oldest: 0,
+            hole: true,
+        };
+        idx(64).plan(&hs, Some(n - 1), known, 10, &mut p);
+        assert_eq!(p.hashes().len(), checkpoints_upto(n) + 1);
     }
 
     #[test]

@@ -618,6 +618,10 @@ mod tests {
             let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
                 panic!("rejected");
             };
+            // The index records once the response is a 2xx (router::Router::commit).
+            if let Some(plan) = r.take_plan() {
+                r.commit(&store, &plan, 200, 10);
+            }
             let d = decode_decision(&mut r, &store, &p, 100, 10).unwrap();
             assert_eq!(usize::from(d.model), 1);
             assert!(rewrite_for(&mut r, &p, body).unwrap().is_ok());

@@ -14,10 +14,10 @@
 //! fleet instead of all landing on one worker. Other prompts use their first
 //! `policy.affinity_blocks` blocks.
 
-use crate::blocks::{chain_seed, hash_blocks};
+use crate::blocks::{hash_blocks, keyed_seed};
 use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
-use crate::index::{Held, Index, Matches, Scratch, WriteStats};
+use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
 use crate::load::Ledger;
 use crate::peers::Outbox;
 use crate::policy::{self, Inputs, Policy, Reason};
@@ -37,6 +37,8 @@ pub struct Decision {
     /// Load charged to the worker (released when the stream ends); 0/0 when nothing was charged.
     pub charged_reqs: u32,
     pub charged_tokens: u32,
+    /// Index writes made during the decision: none since records wait for the response
+    /// ([`Router::commit`] reports them); kept so every `Decision` has one shape.
     pub index: WriteStats,
     pub probes: u32,
     pub truncated: bool,
@@ -72,6 +74,10 @@ pub struct Router {
     pub outbox: Option<Outbox>,
     /// Rotation for passthrough requests.
     rr: usize,
+    /// Index writes planned by the last decision (see [`Router::take_plan`]).
+    plan: Option<Plan>,
+    /// Index buckets this VM still has to empty after the table shrank (`index::resize`).
+    shrink: Option<std::ops::Range<u32>>,
     /// PD models: body rewriting buffer and room generator (`pd.rs`).
     pub pd: crate::pd::Rewriter,
 }
@@ -113,6 +119,8 @@ impl Router {
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
+            plan: None,
+            shrink: None,
             pd: crate::pd::Rewriter::new(seed ^ 0x7064),
             cfg,
         }
@@ -121,6 +129,7 @@ impl Router {
     /// Creates each model's load vector if this is the first VM to start.
     pub fn init_store<S: Store>(&mut self, store: &S) {
         self.ledger.init(store, &self.cfg);
+        self.shrink = crate::index::resize(store, self.cfg.index_buckets);
     }
 
     /// The upstream cluster of a decision.
@@ -144,7 +153,8 @@ impl Router {
         Some(plain(m, self.rr % n, Reason::Passthrough))
     }
 
-    /// Decides where an inference request goes. `now` is in 100 ms units.
+    /// Decides where an inference request goes, in the shared (tenant-less) index space. `now`
+    /// is in 100 ms units.
     pub fn route<S: Store>(
         &mut self,
         store: &S,
@@ -152,6 +162,20 @@ impl Router {
         body: &[u8],
         now: u32,
     ) -> Outcome {
+        self.route_for(store, endpoint, body, b"", now)
+    }
+
+    /// [`Router::route`] for `tenant` (the value of `tenant_header`, set by Envoy after
+    /// authentication): its prompts hash, match and record only within its own index space.
+    pub fn route_for<S: Store>(
+        &mut self,
+        store: &S,
+        endpoint: Endpoint,
+        body: &[u8],
+        tenant: &[u8],
+        now: u32,
+    ) -> Outcome {
+        self.plan = None;
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
@@ -214,9 +238,11 @@ impl Router {
                 now,
             ));
         }
-        let seed = chain_seed(
+        let seed = keyed_seed(
+            cfg.hash_key,
             model.name.as_bytes(),
             parsed.lora.as_deref().map(str::as_bytes),
+            tenant,
         );
         let truncated = parsed.truncated
             | hash_blocks(
@@ -347,7 +373,7 @@ impl Router {
             };
             (w, tok, reason)
         });
-        let mut d = Decision {
+        let d = Decision {
             matched_blocks: self.matched.get(w).copied().unwrap_or(0),
             total_blocks,
             charged_reqs: 1,
@@ -356,32 +382,64 @@ impl Router {
             ..plain(mi, w, reason)
         };
         if uses_index {
-            d.index = self.record(store, mi, w, now);
+            self.plan_record(mi, w, now);
         }
         d
     }
 
-    /// Records the chosen worker as a holder of the prompt's checkpoints (and chat end), and
-    /// queues what was written for the peers.
-    fn record<S: Store>(&mut self, store: &S, mi: usize, w: usize, now: u32) -> WriteStats {
+    /// Plans the chosen worker's index records (the prompt's checkpoints and chat end); they
+    /// are written by [`Router::commit`] once the response shows the worker took the request.
+    fn plan_record(&mut self, mi: usize, w: usize, now: u32) {
         let model = &self.cfg.models[mi];
         let ix = Index::for_model(&self.cfg, model);
         let id = model.workers[w].id;
         let known = self.matches.known_for(id);
-        let refresh = ix.needs_refresh(known, now);
-        self.sc.written.clear();
-        let mut stats = ix.record(store, &self.hashes, id, known, now, &mut self.sc);
-        if let Some(&end) = self.ends.last() {
-            if end as u32 > known.blocks || refresh {
-                let e = ix.record_end(store, &self.hashes, end, id, now, &mut self.sc);
-                stats.writes += e.writes;
-                stats.conflicts += e.conflicts;
-                stats.dropped += e.dropped;
-            }
+        let mut plan = Plan::default();
+        plan.model = mi as u16;
+        plan.worker = id;
+        plan.at = now;
+        ix.plan(
+            &self.hashes,
+            self.ends.last().copied(),
+            known,
+            now,
+            &mut plan,
+        );
+        if !plan.is_empty() {
+            self.plan = Some(plan);
         }
+    }
+
+    /// The index writes planned by the last [`Router::route`] (none for a request that does not
+    /// record: rejected, passthrough, parse error, comparison policies). The stream keeps it and
+    /// hands it to [`Router::commit`] with the response status.
+    pub fn take_plan(&mut self) -> Option<Plan> {
+        self.plan.take()
+    }
+
+    /// Writes a plan's index records when the response `status` is 2xx (the worker accepted
+    /// the request and computed the prefix), and queues them for the peers. A request that fails
+    /// (4xx, 5xx, a local reply) writes nothing: what one request can put in the index is
+    /// bounded by one accepted request's checkpoints.
+    pub fn commit<S: Store>(
+        &mut self,
+        store: &S,
+        plan: &Plan,
+        status: u32,
+        now: u32,
+    ) -> WriteStats {
+        if !(200..300).contains(&status) {
+            return WriteStats::default();
+        }
+        let Some(model) = self.cfg.models.get(usize::from(plan.model)) else {
+            return WriteStats::default();
+        };
+        let ix = Index::for_model(&self.cfg, model);
+        self.sc.written.clear();
+        let stats = ix.write(store, plan.hashes(), plan.worker, now, &mut self.sc);
         if let Some(ob) = &mut self.outbox {
             for &h in &self.sc.written {
-                ob.push(model.peer_key, id, h);
+                ob.push(model.peer_key, plan.worker, h);
             }
         }
         self.sc.written.clear();
@@ -425,6 +483,13 @@ impl Router {
     /// The VM's timer (see [`Ledger::tick`]).
     pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32) {
         self.ledger.tick(store, &self.cfg, elapsed_ms);
+        if let Some(range) = &mut self.shrink {
+            let mut key = String::new();
+            crate::index::clear_some(store, range, crate::index::CLEAR_PER_TICK, &mut key);
+            if range.start >= range.end {
+                self.shrink = None;
+            }
+        }
     }
 
     /// Writes every parked load delta (the VM's tick, and shutdown).
@@ -493,22 +558,32 @@ mod tests {
         }
     }
 
+    /// Routes and commits the planned index records as a 200 response does.
+    fn served(r: &mut Router, s: &MemStore, ep: Endpoint, body: &[u8], now: u32) -> Decision {
+        let d = routed(r.route(s, ep, body, now));
+        if let Some(p) = r.take_plan() {
+            r.commit(s, &p, 200, now);
+        }
+        d
+    }
+
     #[test]
     fn shared_prefix_sticks_and_loads_return_to_zero() {
         let s = MemStore::new();
         let mut r = Router::new(cfg(""), 1);
         r.init_store(&s);
         let sys = "You are a meticulous assistant. ".repeat(40);
-        let first = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, "q0"), 100));
+        let first = served(&mut r, &s, Endpoint::Chat, &chat("llama", &sys, "q0"), 100);
         assert_eq!(first.reason, Reason::HashAffinity);
         r.release(&s, &first);
         for i in 1..50 {
-            let d = routed(r.route(
+            let d = served(
+                &mut r,
                 &s,
                 Endpoint::Chat,
                 &chat("llama", &sys, &format!("q{i}")),
                 100,
-            ));
+            );
             assert_eq!((d.worker, d.reason), (first.worker, Reason::PrefixHit));
             assert!(d.matched_blocks * 3 >= (d.total_blocks - 1) * 2);
             r.release(&s, &d);
@@ -525,16 +600,22 @@ mod tests {
         a.init_store(&s);
         b.init_store(&s);
         let sys = "Shared system prompt for everyone. ".repeat(30);
-        let d0 = routed(a.route(&s, Endpoint::Chat, &chat("llama", &sys, "x"), 5));
+        let d0 = served(&mut a, &s, Endpoint::Chat, &chat("llama", &sys, "x"), 5);
         a.release(&s, &d0);
-        let d1 = routed(b.route(&s, Endpoint::Chat, &chat("llama", &sys, "y"), 5));
+        let d1 = served(&mut b, &s, Endpoint::Chat, &chat("llama", &sys, "y"), 5);
         assert_eq!((d1.worker, d1.reason), (d0.worker, Reason::PrefixHit));
         b.release(&s, &d1);
         // Hold 40 requests open: the load bound spreads them.
         let mut open = Vec::new();
         for i in 0..40 {
             let r = if i % 2 == 0 { &mut a } else { &mut b };
-            let d = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, &i.to_string()), 6));
+            let d = served(
+                r,
+                &s,
+                Endpoint::Chat,
+                &chat("llama", &sys, &i.to_string()),
+                6,
+            );
             let loads = r.loads(&s, 0);
             let total: u32 = loads.iter().map(|l| l.0).sum();
             let max = loads.iter().map(|l| l.0).max().unwrap();
@@ -564,17 +645,17 @@ mod tests {
         let body = chat("llama", &"quiet ".repeat(50), "u");
         // Quiet VM (no tick has seen 200 decisions/s): the release reaches shared data at once,
         // so another thread sees an idle fleet.
-        let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
         a.release(&s, &d);
         assert_eq!(a.pending_len(), 0);
         assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
         // Busy VM: 20 decisions in a 50 ms tick = 400/s >= 200/s.
         for _ in 0..20 {
-            let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+            let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
             a.release(&s, &d);
         }
         a.tick(&s, 50);
-        let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
         a.release(&s, &d);
         assert_eq!(a.pending_len(), 1);
         assert_eq!(
@@ -587,7 +668,7 @@ mod tests {
             "own decisions do not"
         );
         // The next decision carries it.
-        let d2 = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        let d2 = served(&mut a, &s, Endpoint::Chat, &body, 1);
         assert_eq!(a.pending_len(), 0);
         let l = b.loads(&s, 0);
         assert_eq!(l.iter().map(|l| l.0).sum::<u32>(), 1, "{l:?}");
@@ -595,7 +676,7 @@ mod tests {
         // A tick that saw 1 decision in 50 ms (20/s) flushes and makes the VM quiet again.
         a.tick(&s, 50);
         assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
-        let d = routed(a.route(&s, Endpoint::Chat, &body, 1));
+        let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
         a.release(&s, &d);
         assert_eq!(a.pending_len(), 0);
         assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
@@ -609,7 +690,7 @@ mod tests {
         let mut ds = Vec::new();
         for i in 0..200 {
             let body = chat("llama", &format!("prefix {}", i % 7), &i.to_string());
-            ds.push(routed(r.route(&s, Endpoint::Chat, &body, 9)));
+            ds.push(served(&mut r, &s, Endpoint::Chat, &body, 9));
         }
         for d in &ds {
             r.release(&s, d);
@@ -627,10 +708,10 @@ mod tests {
     fn models_are_isolated_and_unknown_models_follow_config() {
         let s = MemStore::new();
         let mut r = Router::new(cfg(""), 4);
-        let d = routed(r.route(&s, Endpoint::Chat, &chat("qwen", "s", "u"), 1));
+        let d = served(&mut r, &s, Endpoint::Chat, &chat("qwen", "s", "u"), 1);
         assert_eq!(d.model, 1);
         assert!(r.cluster(&d).starts_with('q'));
-        let d = routed(r.route(&s, Endpoint::Chat, &chat("nope", "s", "u"), 1));
+        let d = served(&mut r, &s, Endpoint::Chat, &chat("nope", "s", "u"), 1);
         assert_eq!((d.model, d.reason), (0, Reason::Fallback));
         let mut r = Router::new(cfg(r#","unknown_model":"reject""#), 4);
         match r.route(&s, Endpoint::Chat, &chat("no\"pe", "s", "u"), 1) {
@@ -650,20 +731,143 @@ mod tests {
         let mut r = Router::new(cfg(""), 5);
         r.init_store(&s);
         // A real prompt first, so stale per-request state would show up below.
-        let d = routed(r.route(&s, Endpoint::Chat, &chat("llama", &"x".repeat(999), "u"), 1));
+        let d = served(
+            &mut r,
+            &s,
+            Endpoint::Chat,
+            &chat("llama", &"x".repeat(999), "u"),
+            1,
+        );
         assert!(d.total_blocks > 10);
         r.release(&s, &d);
         for body in [&b"{not json"[..], b"", b"[1,2]", b"{\"messages\":7}"] {
-            let d = routed(r.route(&s, Endpoint::Chat, body, 1));
+            let d = served(&mut r, &s, Endpoint::Chat, body, 1);
             assert_eq!(d.reason, Reason::ParseError);
             assert_eq!((d.total_blocks, d.matched_blocks), (0, 0));
             assert_eq!(d.charged_reqs, 1);
             r.release(&s, &d);
         }
-        let d = routed(r.route(&s, Endpoint::Chat, br#"{"messages":[]}"#, 1));
+        let d = served(&mut r, &s, Endpoint::Chat, br#"{"messages":[]}"#, 1);
         assert_eq!(d.reason, Reason::Fallback);
         r.release(&s, &d);
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn only_a_2xx_response_records_and_tenants_never_share() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 13);
+        r.init_store(&s);
+        let body = chat("llama", &"tenant data ".repeat(40), "u");
+        // A failed request plans records but writes none.
+        let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 1));
+        let plan = r.take_plan().expect("a cache-aware decision plans records");
+        assert!(plan.hashes().len() >= 2);
+        for status in [0, 199, 300, 404, 429, 500, 503] {
+            assert_eq!(r.commit(&s, &plan, status, 1), WriteStats::default());
+        }
+        r.release(&s, &d);
+        let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 2));
+        assert_eq!(d.matched_blocks, 0, "nothing recorded for a failed request");
+        let plan = r.take_plan().unwrap();
+        assert!(r.commit(&s, &plan, 200, 2).writes >= 2);
+        r.release(&s, &d);
+        // Same tenant: a hit. Another tenant or none: the same prompt matches nothing.
+        let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 3));
+        assert!(d.matched_blocks > 0);
+        r.release(&s, &d);
+        for tenant in [&b"globex"[..], b""] {
+            let d = routed(r.route_for(&s, Endpoint::Chat, &body, tenant, 3));
+            assert_eq!((d.matched_blocks, d.probes > 0), (0, true), "{tenant:?}");
+            r.release(&s, &d);
+        }
+    }
+
+    #[test]
+    fn the_hash_key_moves_every_bucket() {
+        // Without the key a client cannot tell which buckets its prompts hit: the same prompt
+        // lands in unrelated buckets under two keys.
+        let body = chat("llama", &"grind me ".repeat(40), "u");
+        let mut keys = Vec::new();
+        for k in [
+            "",
+            r#","hash_key":"0123456789abcdef""#,
+            r#","hash_key":"0123456789abcdeg""#,
+        ] {
+            let s = MemStore::new();
+            let mut r = Router::new(cfg(&format!(r#","index":{{"capacity":1048576}}{k}"#)), 14);
+            let d = served(&mut r, &s, Endpoint::Chat, &body, 1);
+            assert!(d.total_blocks > 4);
+            let mut ks: Vec<String> = s
+                .keys()
+                .into_iter()
+                .filter(|k| k.starts_with("pr/i"))
+                .collect();
+            ks.sort();
+            keys.push(ks);
+        }
+        assert!(keys.iter().all(|k| k.len() >= 4));
+        for (i, a) in keys.iter().enumerate() {
+            for b in &keys[i + 1..] {
+                assert!(a.iter().all(|k| !b.contains(k)), "{a:?} {b:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn reloads_never_orphan_the_index() {
+        let s = MemStore::new();
+        let body = |i: u32| chat("a", &format!("prompt {i} ").repeat(30), "u");
+        let idx_keys = |s: &MemStore| {
+            s.keys()
+                .into_iter()
+                .filter(|k| k.starts_with(crate::index::KEY_PREFIX))
+                .count()
+        };
+        // 1024 buckets, filled.
+        let big = r#"{"models":{"a":{"workers":["w0","w1"]}},"index":{"capacity":4096}}"#;
+        let mut r = Router::new(Config::from_json(big.as_bytes()).unwrap(), 1);
+        r.init_store(&s);
+        for i in 0..3000 {
+            served(&mut r, &s, Endpoint::Chat, &body(i), 1);
+        }
+        let used = idx_keys(&s);
+        assert!(used > 900, "{used}");
+        // The model renamed: the same table, no new keys beyond its size.
+        let renamed = r#"{"models":{"b":{"workers":["w0","w1"]}},"index":{"capacity":4096}}"#;
+        let mut r = Router::new(Config::from_json(renamed.as_bytes()).unwrap(), 2);
+        r.init_store(&s);
+        for i in 0..3000 {
+            served(
+                &mut r,
+                &s,
+                Endpoint::Chat,
+                &chat("b", &format!("p {i} ").repeat(30), "u"),
+                1,
+            );
+        }
+        assert!(idx_keys(&s) <= 1024 + 1, "{}", idx_keys(&s));
+        // Capacity shrunk to 64 buckets: the rest is emptied over a few ticks.
+        let small = r#"{"models":{"b":{"workers":["w0","w1"]}},"index":{"capacity":256}}"#;
+        let mut r = Router::new(Config::from_json(small.as_bytes()).unwrap(), 3);
+        r.init_store(&s);
+        for _ in 0..8 {
+            r.tick(&s, 50);
+        }
+        let mut buf = Vec::new();
+        let live = s
+            .keys()
+            .into_iter()
+            .filter(|k| {
+                k.starts_with(crate::index::KEY_PREFIX) && k.as_str() != crate::index::SIZE_KEY
+            })
+            .filter(|k| s.get(k, &mut buf).is_some() && !buf.is_empty())
+            .count();
+        assert!(live <= 64, "{live} buckets still hold data");
+        // A second VM of the same config cleans nothing more and reads the same table.
+        let mut r2 = Router::new(Config::from_json(small.as_bytes()).unwrap(), 4);
+        r2.init_store(&s);
+        assert!(r2.shrink.is_none());
     }
 
     #[test]
@@ -679,13 +883,13 @@ mod tests {
         let body = format!(
             r#"{{"model":"llama","messages":[{{"role":"user","name":"{junk}","content":[{{"type":"text","text":"hi there"}},{{"type":"image_url","image_url":{{"url":"http://x/{junk}"}}}},{{"type":"x","x":"{junk}"}}]}}]}}"#
         );
-        let d = routed(r.route(&s, Endpoint::Chat, body.as_bytes(), 1));
+        let d = served(&mut r, &s, Endpoint::Chat, body.as_bytes(), 1);
         assert!(d.charged_tokens <= 1000 + 4, "charged {}", d.charged_tokens);
         r.release(&s, &d);
         // 4M token ids: capped per request.
         let ids = vec!["7"; 4_000_000].join(",");
         let body = format!(r#"{{"model":"llama","prompt":[{ids}]}}"#);
-        let d = routed(r.route(&s, Endpoint::Completions, body.as_bytes(), 1));
+        let d = served(&mut r, &s, Endpoint::Completions, body.as_bytes(), 1);
         assert_eq!(d.charged_tokens, 100_000);
         r.release(&s, &d);
         // A malformed 4 MiB body is capped too.
@@ -713,7 +917,13 @@ mod tests {
         let mut r = Router::new(cfg(r#","policy":{"name":"random"}"#), 7);
         let mut seen = [0; 4];
         for _ in 0..400 {
-            let d = routed(r.route(&s, Endpoint::Completions, br#"{"prompt":"same"}"#, 1));
+            let d = served(
+                &mut r,
+                &s,
+                Endpoint::Completions,
+                br#"{"prompt":"same"}"#,
+                1,
+            );
             assert_eq!(d.reason, Reason::Random);
             seen[usize::from(d.worker)] += 1;
         }
@@ -726,7 +936,7 @@ mod tests {
         let mut old = Router::new(cfg(""), 8);
         old.init_store(&s);
         let body = chat("llama", &"held by someone ".repeat(20), "u");
-        let d = routed(old.route(&s, Endpoint::Chat, &body, 1));
+        let d = served(&mut old, &s, Endpoint::Chat, &body, 1);
         let holder = old.cluster(&d).to_string();
         old.release(&s, &d);
         // New config without the holder: its index entries must be ignored.
@@ -742,7 +952,7 @@ mod tests {
         let mut new = Router::new(Config::from_json(json.as_bytes()).unwrap(), 9);
         new.init_store(&s);
         for _ in 0..20 {
-            let d = routed(new.route(&s, Endpoint::Chat, &body, 2));
+            let d = served(&mut new, &s, Endpoint::Chat, &body, 2);
             assert_ne!(new.cluster(&d), holder);
             new.release(&s, &d);
         }
@@ -759,7 +969,7 @@ mod tests {
         for turn in 0..5 {
             msgs.push(serde_json::json!({"role": "user", "content": format!("question {turn} ").repeat(20)}));
             let body = serde_json::json!({"model": "llama", "messages": &msgs}).to_string();
-            let d = routed(r.route(&s, Endpoint::Chat, body.as_bytes(), 1));
+            let d = served(&mut r, &s, Endpoint::Chat, body.as_bytes(), 1);
             if turn > 0 {
                 assert_eq!(Some(d.worker), worker, "turn {turn} stays");
                 assert!(

@@ -1,0 +1,102 @@
+//! Issue 12 items 3 and 5 through the real `.wasm`: index records are written only once the
+//! response shows the worker took the request, tenants (named by a header Envoy sets) never see
+//! each other's prefixes in the debug header, and encoded inference paths are not passthrough.
+
+use proxy_wasm_host::{Host, Options, Vm};
+
+const CONFIG: &str = r#"{"models":{"llama":{"workers":["w0","w1","w2","w3"]}},
+  "debug_header":"x-dbg","tenant_header":"x-tenant","hash_key":"0123456789abcdef-test"}"#;
+
+fn chat(system: &str, user: &str) -> Vec<u8> {
+    format!(
+        r#"{{"model":"llama","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{user}"}}]}}"#
+    )
+    .into_bytes()
+}
+
+/// Sends a chat for `tenant` (no header when empty) and returns its context.
+fn send(vm: &mut Vm, path: &str, tenant: &str, body: &[u8]) -> i32 {
+    let hdrs: Vec<(&str, &str)> = if tenant.is_empty() {
+        vec![]
+    } else {
+        vec![("x-tenant", tenant)]
+    };
+    let r = vm.request("POST", path, &hdrs, body).expect("request");
+    assert_eq!(
+        r.headers_action, 1,
+        "{path}: an inference request waits for its body"
+    );
+    assert!(r.header("x-prefix-router-cluster").is_some());
+    r.context
+}
+
+/// Finishes a stream with a 200 response and returns its debug header.
+fn finish(vm: &mut Vm, ctx: i32) -> String {
+    let hdrs = vm.finish(ctx, &[]).expect("finish");
+    hdrs.iter()
+        .find(|e| e.0 == "x-dbg")
+        .map(|e| e.1.clone())
+        .expect("debug header")
+}
+
+fn matched(dbg: &str) -> u32 {
+    dbg.split("; ")
+        .find_map(|kv| kv.strip_prefix("matched="))
+        .and_then(|v| v.parse().ok())
+        .expect("matched=")
+}
+
+#[test]
+fn records_wait_for_the_response_and_tenants_stay_apart() {
+    let h = Host::filter(Options::default()).expect("load prefix_router.wasm");
+    h.set_clock(1_700_000_000_000_000_000);
+    let mut vm = h.vm(CONFIG).expect("vm");
+    let body = chat(&"Confidential system prompt of acme. ".repeat(30), "q");
+    let path = "/v1/chat/completions";
+    // A stream reset before any response records nothing.
+    let ctx = send(&mut vm, path, "acme", &body);
+    vm.abort(ctx).expect("abort");
+    // Two streams open at once: the first one's records are not there yet for the second.
+    let a = send(&mut vm, path, "acme", &body);
+    let b = send(&mut vm, path, "acme", &body);
+    assert_eq!(
+        matched(&finish(&mut vm, b)),
+        0,
+        "nothing recorded before a response"
+    );
+    assert_eq!(matched(&finish(&mut vm, a)), 0);
+    // Both answered 200: now the prompt is known to acme...
+    let ctx = send(&mut vm, path, "acme", &body);
+    let dbg = finish(&mut vm, ctx);
+    assert!(
+        matched(&dbg) > 0 && dbg.contains("reason=prefix_hit"),
+        "{dbg}"
+    );
+    // ...and to nobody else, not even with the same prompt bytes.
+    for tenant in ["globex", ""] {
+        let ctx = send(&mut vm, path, tenant, &body);
+        let dbg = finish(&mut vm, ctx);
+        assert_eq!(matched(&dbg), 0, "tenant {tenant:?}: {dbg}");
+    }
+}
+
+#[test]
+fn encoded_inference_paths_are_routed_as_inference() {
+    let h = Host::filter(Options::default()).expect("load prefix_router.wasm");
+    h.set_clock(1_700_000_000_000_000_000);
+    let mut vm = h.vm(CONFIG).expect("vm");
+    let body = chat("s", "u");
+    for path in [
+        "/v1/chat/%63ompletions",
+        "/v1/chat%2Fcompletions",
+        "//v1/chat/completions",
+    ] {
+        let ctx = send(&mut vm, path, "acme", &body);
+        let dbg = finish(&mut vm, ctx);
+        assert!(!dbg.contains("passthrough"), "{path}: {dbg}");
+    }
+    let r = vm
+        .request("POST", "//v1/completions", &[], br#"{"prompt":"p"}"#)
+        .expect("request");
+    assert_eq!(r.headers_action, 1, "paused for the body: inference");
+}
