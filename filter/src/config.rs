@@ -574,7 +574,7 @@ impl Config {
             let total_weight = workers.iter().map(|w| w.weight).sum();
             models.push(Model {
                 index_key_prefix: crate::index::KEY_PREFIX.to_string(),
-                load_key: format!("pr/l/{name}"),
+                load_key: format!("pr/l2/{name}"),
                 poll_key: format!("pr/p/{name}"),
                 peer_key: worker_id(name),
                 poll_clusters: workers

@@ -73,6 +73,9 @@ struct Metrics {
     /// Gauges set (not added) by the poller: oldest answer's age, workers without a fresh one.
     poll_age_ms: u32,
     poll_unknown: u32,
+    /// Gauges set from shared data: in-flight requests / tokens over the live load leases.
+    load_requests: u32,
+    load_tokens: u32,
     /// Per model, per worker: (in-flight requests, in-flight tokens) gauge slots.
     inflight: Vec<Vec<(usize, usize)>>,
 }
@@ -119,6 +122,8 @@ impl Metrics {
         let gauge = |name: &str| h.define_metric(MetricKind::Gauge, name);
         let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
         let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
+        let load_requests = gauge("prefix_router.load.requests");
+        let load_tokens = gauge("prefix_router.load.tokens");
         let inflight = cfg
             .models
             .iter()
@@ -168,6 +173,8 @@ impl Metrics {
             pd_client_fields,
             poll_age_ms,
             poll_unknown,
+            load_requests,
+            load_tokens,
             inflight,
         }
     }
@@ -479,9 +486,16 @@ impl Root {
                 s.metrics.flush(h);
             }
             if let Ok(mut r) = s.router.try_borrow_mut() {
-                r.tick(h, TICK_MS);
+                r.tick(h, TICK_MS, now_ticks(h).0);
                 let u = r.ledger.take_underflows();
                 s.metrics.add(s.metrics.load_underflows, u as i64);
+                if self.ticks.is_multiple_of(METRICS_EVERY) {
+                    // In-flight load as shared data holds it (live leases), not as this VM
+                    // counted it: a release that never reached shared data stays visible.
+                    let (q, t) = r.ledger.sampled();
+                    h.record_metric(s.metrics.load_requests, q);
+                    h.record_metric(s.metrics.load_tokens, t);
+                }
             }
             let s = s.clone();
             let (_, nanos) = now_ticks(h);

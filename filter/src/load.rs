@@ -1,117 +1,137 @@
 //! Load accounting: per-worker in-flight requests and in-flight (estimated uncached) prompt
-//! tokens, in one shared-data value per model so a routing decision reads all loads with a single
-//! host call.
+//! tokens of this Envoy, in one shared-data value per model, self-healing when a VM dies.
 //!
-//! The value is a list of 12-byte records `(worker id, requests, tokens)`, little-endian. Records
-//! are found by worker id (the configured position is tried first, so the common case is O(1)),
-//! which keeps counts correct across config reloads that add, remove or reorder workers: VMs
-//! running the old config keep decrementing the records they incremented.
+//! **Leases.** The value (`pr/l2/<model>`) is a list of leases, one per VM holding load:
+//! `vm` (lease id, u32), `beat` (heartbeat, 100 ms units, u32), `n` (u32), then `n` records
+//! `(worker id, requests, tokens)` (u32 each, little-endian; only non-zero workers). A VM keeps
+//! its own absolute totals locally and every write *replaces* its lease with them (never a
+//! delta), so nothing it writes can drift: a lost, duplicated or wrongly removed lease is exact
+//! again at the VM's next write. A VM without load has no lease.
 //!
-//! Increments happen when the filter routes, decrements exactly once when the stream ends. Both
-//! are CAS read-modify-writes through the VM's [`Ledger`]; a writer that keeps losing races keeps
-//! its delta parked and retries, so no delta is ever lost.
+//! **Liveness.** A lease counts while its heartbeat is at most [`STALE`] (2 s) from the clock
+//! (a beat in the future by up to 2 s counts too: a clock stepped back). A VM holding load
+//! writes its lease at every decision and, from its tick, at least every [`HEARTBEAT`] (500 ms).
+//! A VM that trapped (FAIL_RELOAD: no stream-end callbacks, no timer) stops beating: readers
+//! ignore its lease after the bound and any writer drops it (every write rebuilds the value and
+//! leaves dead leases out; each VM's timer also checks every 200 ms, see [`Ledger::tick`]).
+//! Failure modes: a live thread stalled for more than 2 s, a plugin whose root is gone while its
+//! streams drain, or a forward clock step of more than 2 s makes a live lease look dead until
+//! its next write (its load is under-counted meanwhile, never leaked).
+//!
+//! **Costs.** A decision: one get and one CAS (as before), plus a walk over the leases (O(m log n)
+//! for m non-zero records, n workers). A release: one get and one CAS on a quiet VM, none on a
+//! busy one (rides on the next write). A tick: nothing for a VM without load and unpublished
+//! changes, one get + CAS per model per heartbeat for one with load; every 200 ms one get per
+//! model for the shared-data gauges and dead-lease check.
 
-use crate::config::{Config, Worker};
+use crate::config::Config;
 use crate::poll::{self, Polled};
-use crate::records::{find, rd, wr, ById};
+use crate::records::{rd, ById};
 use crate::store::Store;
 
 const REC: usize = 12;
+const HDR: usize = 12;
 
-/// Fills `reqs` / `tokens` (one slot per configured worker: `n`, with id map `ids`) from a
-/// stored value; O(m log n) for m records in any order.
-pub fn decode(b: &[u8], ids: &ById, n: usize, reqs: &mut Vec<u32>, tokens: &mut Vec<u32>) {
-    reqs.clear();
-    tokens.clear();
-    reqs.resize(n, 0);
-    tokens.resize(n, 0);
-    ids.each(b, REC, |p, o| {
-        if let (Some(r), Some(t)) = (reqs.get_mut(p), tokens.get_mut(p)) {
-            *r = rd(b, o + 4);
-            *t = rd(b, o + 8);
+/// A lease older (or further in the future) than this many 100 ms units is dead: 2 s.
+pub const STALE: u32 = 20;
+/// A VM holding load rewrites its lease at least this often (100 ms units): 500 ms.
+pub const HEARTBEAT: u32 = 5;
+/// Ticks between the shared-data load samples (gauges, dead-lease check): 4 × 50 ms.
+const SAMPLE_EVERY: u32 = 4;
+/// Shared-data key of the lease-id counter.
+pub const LEASE_IDS_KEY: &str = "pr/lease-ids";
+
+/// Whether a heartbeat `beat` is alive at `now` (module docs).
+pub fn alive(beat: u32, now: u32) -> bool {
+    if beat <= now {
+        now - beat <= STALE
+    } else {
+        beat - now <= STALE
+    }
+}
+
+/// One lease of a value: `(vm, beat, start, end)` byte offsets of the whole lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lease {
+    vm: u32,
+    beat: u32,
+    start: usize,
+    end: usize,
+}
+
+/// Iterates the leases of a value; stops at a malformed tail (see [`Leases::rest`]).
+struct Leases<'a> {
+    b: &'a [u8],
+    o: usize,
+}
+
+impl<'a> Leases<'a> {
+    fn new(b: &'a [u8]) -> Self {
+        Leases { b, o: 0 }
+    }
+}
+
+impl Iterator for Leases<'_> {
+    type Item = Lease;
+    fn next(&mut self) -> Option<Lease> {
+        let start = self.o;
+        if start + HDR > self.b.len() {
+            return None;
         }
-    });
-}
-
-/// Applies a delta to `id`'s record in the raw value, appending the record if missing.
-/// Counts saturate at 0 and `u32::MAX`; returns false if a decrement found less than it removes.
-pub fn apply(b: &mut Vec<u8>, id: u32, hint: usize, dreq: i64, dtok: i64) -> bool {
-    b.truncate(b.len() - b.len() % REC);
-    let o = match find(b, REC, id, hint) {
-        Some(o) => o,
-        None => {
-            let o = b.len();
-            b.extend_from_slice(&id.to_le_bytes());
-            b.extend_from_slice(&[0u8; 8]);
-            o
-        }
-    };
-    let mut exact = true;
-    for (off, d) in [(4, dreq), (8, dtok)] {
-        let cur = i64::from(rd(b, o + off));
-        let next = cur + d;
-        exact &= next >= 0;
-        wr(b, o + off, next.clamp(0, i64::from(u32::MAX)) as u32);
-    }
-    exact
-}
-
-/// Writes one value per configured worker in config order (the layout `decode` reads in O(1)).
-pub fn initial(workers: &[Worker], out: &mut Vec<u8>) {
-    out.clear();
-    for w in workers {
-        out.extend_from_slice(&w.id.to_le_bytes());
-        out.extend_from_slice(&[0u8; 8]);
+        let n = rd(self.b, start + 8) as usize;
+        let end = n
+            .checked_mul(REC)
+            .and_then(|r| r.checked_add(start + HDR))
+            .filter(|&e| e <= self.b.len())?;
+        self.o = end;
+        Some(Lease {
+            vm: rd(self.b, start),
+            beat: rd(self.b, start + 4),
+            start,
+            end,
+        })
     }
 }
 
-/// Ensures `key` exists (a fresh VM on a fresh Envoy). Existing values are left alone, so a
-/// config reload never resets counts that in-flight requests will decrement.
-pub fn ensure<S: Store>(store: &S, key: &str, workers: &[Worker], buf: &mut Vec<u8>) {
-    if store.get(key, buf).is_none() {
-        initial(workers, buf);
-        let _ = store.set(key, buf, 0);
-    }
-}
-
-/// CAS attempts for a load-vector update before the delta is parked.
-const LOAD_RETRIES: u32 = 32;
-
-/// A delta that lost too many CAS races, or a release parked on a busy VM; written with this
-/// VM's next write of the model's load vector (or its next tick). Coalesced per worker.
-#[derive(Debug, Clone, Copy)]
-struct Pending {
-    model: u16,
-    worker: u16,
-    dreq: i64,
-    dtok: i64,
-}
-
-/// One VM's view of and access to the load vectors: the single home of load accounting.
+/// One VM's view of and access to the load leases: the single home of load accounting.
 ///
-/// Invariants: every charge is released exactly once by the caller; a delta is either written or
-/// parked (never dropped), and parked deltas ride on the next write of the same model's vector or
-/// on [`Ledger::tick`]; this VM's own reads include its parked deltas, so it never sees phantom
-/// load of its own. Polled loads (`poll.rs`) are merged into what [`Ledger::decide`] shows the
-/// policy, never into what is written.
+/// Invariants: `own` holds this VM's exact in-flight totals per model and worker (every charge
+/// is released exactly once by the caller); a model is `dirty` while its lease in shared data
+/// may differ from `own`, and a dirty model is written with the next write of that model or
+/// at the next tick; reads use `own` for this VM, so it never sees phantom load of its own.
+/// Polled loads (`poll.rs`) are merged into what [`Ledger::decide`] shows the policy, never
+/// into what is written.
 pub struct Ledger {
+    /// This VM's lease id (non-zero after [`Ledger::init`]; from the shared counter).
+    me: u32,
+    /// Varies per VM (the router's seed): separates two VMs racing to create the counter.
+    seed: u64,
+    /// Last clock seen (100 ms units), for writes that get no clock (releases).
+    now: u32,
     buf: Vec<u8>,
+    out: Vec<u8>,
     reqs: Vec<u32>,
     tokens: Vec<u32>,
-    pending: Vec<Pending>,
+    /// Per model, per worker: this VM's in-flight `(requests, tokens)`.
+    own: Vec<Vec<(u32, u32)>>,
+    /// Per model: unpublished changes; a lease of ours may be in shared data; its last beat.
+    dirty: Vec<bool>,
+    listed: Vec<bool>,
+    beat: Vec<u32>,
     /// Decisions since the last tick, and whether the last tick found this VM busy enough to
-    /// park releases.
+    /// defer releases.
     decisions: u32,
     busy: bool,
+    ticks: u32,
     /// Per model: the workers' polled loads as of this VM's last tick (empty: polling off).
     polled: Vec<Vec<Polled>>,
     /// Per model: the workers by id, to place records in any order in O(log n).
     ids: Vec<ById>,
-    /// Written deltas that saturated a counter (a decrement below zero or an increment past
+    /// Shared-data totals `(requests, tokens)` over live leases of every model, last sample.
+    sampled: (u64, u64),
+    /// Counter updates that saturated (a release of more than was charged, or an increment past
     /// `u32::MAX`): should stay 0; exported as the `load.underflows` counter.
     pub underflows: u64,
-    /// Parked deltas that saturated in the last `read` (counted once that value is written).
-    read_saturated: u64,
 }
 
 impl Ledger {
@@ -122,13 +142,26 @@ impl Ledger {
             .map(|m| m.workers.len())
             .max()
             .unwrap_or(0);
+        let models = cfg.models.len();
         Ledger {
+            me: 0, // until `init`: matches no stored lease
+            seed: 0,
+            now: 0,
             buf: Vec::with_capacity(REC * n.max(4) + 64),
+            out: Vec::with_capacity(REC * n.max(4) + 64),
             reqs: Vec::with_capacity(n),
             tokens: Vec::with_capacity(n),
-            pending: Vec::with_capacity(n.max(4)),
+            own: cfg
+                .models
+                .iter()
+                .map(|m| vec![(0, 0); m.workers.len()])
+                .collect(),
+            dirty: vec![false; models],
+            listed: vec![false; models],
+            beat: vec![0; models],
             decisions: 0,
             busy: false,
+            ticks: 0,
             polled: cfg
                 .models
                 .iter()
@@ -139,20 +172,46 @@ impl Ledger {
                 .iter()
                 .map(|m| ById::new(m.workers.iter().map(|w| w.id)))
                 .collect(),
+            sampled: (0, 0),
             underflows: 0,
-            read_saturated: 0,
         }
     }
 
-    /// Creates each model's load vector if this is the first VM to start.
+    /// Takes a lease id from the shared counter (unique among this process's VMs; `seed` varies
+    /// per VM and separates two VMs racing to create the counter) and creates each model's
+    /// value if this is the first VM, so later writes are always conditional.
     pub fn init<S: Store>(&mut self, store: &S, cfg: &Config) {
+        let seed = self.seed;
+        let mut next = 0u32;
+        for _ in 0..16 {
+            let cas = store.get(LEASE_IDS_KEY, &mut self.buf).unwrap_or(0);
+            next = rd(&self.buf, 0).wrapping_add(1);
+            if store.set(LEASE_IDS_KEY, &next.to_le_bytes(), cas).is_ok() {
+                break;
+            }
+        }
+        self.me = (next ^ ((seed as u32) & 0xffff_0000)).max(1);
         for m in &cfg.models {
-            ensure(store, &m.load_key, &m.workers, &mut self.buf);
+            if store.get(&m.load_key, &mut self.buf).is_none() {
+                let _ = store.set(&m.load_key, &[], 0);
+            }
         }
     }
 
-    /// Reads model `mi`'s vector (with this VM's parked deltas) into `reqs`/`tokens`, merged
-    /// with the polled loads when `merged`. Returns the CAS token.
+    /// Sets the per-VM seed used by [`Ledger::init`].
+    pub fn seeded(mut self, seed: u64) -> Ledger {
+        self.seed = seed;
+        self
+    }
+
+    /// This VM's lease id.
+    pub fn lease_id(&self) -> u32 {
+        self.me
+    }
+
+    /// Reads model `mi`'s value into `buf` and the live load of this Envoy into `reqs`/`tokens`
+    /// (this VM's own totals plus every other live lease), merged with the polled loads when
+    /// `merged`. Returns the CAS token.
     fn read<S: Store>(
         &mut self,
         store: &S,
@@ -161,19 +220,30 @@ impl Ledger {
         now: u32,
         merged: bool,
     ) -> u32 {
-        let Some(model) = cfg.models.get(mi) else {
+        self.reqs.clear();
+        self.tokens.clear();
+        let (Some(model), Some(own), Some(ids)) =
+            (cfg.models.get(mi), self.own.get(mi), self.ids.get(mi))
+        else {
             return 0;
         };
         let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
-        self.read_saturated = self.apply_parked(cfg, mi);
-        if let Some(ids) = self.ids.get(mi) {
-            decode(
-                &self.buf,
-                ids,
-                model.workers.len(),
-                &mut self.reqs,
-                &mut self.tokens,
-            );
+        for &(r, t) in own {
+            self.reqs.push(r);
+            self.tokens.push(t);
+        }
+        let clock = self.now;
+        for l in Leases::new(&self.buf) {
+            if l.vm == self.me || !alive(l.beat, clock) {
+                continue;
+            }
+            let recs = self.buf.get(l.start + HDR..l.end).unwrap_or(&[]);
+            ids.each(recs, REC, |p, o| {
+                if let (Some(r), Some(t)) = (self.reqs.get_mut(p), self.tokens.get_mut(p)) {
+                    *r = r.saturating_add(rd(recs, o + 4));
+                    *t = t.saturating_add(rd(recs, o + 8));
+                }
+            });
         }
         if merged {
             let stale = cfg.load_poll.stale_ms / 100;
@@ -183,11 +253,86 @@ impl Ledger {
         cas
     }
 
+    /// Changes this VM's own totals of worker `w` of model `mi`; counts a saturation.
+    fn bump(&mut self, mi: usize, w: usize, dreq: i64, dtok: i64) {
+        let Some(c) = self.own.get_mut(mi).and_then(|m| m.get_mut(w)) else {
+            return;
+        };
+        let mut exact = true;
+        for (v, d) in [(&mut c.0, dreq), (&mut c.1, dtok)] {
+            let next = i64::from(*v) + d;
+            exact &= (0..=i64::from(u32::MAX)).contains(&next);
+            *v = next.clamp(0, i64::from(u32::MAX)) as u32;
+        }
+        self.underflows += u64::from(!exact);
+        if let Some(d) = self.dirty.get_mut(mi) {
+            *d = true;
+        }
+    }
+
+    /// Writes model `mi`'s value read into `buf` at token `cas`, with this VM's lease replaced
+    /// by its current totals (none when all are zero) and dead or malformed leases left out.
+    /// Returns false when another VM wrote in between.
+    fn write<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize, cas: u32) -> bool {
+        let (Some(model), Some(own)) = (cfg.models.get(mi), self.own.get(mi)) else {
+            return true;
+        };
+        let now = self.now;
+        self.out.clear();
+        for l in Leases::new(&self.buf) {
+            if l.vm != self.me && alive(l.beat, now) {
+                if let Some(b) = self.buf.get(l.start..l.end) {
+                    self.out.extend_from_slice(b);
+                }
+            }
+        }
+        let n = own.iter().filter(|c| **c != (0, 0)).count();
+        if n > 0 {
+            for v in [self.me, now, n as u32] {
+                self.out.extend_from_slice(&v.to_le_bytes());
+            }
+            for (w, c) in model.workers.iter().zip(own) {
+                if *c != (0, 0) {
+                    for v in [w.id, c.0, c.1] {
+                        self.out.extend_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+        }
+        if store.set(&model.load_key, &self.out, cas).is_err() {
+            return false;
+        }
+        if let Some(d) = self.dirty.get_mut(mi) {
+            *d = false;
+        }
+        if let Some(l) = self.listed.get_mut(mi) {
+            *l = n > 0;
+        }
+        if let Some(b) = self.beat.get_mut(mi) {
+            *b = now;
+        }
+        true
+    }
+
+    /// Reads and writes model `mi`'s value until the CAS holds (at most `LOAD_RETRIES` times;
+    /// the model stays dirty otherwise and is written with its next write or tick).
+    fn publish<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize) {
+        let Some(model) = cfg.models.get(mi) else {
+            return;
+        };
+        for _ in 0..LOAD_RETRIES {
+            let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
+            if self.write(store, cfg, mi, cas) {
+                return;
+            }
+        }
+    }
+
     /// Chooses and charges atomically: reads the loads (merged with polled ones), lets `choose`
-    /// pick `(worker, tokens to charge, extra)`, and charges one request and those tokens in the
-    /// same CAS. If another thread wrote in between, it re-reads and re-chooses, so a load bound
-    /// checked by `choose` holds across threads. After `LOAD_RETRIES` lost races the last choice
-    /// stands and its charge is parked.
+    /// pick `(worker, tokens to charge, extra)`, and writes this VM's lease with the charge in
+    /// the same CAS. If another thread wrote in between, it re-reads and re-chooses, so a load
+    /// bound checked by `choose` holds across threads. After `LOAD_RETRIES` lost races the last
+    /// choice stands and its charge is written with the model's next write.
     pub fn decide<S: Store, T>(
         &mut self,
         store: &S,
@@ -197,28 +342,19 @@ impl Ledger {
         mut choose: impl FnMut(&[u32], &[u32]) -> (usize, u32, T),
     ) -> (usize, u32, T) {
         self.decisions = self.decisions.saturating_add(1);
+        self.now = now;
         let mut attempt = 1;
         loop {
             let cas = self.read(store, cfg, mi, now, true);
             let (w, tok, extra) = choose(&self.reqs, &self.tokens);
-            let Some((model, worker)) = cfg
-                .models
-                .get(mi)
-                .and_then(|m| Some((m, m.workers.get(w)?)))
-            else {
-                return (w, tok, extra);
-            };
-            // `buf` holds the raw vector plus parked deltas: what this write carries.
-            let exact = apply(&mut self.buf, worker.id, w, 1, i64::from(tok));
-            if store.set(&model.load_key, &self.buf, cas).is_ok() {
-                self.underflows += self.read_saturated + u64::from(!exact);
-                self.pending.retain(|p| usize::from(p.model) != mi);
+            if cfg.models.get(mi).and_then(|m| m.workers.get(w)).is_none() {
                 return (w, tok, extra);
             }
-            if attempt >= LOAD_RETRIES {
-                self.park(mi, w, 1, i64::from(tok));
+            self.bump(mi, w, 1, i64::from(tok));
+            if self.write(store, cfg, mi, cas) || attempt >= LOAD_RETRIES {
                 return (w, tok, extra);
             }
+            self.bump(mi, w, -1, -i64::from(tok)); // lost the race: choose again
             attempt += 1;
         }
     }
@@ -231,12 +367,12 @@ impl Ledger {
         mi: usize,
         now: u32,
     ) -> (&[u32], &[u32]) {
+        self.now = now;
         self.read(store, cfg, mi, now, true);
         (&self.reqs, &self.tokens)
     }
 
-    /// Adds a delta to worker `w` of model `mi`, together with the model's parked deltas, in one
-    /// CAS read-modify-write; parks it if the CAS keeps losing.
+    /// Adds a delta to worker `w` of model `mi` and writes this VM's lease.
     pub fn add<S: Store>(
         &mut self,
         store: &S,
@@ -246,35 +382,23 @@ impl Ledger {
         dreq: i64,
         dtok: i64,
     ) {
-        let Some(model) = cfg.models.get(mi) else {
+        if cfg.models.get(mi).and_then(|m| m.workers.get(w)).is_none() {
             return;
-        };
-        let Some(worker) = model.workers.get(w) else {
-            return;
-        };
+        }
         if dreq > 0 {
             self.decisions = self.decisions.saturating_add(1);
         }
-        for _ in 0..LOAD_RETRIES {
-            let cas = store.get(&model.load_key, &mut self.buf).unwrap_or(0);
-            let saturated = self.apply_parked(cfg, mi);
-            let exact = apply(&mut self.buf, worker.id, w, dreq, dtok);
-            if store.set(&model.load_key, &self.buf, cas).is_ok() {
-                self.underflows += saturated + u64::from(!exact);
-                self.pending.retain(|p| usize::from(p.model) != mi);
-                return;
-            }
-        }
-        self.park(mi, w, dreq, dtok);
+        self.bump(mi, w, dreq, dtok);
+        self.publish(store, cfg, mi);
     }
 
     /// Undoes a charge; the caller calls it exactly once when the stream ends.
     ///
     /// On a busy VM (at least `policy.batch_releases_min_rps` decisions per second over the last
-    /// tick) the release is parked and rides on this VM's next load-vector write, usually
-    /// milliseconds later, or on the next tick: two shared-data host calls fewer per request.
-    /// This VM's own decisions see it at once; other threads see the worker busier by about one
-    /// request per busy VM until then. On a quiet VM it is written at once.
+    /// tick) the release is only applied to this VM's totals and rides on its next write of the
+    /// model's value, usually milliseconds later, or on the next tick: two shared-data host calls
+    /// fewer per request. This VM's own decisions see it at once; other threads see the worker
+    /// busier by about one request per busy VM until then. On a quiet VM it is written at once.
     pub fn release<S: Store>(
         &mut self,
         store: &S,
@@ -287,21 +411,38 @@ impl Ledger {
         if reqs == 0 && tokens == 0 {
             return;
         }
-        let (dreq, dtok) = (-i64::from(reqs), -i64::from(tokens));
-        if self.busy {
-            self.park(mi, w, dreq, dtok);
-        } else {
-            self.add(store, cfg, mi, w, dreq, dtok);
+        if cfg.models.get(mi).and_then(|m| m.workers.get(w)).is_none() {
+            return;
+        }
+        self.bump(mi, w, -i64::from(reqs), -i64::from(tokens));
+        if !self.busy {
+            self.publish(store, cfg, mi);
         }
     }
 
-    /// The VM's timer: decides from the decisions of the last `elapsed_ms` whether releases are
-    /// parked until the next tick, writes every parked delta and re-reads the polled loads.
-    pub fn tick<S: Store>(&mut self, store: &S, cfg: &Config, elapsed_ms: u32) {
+    /// The VM's timer, every `elapsed_ms` at clock `now` (100 ms units): decides from the
+    /// decisions since the last tick whether releases are deferred, writes every model with
+    /// unpublished changes or a heartbeat due, re-reads the polled loads and, every 200 ms (and
+    /// on a new VM's first tick), samples the shared-data totals and drops dead leases.
+    pub fn tick<S: Store>(&mut self, store: &S, cfg: &Config, elapsed_ms: u32, now: u32) {
         let rate = f64::from(self.decisions) * 1000.0 / f64::from(elapsed_ms.max(1));
         self.busy = rate >= cfg.policy.batch_releases_min_rps;
         self.decisions = 0;
-        self.flush(store, cfg);
+        self.now = now;
+        for mi in 0..cfg.models.len() {
+            let due = self.listed.get(mi).copied().unwrap_or(false)
+                && !self
+                    .beat
+                    .get(mi)
+                    .is_some_and(|&b| alive(b, now) && now.abs_diff(b) < HEARTBEAT);
+            if self.dirty.get(mi).copied().unwrap_or(false) || due {
+                self.publish(store, cfg, mi);
+            }
+        }
+        if self.ticks.is_multiple_of(SAMPLE_EVERY) {
+            self.sample(store, cfg);
+        }
+        self.ticks = self.ticks.wrapping_add(1);
         if cfg.load_poll.interval_ms > 0 {
             for (mi, (m, out)) in cfg.models.iter().zip(self.polled.iter_mut()).enumerate() {
                 match store.get(&m.poll_key, &mut self.buf) {
@@ -315,21 +456,47 @@ impl Ledger {
         }
     }
 
-    /// Writes every parked delta (the VM's tick, and shutdown).
+    /// Sums the live leases of every model as stored in shared data (what the load gauges show:
+    /// a release that never reached shared data stays visible there), and rewrites a value that
+    /// holds a dead or malformed lease without it.
+    fn sample<S: Store>(&mut self, store: &S, cfg: &Config) {
+        let now = self.now;
+        let (mut reqs, mut tokens) = (0u64, 0u64);
+        for (mi, m) in cfg.models.iter().enumerate() {
+            let Some(cas) = store.get(&m.load_key, &mut self.buf) else {
+                continue;
+            };
+            let (mut dead, mut end) = (false, 0);
+            for l in Leases::new(&self.buf) {
+                end = l.end;
+                if !alive(l.beat, now) {
+                    dead = true;
+                    continue;
+                }
+                let recs = self.buf.get(l.start + HDR..l.end).unwrap_or(&[]);
+                for r in recs.chunks_exact(REC) {
+                    reqs += u64::from(rd(r, 4));
+                    tokens += u64::from(rd(r, 8));
+                }
+            }
+            if dead || end != self.buf.len() {
+                // Our own lease is rewritten from our totals on the way (exact either way).
+                let _ = self.write(store, cfg, mi, cas);
+            }
+        }
+        self.sampled = (reqs, tokens);
+    }
+
+    /// `(requests, tokens)` in flight in shared data over all models, as of the last sample.
+    pub fn sampled(&self) -> (u64, u64) {
+        self.sampled
+    }
+
+    /// Writes every model with unpublished changes (shutdown).
     pub fn flush<S: Store>(&mut self, store: &S, cfg: &Config) {
-        let mut k = 0;
-        while let Some(p) = self.pending.get(k).copied() {
-            let before = self.pending.len();
-            self.add(
-                store,
-                cfg,
-                usize::from(p.model),
-                usize::from(p.worker),
-                0,
-                0,
-            );
-            if self.pending.len() == before {
-                k += 1; // still parked (CAS kept losing): try the next model
+        for mi in 0..cfg.models.len() {
+            if self.dirty.get(mi).copied().unwrap_or(false) {
+                self.publish(store, cfg, mi);
             }
         }
     }
@@ -344,12 +511,14 @@ impl Ledger {
         self.ids.get(mi)
     }
 
-    /// Number of parked load deltas (0 except under extreme contention or on a busy VM).
+    /// Number of models whose lease in shared data lags this VM's totals (0 except under
+    /// extreme contention or on a busy VM between writes).
     pub fn pending_len(&self) -> usize {
-        self.pending.len()
+        self.dirty.iter().filter(|d| **d).count()
     }
 
-    /// This Envoy's own in-flight `(requests, tokens)` per worker of model `mi` (not merged).
+    /// This Envoy's in-flight `(requests, tokens)` per worker of model `mi` (this VM's totals
+    /// plus every other live lease; not merged with polled loads).
     pub fn own<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize) -> Vec<(u32, u32)> {
         self.read(store, cfg, mi, 0, false);
         self.reqs
@@ -359,7 +528,7 @@ impl Ledger {
             .collect()
     }
 
-    /// This Envoy's own in-flight counts of worker `w` of model `mi`, for a poll snapshot.
+    /// This Envoy's in-flight counts of worker `w` of model `mi`, for a poll snapshot.
     pub fn own_of<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize, w: usize) -> (u32, u32) {
         self.read(store, cfg, mi, 0, false);
         (
@@ -367,64 +536,15 @@ impl Ledger {
             self.tokens.get(w).copied().unwrap_or(0),
         )
     }
-
-    fn park(&mut self, mi: usize, w: usize, dreq: i64, dtok: i64) {
-        let (model, worker) = (mi as u16, w as u16);
-        match self
-            .pending
-            .iter_mut()
-            .find(|p| p.model == model && p.worker == worker)
-        {
-            Some(p) => {
-                p.dreq += dreq;
-                p.dtok += dtok;
-            }
-            None => self.pending.push(Pending {
-                model,
-                worker,
-                dreq,
-                dtok,
-            }),
-        }
-    }
-
-    /// Applies model `mi`'s parked deltas to the value in `buf`; returns how many saturated.
-    fn apply_parked(&mut self, cfg: &Config, mi: usize) -> u64 {
-        let Some(model) = cfg.models.get(mi) else {
-            return 0;
-        };
-        let mut saturated = 0;
-        for p in self.pending.iter().filter(|p| usize::from(p.model) == mi) {
-            if let Some(w) = model.workers.get(usize::from(p.worker)) {
-                if !apply(&mut self.buf, w.id, usize::from(p.worker), p.dreq, p.dtok) {
-                    saturated += 1;
-                }
-            }
-        }
-        saturated
-    }
 }
+
+/// CAS attempts for a write before the change is left for the model's next write.
+const LOAD_RETRIES: u32 = 32;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::worker_id;
     use crate::store::MemStore;
-
-    fn workers(names: &[&str]) -> Vec<Worker> {
-        names
-            .iter()
-            .map(|n| Worker {
-                cluster: n.to_string(),
-                weight: 1.0,
-                id: worker_id(n),
-            })
-            .collect()
-    }
-
-    fn ids(ws: &[Worker]) -> ById {
-        ById::new(ws.iter().map(|w| w.id))
-    }
 
     fn cfg(workers: &[&str], extra: &str) -> Config {
         let ws: Vec<String> = workers.iter().map(|w| format!("\"{w}\"")).collect();
@@ -435,105 +555,160 @@ mod tests {
         Config::from_json(json.as_bytes()).unwrap()
     }
 
+    fn ledger(s: &MemStore, c: &Config, seed: u64) -> Ledger {
+        let mut l = Ledger::new(c).seeded(seed);
+        l.init(s, c);
+        l
+    }
+
+    type Stored = (u32, u32, Vec<(u32, u32, u32)>);
+
+    /// `(vm, beat, records)` of every lease stored.
+    fn leases(s: &MemStore) -> Vec<Stored> {
+        let mut b = Vec::new();
+        s.get("pr/l2/m", &mut b);
+        Leases::new(&b)
+            .map(|l| {
+                let recs = b[l.start + HDR..l.end]
+                    .chunks_exact(REC)
+                    .map(|r| (rd(r, 0), rd(r, 4), rd(r, 8)))
+                    .collect();
+                (l.vm, l.beat, recs)
+            })
+            .collect()
+    }
+
     #[test]
-    fn increments_and_decrements_by_id() {
+    fn each_vm_publishes_its_totals_and_readers_sum_them_by_worker_id() {
         let c = cfg(&["a", "b", "c"], "");
         let s = MemStore::new();
-        let mut l = Ledger::new(&c);
-        l.init(&s, &c);
+        let mut l = ledger(&s, &c, 1);
         l.add(&s, &c, 0, 1, 1, 100);
         l.add(&s, &c, 0, 1, 1, 50);
         l.add(&s, &c, 0, 2, 1, 7);
         assert_eq!(l.own(&s, &c, 0), vec![(0, 0), (2, 150), (1, 7)]);
-        // A reordered config reads the same counts by id.
-        let (mut r, mut t, mut buf) = (Vec::new(), Vec::new(), Vec::new());
-        s.get("pr/l/m", &mut buf);
-        let ws = workers(&["c", "d", "b"]);
-        decode(&buf, &ids(&ws), 3, &mut r, &mut t);
-        assert_eq!((r, t), (vec![1, 0, 2], vec![7, 0, 150]));
+        // One lease, absolute totals of the non-zero workers only.
+        let ls = leases(&s);
+        assert_eq!(ls.len(), 1);
+        assert_eq!(ls[0].2.len(), 2);
+        // A VM with a reordered config (d new, a removed) reads the same counts by id and adds
+        // its own.
+        let c2 = cfg(&["c", "d", "b"], "");
+        let mut other = ledger(&s, &c2, 2);
+        assert_ne!(other.lease_id(), l.lease_id());
+        other.add(&s, &c2, 0, 0, 1, 1);
+        assert_eq!(other.own(&s, &c2, 0), vec![(2, 8), (0, 0), (2, 150)]);
+        assert_eq!(l.own(&s, &c, 0), vec![(0, 0), (2, 150), (2, 8)]);
         l.release(&s, &c, 0, 1, 2, 150);
         l.release(&s, &c, 0, 2, 1, 7);
+        other.release(&s, &c2, 0, 0, 1, 1);
         assert!(l.own(&s, &c, 0).iter().all(|&x| x == (0, 0)));
-        assert_eq!(l.underflows, 0);
+        assert!(leases(&s).is_empty(), "a VM without load has no lease");
+        assert_eq!(l.underflows + other.underflows, 0);
     }
 
     #[test]
-    fn decrement_below_zero_saturates_and_reports() {
-        let mut b = Vec::new();
-        assert!(!apply(&mut b, 9, 0, -1, -5));
-        let ws = vec![Worker {
-            cluster: "x".into(),
-            weight: 1.0,
-            id: 9,
-        }];
-        let (mut r, mut t) = (Vec::new(), Vec::new());
-        decode(&b, &ids(&ws), 1, &mut r, &mut t);
-        assert_eq!((r[0], t[0]), (0, 0));
+    fn release_below_zero_saturates_and_is_counted() {
         let c = cfg(&["a"], "");
         let s = MemStore::new();
-        let mut l = Ledger::new(&c);
-        l.release(&s, &c, 0, 0, 1, 1);
-        assert_eq!(l.underflows, 1);
-    }
-
-    #[test]
-    fn a_saturating_parked_delta_is_counted_when_a_decision_writes_it() {
-        // A busy VM parks a release of more than was charged; the next decision carries it, the
-        // counter saturates at 0 and the saturation is counted (it was silently dropped).
-        let c = cfg(&["a", "b"], r#","policy":{"batch_releases_min_rps":0}"#);
-        let s = MemStore::new();
-        let mut l = Ledger::new(&c);
-        l.init(&s, &c);
-        l.tick(&s, &c, 50);
-        l.release(&s, &c, 0, 0, 1, 10);
-        assert_eq!(l.pending_len(), 1);
-        assert_eq!(l.underflows, 0);
-        l.decide(&s, &c, 0, 1, |_, _| (1, 5, ()));
-        assert_eq!(l.pending_len(), 0);
+        let mut l = ledger(&s, &c, 1);
+        l.add(&s, &c, 0, 0, 1, 3);
+        l.release(&s, &c, 0, 0, 2, 5);
+        assert_eq!(l.own(&s, &c, 0), vec![(0, 0)]);
         assert_eq!(l.take_underflows(), 1);
         assert_eq!(l.underflows, 0);
-        assert_eq!(l.own(&s, &c, 0), vec![(0, 0), (1, 5)]);
     }
 
     #[test]
-    fn garbage_values_do_not_panic() {
-        let ws = workers(&["a"]);
-        let (mut r, mut t) = (Vec::new(), Vec::new());
-        decode(b"1234567", &ids(&ws), 1, &mut r, &mut t);
-        assert_eq!(r, vec![0]);
-        let mut b = b"12345678901234".to_vec();
-        apply(&mut b, ws[0].id, 0, 1, 1);
-        assert_eq!(b.len(), 24);
-    }
-
-    #[test]
-    fn lost_races_park_the_delta_and_the_next_write_carries_it() {
-        // Every conditional set conflicts: the charge is parked, visible to this VM only.
+    fn a_dead_lease_stops_counting_after_the_bound_and_is_removed() {
         let c = cfg(&["a", "b"], "");
-        let s = MemStore::with_conflicts(1);
-        let mut l = Ledger::new(&c);
-        l.init(&s, &c);
-        l.add(&s, &c, 0, 0, 1, 10);
+        let s = MemStore::new();
+        let mut dead = ledger(&s, &c, 1);
+        let mut live = ledger(&s, &c, 2);
+        dead.decide(&s, &c, 0, 100, |_, _| (0, 10, ()));
+        dead.decide(&s, &c, 0, 100, |_, _| (0, 10, ()));
+        live.decide(&s, &c, 0, 100, |_, _| (1, 5, ()));
+        assert_eq!(live.own(&s, &c, 0), vec![(2, 20), (1, 5)]);
+        // `dead` stops here (its VM trapped). `live` keeps ticking every 50 ms.
+        let mut now = 100;
+        for k in 0..(2 * STALE + 10) {
+            if k % 2 == 0 {
+                now += 1;
+            }
+            live.tick(&s, &c, 50, now);
+            let seen = live.own(&s, &c, 0)[0];
+            if now - 100 <= STALE {
+                assert_eq!(seen, (2, 20), "alive within the bound (now {now})");
+            } else {
+                assert_eq!(seen, (0, 0), "dead after the bound (now {now})");
+            }
+        }
+        let ls = leases(&s);
+        assert_eq!(ls.len(), 1, "{ls:?}");
+        assert_eq!(ls[0].0, live.lease_id());
+        assert!(
+            alive(ls[0].1, now),
+            "the live lease is kept by its heartbeat"
+        );
+        assert_eq!(live.sampled(), (1, 5));
+        // A lease removed by mistake (here: by a writer whose clock jumped ahead) is back, exact,
+        // at its owner's next write.
+        let mut jumpy = ledger(&s, &c, 3);
+        jumpy.tick(&s, &c, 50, now + 100);
+        assert!(leases(&s).is_empty());
+        live.tick(&s, &c, 50, now + HEARTBEAT);
+        assert_eq!(leases(&s)[0].2, vec![(c.models[0].workers[1].id, 1, 5)]);
+    }
+
+    #[test]
+    fn near_future_beats_count_far_future_ones_do_not() {
+        assert!(alive(100, 100));
+        assert!(alive(100 + STALE, 100), "clock stepped back by up to 2 s");
+        assert!(!alive(101 + STALE, 100));
+        assert!(alive(100, 100 + STALE));
+        assert!(!alive(100, 101 + STALE));
+    }
+
+    #[test]
+    fn garbage_values_do_not_panic_and_are_replaced() {
+        let c = cfg(&["a"], "");
+        let s = MemStore::new();
+        s.put("pr/l2/m", b"\x01\0\0\0\x64\0\0\0\xff\xff\xff\xff12345");
+        let mut l = ledger(&s, &c, 1);
+        assert_eq!(l.own(&s, &c, 0), vec![(0, 0)]);
+        l.decide(&s, &c, 0, 100, |_, _| (0, 1, ()));
+        assert_eq!(leases(&s).len(), 1);
+        let mut b = Vec::new();
+        s.get("pr/l2/m", &mut b);
+        assert_eq!(b.len(), HDR + REC, "the malformed value was rebuilt");
+    }
+
+    #[test]
+    fn lost_races_keep_the_charge_local_and_the_next_write_carries_it() {
+        // Every conditional set conflicts: the charge is this VM's only.
+        let c = cfg(&["a", "b"], "");
+        let s = MemStore::new();
+        let mut l = ledger(&s, &c, 1);
+        let mut other = ledger(&s, &c, 2);
+        let mut v = Vec::new();
+        s.get("pr/l2/m", &mut v);
+        let contended = MemStore::with_conflicts(1);
+        contended.put("pr/l2/m", &v);
+        l.add(&contended, &c, 0, 0, 1, 10);
         assert_eq!(l.pending_len(), 1);
-        assert_eq!(l.own(&s, &c, 0)[0], (1, 10));
-        let mut other = Ledger::new(&c);
-        assert_eq!(other.own(&s, &c, 0)[0], (0, 0));
-        // Contention ends: the next write of the model's vector carries the parked delta.
-        let s2 = MemStore::new();
-        let mut buf = Vec::new();
-        s.get("pr/l/m", &mut buf);
-        s2.put("pr/l/m", &buf);
-        l.add(&s2, &c, 0, 1, 1, 5);
+        assert_eq!(l.own(&contended, &c, 0)[0], (1, 10));
+        assert_eq!(other.own(&contended, &c, 0)[0], (0, 0));
+        // Contention ends: the next write of the model's value carries it.
+        l.add(&s, &c, 0, 1, 1, 5);
         assert_eq!(l.pending_len(), 0);
-        assert_eq!(other.own(&s2, &c, 0), vec![(1, 10), (1, 5)]);
+        assert_eq!(other.own(&s, &c, 0), vec![(1, 10), (1, 5)]);
     }
 
     #[test]
     fn decide_rechooses_after_a_lost_race_and_charges_once() {
         let c = cfg(&["a", "b"], "");
         let s = MemStore::with_conflicts(2);
-        let mut l = Ledger::new(&c);
-        l.init(&s, &c);
+        let mut l = ledger(&s, &c, 1);
         let mut calls = 0;
         let (w, tok, ()) = l.decide(&s, &c, 0, 1, |r, _| {
             calls += 1;
@@ -547,12 +722,37 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_vm_makes_no_host_call_between_samples() {
+        let c = cfg(&["a", "b"], r#","load_poll":{"interval_ms":0}"#);
+        let s = MemStore::new();
+        let mut l = ledger(&s, &c, 1);
+        l.tick(&s, &c, 50, 10); // first tick: samples
+        let before = s.calls();
+        for k in 0..(SAMPLE_EVERY - 1) {
+            l.tick(&s, &c, 50, 10 + k);
+        }
+        assert_eq!(s.calls(), before);
+        // With load: a heartbeat every 500 ms, not every tick.
+        l.add(&s, &c, 0, 0, 1, 1);
+        let (_, sets0) = s.calls();
+        for k in 0..40 {
+            l.tick(&s, &c, 50, 20 + k / 2);
+        }
+        let (_, sets) = s.calls();
+        assert!(
+            sets - sets0 <= 20 / HEARTBEAT as u64 + 1,
+            "{}",
+            sets - sets0
+        );
+        assert!(sets > sets0);
+    }
+
+    #[test]
     fn decisions_see_polled_load_plus_own_changes() {
-        // Another replica keeps 6 requests on worker a: the policy sees them, the vector not.
+        // Another replica keeps 6 requests on worker a: the policy sees them, the leases not.
         let c = cfg(&["a", "b"], "");
         let s = MemStore::new();
-        let mut l = Ledger::new(&c);
-        l.init(&s, &c);
+        let mut l = ledger(&s, &c, 1);
         let mut buf = Vec::new();
         let m = &c.models[0];
         let p = Polled {
@@ -573,14 +773,14 @@ mod tests {
             r.to_vec()
         };
         assert_eq!(seen(&mut l, 10), vec![0, 0], "not before this VM's tick");
-        l.tick(&s, &c, 50);
+        l.tick(&s, &c, 50, 10);
         assert_eq!(seen(&mut l, 10), vec![6, 0]);
         l.add(&s, &c, 0, 0, 1, 1);
         assert_eq!(seen(&mut l, 11), vec![7, 0], "own change since the poll");
         assert_eq!(
             l.own(&s, &c, 0)[0],
             (1, 1),
-            "the vector holds own counts only"
+            "the leases hold own counts only"
         );
         // Both stale after stale_ms (1 s = 10 units): nothing known, own counts.
         assert_eq!(seen(&mut l, 21), vec![1, 0]);

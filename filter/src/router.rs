@@ -114,7 +114,7 @@ impl Router {
             matches: Matches::with_capacity(),
             matched: Vec::with_capacity(max_workers),
             ids,
-            ledger: Ledger::new(&cfg),
+            ledger: Ledger::new(&cfg).seeded(seed),
             busy: Busy::new(&cfg),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
@@ -480,9 +480,9 @@ impl Router {
         );
     }
 
-    /// The VM's timer (see [`Ledger::tick`]).
-    pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32) {
-        self.ledger.tick(store, &self.cfg, elapsed_ms);
+    /// The VM's timer at clock `now` (100 ms units; see [`Ledger::tick`]).
+    pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32, now: u32) {
+        self.ledger.tick(store, &self.cfg, elapsed_ms, now);
         if let Some(range) = &mut self.shrink {
             let mut key = String::new();
             crate::index::clear_some(store, range, crate::index::CLEAR_PER_TICK, &mut key);
@@ -654,7 +654,7 @@ mod tests {
             let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
             a.release(&s, &d);
         }
-        a.tick(&s, 50);
+        a.tick(&s, 50, 1);
         let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
         a.release(&s, &d);
         assert_eq!(a.pending_len(), 1);
@@ -674,7 +674,7 @@ mod tests {
         assert_eq!(l.iter().map(|l| l.0).sum::<u32>(), 1, "{l:?}");
         a.release(&s, &d2);
         // A tick that saw 1 decision in 50 ms (20/s) flushes and makes the VM quiet again.
-        a.tick(&s, 50);
+        a.tick(&s, 50, 1);
         assert!(b.loads(&s, 0).iter().all(|&l| l == (0, 0)));
         let d = served(&mut a, &s, Endpoint::Chat, &body, 1);
         a.release(&s, &d);

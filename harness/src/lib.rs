@@ -30,7 +30,7 @@ pub mod shared;
 pub mod vm;
 pub mod wasm_file;
 
-pub use shared::{SharedData, Stats};
+pub use shared::{LoadLease, SharedData, Stats};
 pub use vm::Host;
 pub use vm::{HttpCall, LocalResponse, Options, Response, State, Vm};
 pub use wasm_file::{default_wasm_path, filter_wasm, wasm_exports};

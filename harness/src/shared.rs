@@ -95,3 +95,51 @@ impl Stats {
         v
     }
 }
+
+/// One VM's lease in a model's load value (`pr/l2/<model>`; layout in docs/design.md): the VM's
+/// lease id, its last heartbeat (100 ms units) and its `(worker id, requests, tokens)` records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadLease {
+    pub vm: u32,
+    pub beat: u32,
+    pub records: Vec<(u32, u32, u32)>,
+}
+
+impl SharedData {
+    /// The leases stored in model `model`'s load value (empty when the key is missing; parsing
+    /// stops at a malformed tail).
+    pub fn load_leases(&self, model: &str) -> Vec<LoadLease> {
+        let Some((b, _)) = self.get(&format!("pr/l2/{model}")) else {
+            return Vec::new();
+        };
+        let u = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let (mut out, mut o) = (Vec::new(), 0);
+        while o + 12 <= b.len() {
+            let n = u(o + 8) as usize;
+            let end = o + 12 + 12 * n;
+            if end > b.len() {
+                break;
+            }
+            let records = (0..n)
+                .map(|k| o + 12 + 12 * k)
+                .map(|r| (u(r), u(r + 4), u(r + 8)))
+                .collect();
+            out.push(LoadLease {
+                vm: u(o),
+                beat: u(o + 4),
+                records,
+            });
+            o = end;
+        }
+        out
+    }
+
+    /// `(requests, tokens)` summed over every lease stored for `model`: the in-flight load this
+    /// process's shared data holds, whatever the VMs' gauges say.
+    pub fn load_totals(&self, model: &str) -> (u64, u64) {
+        self.load_leases(model)
+            .iter()
+            .flat_map(|l| l.records.iter())
+            .fold((0, 0), |(r, t), &(_, q, k)| (r + u64::from(q), t + u64::from(k)))
+    }
+}

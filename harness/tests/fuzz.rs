@@ -7,7 +7,7 @@
 //! panic=abort) and must do one of exactly two things: route to a cluster of the configured set
 //! (one `x-prefix-router-cluster` value, the debug header naming a known reason), or answer a
 //! local OpenAI-style JSON 404 (only with `unknown_model: reject`). A tenth of the streams end
-//! as client aborts (no `on_log`). Afterwards every in-flight gauge and the shared load vectors
+//! as client aborts (no `on_log`). Afterwards every in-flight gauge and the shared-data load leases
 //! are back at zero, nothing was logged at error level, and the shared-data key count is within
 //! the configured index capacity.
 //!
@@ -437,10 +437,7 @@ fn inflight_sum(h: &Host) -> i64 {
 }
 
 fn load_vectors_zero(h: &Host, models: &[&str]) -> bool {
-    models.iter().all(|m| {
-        let (v, _) = h.shared.get(&format!("pr/l/{m}")).expect("load vector");
-        v.chunks_exact(12).all(|rec| rec[4..] == [0u8; 8])
-    })
+    models.iter().all(|m| h.shared.load_totals(m) == (0, 0))
 }
 
 #[test]
@@ -665,15 +662,15 @@ fn random_and_mutated_bodies_never_trap_and_always_have_a_defined_outcome() {
             assert!(errs.is_empty(), "target {k} logged errors: {errs:?}");
         }
     }
-    // capacity 256 -> 64 buckets per model (+ its load vector and polled-load value), plus the
-    // poller lease; capacity 64 -> 16 (+2) (+1)
+    // capacity 256 -> 64 buckets per model (+ its load leases and polled-load value), plus the
+    // poller lease and the load-lease id counter; capacity 64 -> 16 (+2) (+2)
     assert!(
-        targets[0].host.shared.len() <= 2 * (64 + 2) + 1,
+        targets[0].host.shared.len() <= 2 * (64 + 2) + 2,
         "{}",
         targets[0].host.shared.len()
     );
     assert!(
-        targets[1].host.shared.len() <= 2 * (16 + 2) + 1,
+        targets[1].host.shared.len() <= 2 * (16 + 2) + 2,
         "{}",
         targets[1].host.shared.len()
     );
@@ -681,7 +678,8 @@ fn random_and_mutated_bodies_never_trap_and_always_have_a_defined_outcome() {
 
 /// The prefix index is a fixed slot table: however many distinct prompts flow through, the number
 /// of shared-data keys (and their bytes) never exceeds `capacity / 4` buckets per model plus the
-/// load vector, and the table does fill up to that bound (keys are really used).
+/// the load leases and the lease-id counter, and the table does fill up to that bound (keys are
+/// really used).
 #[test]
 fn shared_data_keys_never_exceed_the_index_capacity() {
     let n: usize = std::env::var("PREFIX_ROUTER_DISTINCT_PROMPTS")
@@ -692,8 +690,8 @@ fn shared_data_keys_never_exceed_the_index_capacity() {
     let host = Host::filter(Options::default()).expect("load prefix_router.wasm");
     host.set_clock(1_700_000_000_000_000_000);
     let mut vms: Vec<Vm> = (0..2).map(|_| host.vm(cfg).unwrap()).collect();
-    // index buckets + the load vector + the index size record (`pr/i2/size`)
-    let bound = 400 / 4 + 2;
+    // index buckets + the load leases + the lease-id counter + the index size record (`pr/i2/size`)
+    let bound = 400 / 4 + 3;
     let mut max_keys = 0;
     let mut max_bytes = 0;
     for i in 0..n {
@@ -718,6 +716,6 @@ fn shared_data_keys_never_exceed_the_index_capacity() {
     }
     eprintln!("distinct prompts {n}: max {max_keys} keys (bound {bound}), max {max_bytes} bytes");
     assert_eq!(max_keys, bound, "the table fills up to exactly its bound");
-    // 100 buckets of 160 bytes + the load vector + key names: a few tens of KiB at most
+    // 100 buckets of 160 bytes + the load leases + key names: a few tens of KiB at most
     assert!(max_bytes < 100 * 200 + 1024, "{max_bytes}");
 }

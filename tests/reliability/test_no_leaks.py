@@ -1,5 +1,7 @@
-"""No leaked state: every per-worker in-flight gauge (requests and tokens) returns to exactly 0
-after a run full of client aborts mid-stream, client timeouts, upstream 500s, upstream resets
+"""No leaked state: every per-worker in-flight gauge (requests and tokens) and the load in Envoy's
+shared data (`prefix_router_load_{requests,tokens}`, summed from the VMs' load leases: nonzero if
+a release never reached shared data, whatever the VM-side gauges say) return to exactly 0 after a
+run full of client aborts mid-stream, client timeouts, upstream 500s, upstream resets
 (a worker SIGKILLed and restarted again and again) and per-try idle timeouts (a worker 1.5 s slow,
 abandoned after 0.5 s and retried elsewhere).
 
@@ -90,7 +92,9 @@ def test_inflight_gauges_return_to_zero_after_aborts_resets_and_timeouts(capsys)
         }
         with capsys.disabled():
             print(f"\n[no leaks] {summary}\n[no leaks] gauges after: {gauges}")
-        assert len(gauges) == 8, gauges  # requests + tokens for llama_0..llama_3
+        # requests + tokens for llama_0..llama_3, and the shared-data load
+        assert len(gauges) == 8 + 2, gauges
+        assert gauges["prefix_router_load_requests"] == 0 and gauges["prefix_router_load_tokens"] == 0
         assert all(v == 0 for v in gauges.values()), gauges
         # the faults really happened
         assert summary["aborted_by_client"] > 0 and kills > 0 and summary["failed"] > 0
