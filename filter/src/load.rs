@@ -234,7 +234,8 @@ impl Ledger {
         }
         let clock = self.now;
         for l in Leases::new(&self.buf) {
-            if l.vm == self.me || !alive(l.beat, clock) {
+            // No clock seen yet (no decision or tick): count every lease rather than guess.
+            if l.vm == self.me || (clock != 0 && !alive(l.beat, clock)) {
                 continue;
             }
             let recs = self.buf.get(l.start + HDR..l.end).unwrap_or(&[]);
@@ -280,7 +281,7 @@ impl Ledger {
         let now = self.now;
         self.out.clear();
         for l in Leases::new(&self.buf) {
-            if l.vm != self.me && alive(l.beat, now) {
+            if l.vm != self.me && (now == 0 || alive(l.beat, now)) {
                 if let Some(b) = self.buf.get(l.start..l.end) {
                     self.out.extend_from_slice(b);
                 }
