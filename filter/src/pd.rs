@@ -181,7 +181,7 @@ pub fn add_decode_models<'a>(
         let hidden = format!("{name}\u{0}decode");
         let decode = Model {
             index_key_prefix: format!("pr/i/{hidden}/"),
-            load_key: format!("pr/l/{hidden}"),
+            load_key: format!("pr/l2/{hidden}"),
             poll_key: format!("pr/p/{hidden}"),
             peer_key: crate::config::worker_id(&hidden),
             poll_clusters: workers

@@ -75,9 +75,13 @@ impl ById {
     /// ignored).
     pub fn each(&self, b: &[u8], rec: usize, mut f: impl FnMut(usize, usize)) {
         let whole = b.len() - b.len() % rec.max(1);
-        let (mut o, mut k) = (0, 0);
+        // The hint follows the last shift seen: records written in another config's order (a
+        // worker added or removed in front) stay O(1) after the first miss.
+        let (mut o, mut k, mut shift) = (0, 0usize, 0isize);
         while o + rec <= whole {
-            if let Some(p) = self.position_hinted(rd(b, o), k) {
+            let hint = k.wrapping_add_signed(shift);
+            if let Some(p) = self.position_hinted(rd(b, o), hint) {
+                shift = p as isize - k as isize;
                 f(p, o);
             }
             o += rec;
