@@ -93,6 +93,24 @@ impl Iterator for Leases<'_> {
     }
 }
 
+/// Fills `reqs` / `tokens` (one slot per configured worker: `n`, with id map `ids`) with the sum
+/// of every lease stored in `b`, live or not (tests and tools that inspect shared data).
+pub fn decode(b: &[u8], ids: &ById, n: usize, reqs: &mut Vec<u32>, tokens: &mut Vec<u32>) {
+    reqs.clear();
+    tokens.clear();
+    reqs.resize(n, 0);
+    tokens.resize(n, 0);
+    for l in Leases::new(b) {
+        let recs = b.get(l.start + HDR..l.end).unwrap_or(&[]);
+        ids.each(recs, REC, |p, o| {
+            if let (Some(r), Some(t)) = (reqs.get_mut(p), tokens.get_mut(p)) {
+                *r = r.saturating_add(rd(recs, o + 4));
+                *t = t.saturating_add(rd(recs, o + 8));
+            }
+        });
+    }
+}
+
 /// One VM's view of and access to the load leases: the single home of load accounting.
 ///
 /// Invariants: `own` holds this VM's exact in-flight totals per model and worker (every charge

@@ -1,6 +1,6 @@
 //! The stream lifecycle, natively: `glue` driven over `host::FakeHost` exactly as `abi` drives
 //! it from Envoy's callbacks. Metric batching, the load charge released exactly once (asserted
-//! on the shared-data load vector, not only on the VM-side gauge), the passthrough choice, the
+//! on the shared-data load leases, not only on the VM-side gauge), the passthrough choice, the
 //! client's routing headers stripped, the debug header, and streams of an unconfigured root.
 
 use prefix_router::config::Config;
@@ -76,7 +76,7 @@ fn request_header(h: &FakeHost, name: &str) -> Option<String> {
     v
 }
 
-/// In-flight requests per worker, from the shared-data load vector.
+/// In-flight requests per worker, from the shared-data load leases.
 fn loads(h: &FakeHost, cfg: &str) -> Vec<u32> {
     let c = Config::from_json(cfg.as_bytes()).expect("config");
     let m = &c.models[0];

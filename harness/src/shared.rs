@@ -140,6 +140,8 @@ impl SharedData {
         self.load_leases(model)
             .iter()
             .flat_map(|l| l.records.iter())
-            .fold((0, 0), |(r, t), &(_, q, k)| (r + u64::from(q), t + u64::from(k)))
+            .fold((0, 0), |(r, t), &(_, q, k)| {
+                (r + u64::from(q), t + u64::from(k))
+            })
     }
 }
