@@ -852,7 +852,7 @@ mod tests {
         let mut r = Router::new(Config::from_json(small.as_bytes()).unwrap(), 3);
         r.init_store(&s);
         for _ in 0..8 {
-            r.tick(&s, 50);
+            r.tick(&s, 50, 1);
         }
         let mut buf = Vec::new();
         let live = s
