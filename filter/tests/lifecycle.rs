@@ -254,3 +254,38 @@ fn a_root_without_an_accepted_configuration_makes_no_streams() {
     assert!(root.on_done(&h));
     assert!(h.state.borrow().replies.is_empty());
 }
+
+#[test]
+fn a_pd_prompt_reuses_its_prefill_worker_after_the_decode_worker_answered_2xx() {
+    let cfg = r#"{"models":{"m":{"prefill":[{"cluster":"p0","bootstrap_host":"10.0.0.1","bootstrap_port":9001},{"cluster":"p1","bootstrap_host":"10.0.0.2","bootstrap_port":9001}],"decode":["d0","d1"]}},"debug_header":"x-debug"}"#;
+    let (h, root) = configured(cfg);
+    let system = "You are a careful assistant. ".repeat(60);
+    let body = |q: &str| {
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{q}"}}]}}"#
+        )
+    };
+    let mut seen = Vec::new();
+    for q in ["first question", "second question"] {
+        let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body(q));
+        h.state
+            .borrow_mut()
+            .response_headers
+            .push((":status".into(), "200".into()));
+        s.on_response_headers(&h);
+        let v = h
+            .state
+            .borrow()
+            .response_headers
+            .iter()
+            .find(|e| e.0 == "x-debug")
+            .map(|e| e.1.clone())
+            .expect("debug header");
+        s.on_done(&h);
+        seen.push(v);
+    }
+    // The second question reuses the system prompt on the first one's prefill worker: one holder
+    // of two is not a fleet prefix (policy/cache_aware.rs needs at least two holders).
+    assert!(!seen[1].contains("matched=0;"), "{seen:?}");
+    assert!(seen[1].contains("reason=prefix_hit"), "{seen:?}");
+}

@@ -125,8 +125,10 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
     // The index keeps at most `HOLDERS` holders per checkpoint: in a larger fleet a prefix
     // whose holder slots are all taken counts as held widely enough.
     let holders = inp.matched.iter().filter(|&&m| m > 0).count();
+    // At least two: a prompt on one worker has never spilled, whatever the fleet's size (one
+    // holder of two workers is not a fleet-wide prefix).
     let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
-    holders as f64 >= need.min(HOLDERS as f64)
+    holders >= 2 && holders as f64 >= need.min(HOLDERS as f64)
 }
 
 /// The least busy worker under the load bound with slack 1, rendezvous among those within
