@@ -275,7 +275,7 @@ def test_shuffled_prefix_groups_under_concurrency(env):
 
 
 def test_conversations_over_a_fleet_prefix_use_every_worker(env):
-    """A system prompt cached on half the workers is a fleet prefix: new conversations on it go to
+    """A system prompt cached on 3 of the 4 workers is a fleet prefix: new conversations on it go to
     the least busy workers (all idle here, so spread by conversation key), not only to its
     holders, and each conversation's later turns stay on its worker."""
     r = wl.rng("fleet")
@@ -321,7 +321,7 @@ def test_conversations_over_a_fleet_prefix_use_every_worker(env):
         msgs.append({"role": "user", "content": wl.text(r, 50)})
     served = Counter(rep.worker for rep in starts)
     info = f"seed holders={sorted(holders)} starts={dict(served)}"
-    assert 2 * len(holders) >= n, info  # the load bound spilled the concurrent seeds
+    assert 4 * len(holders) >= 3 * n, info  # the load bound spilled the seeds (fleet_prefix_share 0.75)
     assert set(served) == set(env.names), info
     for msgs, first in zip(convs, starts):
         rep = send(msgs)

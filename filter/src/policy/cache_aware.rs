@@ -19,7 +19,7 @@
 //!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
 //! * **A new conversation on a fleet prefix.** When the prompt's opening message (a system
 //!   prompt) is followed by more, nobody holds anything past that opening, and at least
-//!   `fleet_prefix_share` (0.5) of the workers hold some of it (or all of the index's
+//!   `fleet_prefix_share` (0.75) of the workers hold some of it (or all of the index's
 //!   `HOLDERS` slots for it are taken, in fleets larger than 8), the opening is a fleet-wide
 //!   prefix that every worker will end up caching once; ranking by it would stack every new
 //!   conversation on its first holders, whose caches then evict each other's histories while
@@ -376,8 +376,9 @@ mod tests {
         let m = model(4);
         let p = PolicyConfig::default();
         let (reqs, z) = ([1u32, 1, 0, 0], [0u32; 4]);
-        // Workers 0 and 1 hold the 10-block opening (half the fleet); nobody holds more.
-        let matched = [10u32, 10, 0, 0];
+        // Workers 0, 1 and 2 hold the 10-block opening (3 of 4: fleet_prefix_share 0.75);
+        // nobody holds more.
+        let matched = [10u32, 10, 10, 0];
         let busy = [2.0f32, 1.5, 0.0, 0.2];
         let mut inp = inputs(&m, &reqs, &z, &matched, 1);
         inp.head_blocks = 10;
@@ -387,7 +388,12 @@ mod tests {
             inp.affinity = key;
             let (w, reason) = choose(&p, &inp);
             assert!(w == 2 || w == 3, "key {key}: {w}");
-            assert_eq!(reason, Reason::LoadSpill);
+            let want = if w == 2 {
+                Reason::PrefixHit
+            } else {
+                Reason::LoadSpill
+            };
+            assert_eq!(reason, want);
             seen[w] += 1;
         }
         assert!(
@@ -406,18 +412,22 @@ mod tests {
         fresh.head_blocks = 10;
         fresh.busy = &busy;
         assert_eq!(choose(&tight, &fresh).0, 3);
-        // Off: the holders' cached opening wins again.
+        // Off: a holder's cached opening wins again, never the idle non-holder.
         let off = PolicyConfig {
             fleet_prefix_share: 0.0,
             ..PolicyConfig::default()
         };
-        assert!(choose(&off, &inp).0 < 2);
-        // Held by fewer than half the workers: a document, not a fleet prefix.
-        let one = [10u32, 0, 0, 0];
-        let mut doc = inputs(&m, &reqs, &z, &one, 1);
+        for key in 0..64 {
+            fresh.affinity = key;
+            assert_ne!(choose(&off, &fresh).0, 3);
+        }
+        // Held by 2 of 4 workers: not a fleet prefix (a group that spilled once).
+        let two = [10u32, 10, 0, 0];
+        let mut doc = inputs(&m, &reqs, &z, &two, 1);
         doc.head_blocks = 10;
         doc.busy = &busy;
-        assert_eq!(choose(&p, &doc), (0, Reason::PrefixHit));
+        let (w, reason) = choose(&p, &doc);
+        assert!(w < 2 && reason == Reason::PrefixHit, "{w} {reason:?}");
         // A worker holds the conversation past its opening: its own history wins.
         let own = [40u32, 10, 10, 0];
         let mut turn = inputs(&m, &reqs, &z, &own, 1);
@@ -426,7 +436,7 @@ mod tests {
         assert_eq!(choose(&p, &turn), (0, Reason::PrefixHit));
         // No opening message (a single-message prompt): the cost rule.
         inp.head_blocks = 0;
-        assert!(choose(&p, &inp).0 < 2);
+        assert!(choose(&p, &inp).0 < 3);
     }
 
     #[test]
