@@ -83,9 +83,13 @@ fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
 
 /// The load bound (module docs), with [`holder_slack`].
 fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
+    under_bound(p, inp, total, i, holder_slack(p, inp, i))
+}
+
+/// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
+fn under_bound(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize, slack: f64) -> bool {
     let model = inp.model;
     let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-    let slack = holder_slack(p, inp, i);
     // Same operation order as the uniform path's `share`, so both round alike.
     let share = (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
     r + 1.0 <= share + slack
@@ -143,12 +147,7 @@ fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
         let now = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
         (f64::from(inp.busy.get(i).copied().unwrap_or(0.0)) + now) / model.workers[i].weight
     };
-    let eligible = |i: usize| {
-        let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-        let share =
-            (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
-        r + 1.0 <= share + 1.0
-    };
+    let eligible = |i: usize| under_bound(p, inp, total, i, 1.0);
     let n = model.workers.len();
     let least = (0..n)
         .filter(|&i| eligible(i))
