@@ -1,0 +1,1 @@
+"""Benchmark tooling (Python): `benches/overhead` runs `python -m benches.overhead`."""

@@ -1,0 +1,450 @@
+"""End-to-end proxy overhead: the same static upstream (nginx answering 200 with a small JSON)
+behind (i) Envoy with a plain cluster route, (ii) Envoy + the native buffer filter, (iii) Envoy +
+prefix-router, (iv) smg 1.13 --policy cache_aware, (v) Envoy + benches/wasm-floor (a proxy-wasm
+filter that only reads the body and sets the cluster header: the floor for any such filter). The proxy is pinned to core 0 (taskset), wrk
+and nginx to core 1. Bodies: OpenAI chat JSON of 1/4/16/64 KB (one fixed body per run: in (iii)
+every request after the first is a prefix hit, the steady state).
+
+  benches/overhead                 # the table (rps at -c16, p50/p99 at -c1) and the ratios
+  benches/overhead --sizes 4       # only the 4 KB prompt
+  benches/overhead --rss 1000000   # Envoy RSS after indexing N distinct prefixes (default capacity)
+  benches/overhead --stream        # streamed responses: Envoy CPU per response (see run_stream)
+
+Installs what it needs: nginx and wrk with apt-get when missing, smg==1.13.0 into .venv-smg.
+Envoy is .venv/bin/envoy (scripts/setup); the filter is target/wasm32-wasip1/release/prefix_router.wasm
+(built here when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from prkit import envoy_config as ec
+from prkit.ports import free_port
+from prkit.wait import wait_http
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVOY = ROOT / ".venv" / "bin" / "envoy"
+WASM = Path(os.environ.get("PREFIX_ROUTER_WASM", ROOT / "target/wasm32-wasip1/release/prefix_router.wasm"))
+# benches/wasm-floor: reads the body and sets the cluster header, nothing else (the Wasm floor),
+# on the lean ABI layer (the callbacks prefix-router exports) and on the proxy-wasm SDK (every one).
+FLOOR_WASM = ROOT / "target/wasm32-wasip1/release/wasm_floor.wasm"
+FLOOR_SDK_WASM = ROOT / "target/wasm32-wasip1/release/wasm_floor_sdk.wasm"
+SIM = Path(os.environ.get("SGLANG_SIM_BIN", ROOT / "target/release/sglang-sim"))
+SMG_VENV = ROOT / ".venv-smg"
+PROXY_CPU, LOAD_CPU = "0", "1"
+WORKERS = 4
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def ensure_tools():
+    missing = [p for p, b in (("nginx", "/usr/sbin/nginx"), ("wrk", "wrk")) if not shutil.which(b)]
+    if missing:
+        print(f"installing {missing} with apt-get", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        sh(["apt-get", "install", "-y", *missing], env=env, stdout=subprocess.DEVNULL)
+    if not (SMG_VENV / "bin" / "smg").exists():
+        print("installing smg==1.13.0 into .venv-smg", flush=True)
+        sh([sys.executable, "-m", "venv", str(SMG_VENV)])
+        sh([str(SMG_VENV / "bin" / "pip"), "install", "-q", "smg==1.13.0"])
+    if not ENVOY.exists():
+        sh([str(ROOT / "scripts" / "setup")])
+    if "PREFIX_ROUTER_WASM" not in os.environ:  # cargo decides whether it is fresh
+        sh(["cargo", "build", "-p", "prefix-router", "--target", "wasm32-wasip1", "--release"], cwd=ROOT)
+    build_floor = ["cargo", "build", "-p", "wasm-floor", "--target", "wasm32-wasip1", "--release"]
+    sh([*build_floor, "--features", "sdk"], cwd=ROOT)
+    shutil.copyfile(FLOOR_WASM, FLOOR_SDK_WASM)
+    sh(build_floor, cwd=ROOT)
+    if "SGLANG_SIM_BIN" not in os.environ:
+        sh(["cargo", "build", "-p", "sglang-sim", "--release"], cwd=ROOT)
+
+
+class Proc:
+    def __init__(self, cmd, cpu, log: Path):
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(["taskset", "-c", cpu, *cmd], stdout=self.log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+    def stop(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+        self.log.close()
+
+    def rss_kib(self) -> int:
+        # The envoy process itself (taskset execs it, so the pid is envoy's).
+        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+
+def nginx_conf(port: int, tmp: Path) -> Path:
+    conf = tmp / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_buffer_size 128k;
+  client_max_body_size 16m;
+  client_body_temp_path {tmp}/nginx-body;
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{port} reuseport;
+    listen 127.0.0.2:{port} reuseport;
+    listen 127.0.0.3:{port} reuseport;
+    listen 127.0.0.4:{port} reuseport;
+    # What smg asks a worker at registration (it learns the served model from /v1/models).
+    location = /v1/models {{
+      default_type application/json;
+      return 200 '{{"object":"list","data":[{{"id":"llama","object":"model","owned_by":"bench"}}]}}';
+    }}
+    location = /server_info {{
+      default_type application/json;
+      return 200 '{{"model_path":"llama","served_model_name":"llama"}}';
+    }}
+    location / {{
+      default_type application/json;
+      return 200 '{{"id":"x","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}]}}';
+    }}
+  }}
+}}
+""")
+    return conf
+
+
+def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plugin: dict | None = None) -> str:
+    """`upstream`: one port (every cluster's endpoint) or one per worker (plain Envoy: one cluster
+    over all of them, round robin; Wasm modes: cluster w<i> on port i). From prkit.envoy_config:
+    the Wasm modes are the `bench` profile (one endpoint per worker cluster, no access log, no rate
+    limit, no load polls); plain and buffer are its filter-less baseline."""
+    ups = upstream if isinstance(upstream, list) else [upstream] * WORKERS
+    listen, admin_addr = ("127.0.0.1", port), ("127.0.0.1", admin)
+    if mode in ("plain", "buffer"):
+        filters = [ec.buffer_filter()] if mode == "buffer" else []
+        pools = {"up": [("127.0.0.1", u) for u in sorted(set(ups))]}
+        return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
+    wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM}[mode]
+    # One nginx for all clusters (table mode): worker i dials it on loopback address 127.0.0.<i+1>
+    # (nginx listens on all four), so the generator sees four distinct workers.
+    hosts = ["127.0.0.1"] * WORKERS if len(set(ups)) == WORKERS else [f"127.0.0.{i + 1}" for i in range(WORKERS)]
+    models = {"llama": [ec.Worker(f"w{i}", hosts[i], ups[i]) for i in range(WORKERS)]}
+    o = ec.profile("bench", models=models, listen=listen, admin=admin_addr, wasm=str(wasm),
+                   plugin=plugin or {})
+    return ec.render(o)
+
+
+def body_of_size(kb: int) -> bytes:
+    words = ["the", "model", "cache", "prefix", "routing", "worker", "token", "prompt", "system"]
+    head = '{"model":"llama","messages":[{"role":"system","content":"'
+    tail = '"},{"role":"user","content":"What is the answer?"}],"max_tokens":64}'
+    n = kb * 1024 - len(head) - len(tail)
+    text, i = [], 0
+    while sum(len(w) + 1 for w in text) < n:
+        text.append(words[(i * 7 + i // 3) % len(words)])
+        i += 1
+    return (head + " ".join(text)[:n] + tail).encode()
+
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = io.open("{body}", "rb"); wrk.body = f:read("*a"); f:close()
+"""
+
+WRK_DISTINCT_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, "/v1/completions", nil,
+    '{{"model":"llama","prompt":"' .. n .. ' {pad}"}}')
+end
+"""
+
+
+def wrk(url: str, lua: Path, conns: int, secs: int) -> dict:
+    out = subprocess.run(["taskset", "-c", LOAD_CPU, "wrk", "-t1", f"-c{conns}", f"-d{secs}s", "--latency",
+                          "-s", str(lua), url], check=True, capture_output=True, text=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+    def lat(p):
+        m = re.search(rf"\s{p}%\s+([\d.]+)(us|ms|s)\b", out)
+        v, u = float(m.group(1)), m.group(2)
+        return v * {"us": 1, "ms": 1e3, "s": 1e6}[u]
+
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "p50": lat(50), "p99": lat(99), "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "errors": errors.group(1) if errors else "", "raw": out}
+
+
+def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, str]:
+    port, admin = free_port(), free_port()
+    if kind == "smg":
+        urls = [f"http://127.0.0.1:{upstream}"] * 1
+        cmd = [str(SMG_VENV / "bin" / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]
+        p = Proc(cmd, PROXY_CPU, tmp / "smg.log")
+    else:
+        mode = {"envoy": "plain", "envoy_buffer": "buffer", "prefix_router": "prefix_router",
+                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk"}[kind]
+        cfg = tmp / f"envoy-{kind}.yaml"
+        cfg.write_text(envoy_yaml(mode, port, admin, upstream))
+        cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
+               "--use-dynamic-base-id"]
+        p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log")
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        wait_http(url, 60, "POST", body_of_size(1))
+    except Exception:
+        p.stop()
+        print((tmp / (p.log.name)).read_text()[-3000:], file=sys.stderr)
+        raise
+    return p, url
+
+
+KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buffer filter"),
+         ("prefix_router", "(iii) Envoy + prefix-router"), ("smg", "(iv) smg 1.13 cache_aware"),
+         ("wasm_floor", "(v) Envoy + no-op body-reading Wasm")]
+
+
+def run_table(args, tmp: Path, upstream: int):
+    results = {}
+    for kind, label in KINDS:
+        if kind not in args.kinds:
+            continue
+        p, url = start_proxy(kind, tmp, upstream)
+        try:
+            for kb in args.sizes:
+                bf = tmp / f"body-{kb}.json"
+                bf.write_bytes(body_of_size(kb))
+                lua = tmp / f"wrk-{kb}.lua"
+                lua.write_text(WRK_LUA.format(body=bf))
+                wrk(url, lua, 4, 1)  # warm-up (index the prompt, JIT, pools)
+                thr = wrk(url, lua, args.conns, args.secs)
+                lat = wrk(url, lua, 1, args.secs)
+                results[(kind, kb)] = {"rps": thr["rps"], "p50": lat["p50"], "p99": lat["p99"],
+                                       "rps_c1": lat["rps"], "p99_cN": thr["p99"],
+                                       "bad": thr["non2xx"] + lat["non2xx"]}
+                r = results[(kind, kb)]
+                print(f"{label:32s} {kb:3d} KB  rps(-c{args.conns}) {r['rps']:9.0f}  "
+                      f"p50(-c1) {r['p50']:7.0f} us  p99(-c1) {r['p99']:7.0f} us  non-2xx {r['bad']}", flush=True)
+        finally:
+            p.stop()
+    print()
+    print(f"| prompt | (i) Envoy rps | (ii) +buffer rps | (iii) +prefix-router rps | (iv) smg rps | "
+          f"(v) no-op Wasm rps | (iii)/(ii) | (v)/(ii) | (iii)/(v) | (iii)/(iv) | "
+          f"p50 (i) / (ii) / (iii) / (iv) / (v) us | p99 (iii) us | added p50 (iii)-(i) us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for kb in args.sizes if len(args.kinds) == len(KINDS) else []:
+        g = lambda k: results[(k, kb)]  # noqa: E731
+        a, b, c, d, e = g("envoy"), g("envoy_buffer"), g("prefix_router"), g("smg"), g("wasm_floor")
+        print(f"| {kb} KB | {a['rps']:.0f} | {b['rps']:.0f} | {c['rps']:.0f} | {d['rps']:.0f} | {e['rps']:.0f} | "
+              f"{c['rps'] / b['rps']:.2f} | {e['rps'] / b['rps']:.2f} | {c['rps'] / e['rps']:.2f} | "
+              f"{c['rps'] / d['rps']:.2f} | "
+              f"{a['p50']:.0f} / {b['p50']:.0f} / {c['p50']:.0f} / {d['p50']:.0f} / {e['p50']:.0f} | "
+              f"{c['p99']:.0f} | {c['p50'] - a['p50']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in results.items()}, indent=1))
+
+
+def run_rss(args, tmp: Path, upstream: int):
+    p, url = start_proxy("prefix_router", tmp, upstream)
+    try:
+        base = p.rss_kib()
+        lua = tmp / "distinct.lua"
+        lua.write_text(WRK_DISTINCT_LUA.format(pad="x" * 200))
+        done, t0 = 0, time.time()
+        while done < args.rss:
+            before = done
+            r = wrk(url.replace("/v1/chat/completions", "/v1/completions"), lua, 16, 10)
+            done += int(r["rps"] * 10)
+            print(f"  ~{done} distinct prefixes indexed, RSS {p.rss_kib() / 1024:.1f} MiB "
+                  f"({r['rps']:.0f} rps)", flush=True)
+            if done == before:
+                break
+        rss = p.rss_kib()
+        print(f"\nEnvoy + prefix-router RSS: {base / 1024:.1f} MiB at start, {rss / 1024:.1f} MiB after "
+              f"~{done} distinct prefixes ({time.time() - t0:.0f} s), index capacity 262144 entries (default)")
+    finally:
+        p.stop()
+
+
+STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ floor on the SDK (all exports)"),
+                ("wasm_floor", "+ floor, lean exports"), ("prefix_router", "+ prefix-router")]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _stream_client(host: str, port: int, body: bytes, n: int) -> int:
+    """n streamed requests one after another on one keep-alive connection; returns the number
+    of chunks read. Raises on anything but a complete 200 chunked response."""
+    import asyncio
+    r, w = await asyncio.open_connection(host, port)
+    req = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+           f"content-length: {len(body)}\r\n\r\n").encode() + body
+    chunks = 0
+    try:
+        for _ in range(n):
+            w.write(req)
+            status = await r.readline()
+            if b" 200 " not in status:
+                raise RuntimeError(f"bad status {status!r}")
+            chunked = False
+            while (line := await r.readline()) not in (b"\r\n", b""):
+                chunked |= line.lower().startswith(b"transfer-encoding: chunked")
+            if not chunked:
+                raise RuntimeError("response is not chunked (not streamed)")
+            while True:
+                size = int((await r.readline()).split(b";")[0], 16)
+                await r.readexactly(size + 2)
+                if size == 0:
+                    break
+                chunks += 1
+    finally:
+        w.close()
+    return chunks
+
+
+def stream_round(url: str, body: bytes, streams: int, per_stream: int) -> int:
+    import asyncio
+    from urllib.parse import urlparse
+    u = urlparse(url)
+
+    async def go():
+        return await asyncio.gather(*(_stream_client(u.hostname, u.port, body, per_stream) for _ in range(streams)))
+
+    return sum(asyncio.run(go()))
+
+
+def run_stream(args, tmp: Path):
+    """Streamed responses: 4 sglang-sim workers (fixed decode step, one SSE chunk per token) on
+    the load core; `--streams` clients each run a fixed number of streamed /v1/completions
+    requests (max_tokens = N, ignore_eos) through the proxy on its own core; the figure is
+    Envoy's CPU seconds (utime + stime from /proc) over the measured requests divided by their
+    number, so requests still in flight never blur it."""
+    sims, ports = [], []
+    try:
+        for i in range(WORKERS):
+            port = free_port()
+            sims.append(Proc([str(SIM), "--port", str(port), "--model", "llama", "--decode-base-ms",
+                              str(args.step_ms), "--decode-batch-factor", "0", "--prefill-overhead-ms", "0",
+                              "--context-length", "65536"], LOAD_CPU, tmp / f"sim{i}.log"))
+            ports.append(port)
+        for p in ports:
+            wait_http(f"http://127.0.0.1:{p}/health", 30)
+        results, per_chunk = {}, {}
+        for kind, label in STREAM_KINDS:
+            if kind not in args.kinds:
+                continue
+            p, url = start_proxy(kind, tmp, ports)
+            try:
+                for n in args.tokens:
+                    body = json.dumps({"model": "llama", "prompt": "Stream me the answer, token by token. " * 8,
+                                       "max_tokens": n, "ignore_eos": True, "stream": True}).encode()
+                    per = max(2, round(args.secs * 1000 / (n * args.step_ms)))
+                    stream_round(url, body, args.streams, 1)  # warm-up
+                    c0, t0 = cpu_seconds(p.p.pid), time.time()
+                    chunks = stream_round(url, body, args.streams, per)
+                    cpu, wall = cpu_seconds(p.p.pid) - c0, time.time() - t0
+                    done = args.streams * per
+                    results[(kind, n)] = cpu / done * 1e6
+                    per_chunk[(kind, n)] = (cpu / chunks * 1e6, chunks / done)
+                    print(f"{label:36s} {n:5d} tokens  {done:5d} responses ({chunks / done:.0f} chunks each) "
+                          f"in {wall:5.1f} s  Envoy CPU {cpu:6.2f} s = {results[(kind, n)]:8.0f} us/response",
+                          flush=True)
+            finally:
+                p.stop()
+        kinds = [k for k, _ in STREAM_KINDS if k in args.kinds]
+        print()
+        print("| response | " + " | ".join(label for k, label in STREAM_KINDS if k in kinds) + " |")
+        print("|---|" + "---|" * len(kinds))
+        for n in args.tokens:
+            base = results.get(("envoy", n))
+            cells = []
+            for k in kinds:
+                v = results[(k, n)]
+                cells.append(f"{v:,.0f} us" if k == "envoy" or not base else f"{v:,.0f} us ({v / base:.2f}x)")
+            print(f"| {n} tokens | " + " | ".join(cells) + " |")
+        print()
+        print("Envoy CPU per HTTP chunk the client read (chunks per response: SSE events coalesce when a "
+              "proxy or worker falls behind, which changes the work per response):")
+        print("| response | " + " | ".join(label for k, label in STREAM_KINDS if k in kinds) + " |")
+        print("|---|" + "---|" * len(kinds))
+        for n in args.tokens:
+            print(f"| {n} tokens | " + " | ".join(f"{per_chunk[(k, n)][0]:.1f} us ({per_chunk[(k, n)][1]:.0f} chunks)"
+                                                  for k in kinds) + " |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({f"{k}/{n}": [v, *per_chunk[(k, n)]]
+                                                   for (k, n), v in results.items()}, indent=1))
+    finally:
+        for s in sims:
+            s.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt sizes in KB")
+    ap.add_argument("--secs", type=int, default=5, help="seconds per wrk run")
+    ap.add_argument("--conns", type=int, default=16, help="connections for the throughput run")
+    ap.add_argument("--rss", type=int, default=0, metavar="N", help="RSS mode: index N distinct prefixes")
+    ap.add_argument("--kinds", nargs="+", default=[k for k, _ in KINDS], help="which proxies")
+    ap.add_argument("--json", help="also write raw results here")
+    ap.add_argument("--stream", action="store_true", help="streamed responses: Envoy CPU per response")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 1024], help="--stream: tokens per response")
+    ap.add_argument("--step-ms", type=float, default=2.0, help="--stream: the workers' decode step")
+    ap.add_argument("--streams", type=int, default=16, help="--stream: concurrent streaming clients")
+    args = ap.parse_args()
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("needs 2 cores (proxy on core 0, load on core 1)")
+    ensure_tools()
+    if args.stream:
+        if args.kinds == [k for k, _ in KINDS]:
+            args.kinds = [k for k, _ in STREAM_KINDS]
+        with tempfile.TemporaryDirectory(prefix="pr-stream-") as t:
+            run_stream(args, Path(t))
+        return
+    with tempfile.TemporaryDirectory(prefix="pr-overhead-") as t:
+        tmp = Path(t)
+        (tmp / "nginx-body").mkdir()
+        up = free_port()
+        nginx = Proc(["/usr/sbin/nginx", "-c", str(nginx_conf(up, tmp)), "-p", str(tmp)], LOAD_CPU, tmp / "nginx.log")
+        try:
+            wait_http(f"http://127.0.0.1:{up}/health", 20)
+            if args.rss:
+                run_rss(args, tmp, up)
+            else:
+                run_table(args, tmp, up)
+        finally:
+            nginx.stop()
+
+
+if __name__ == "__main__":
+    main()
