@@ -106,3 +106,17 @@ def test_api_errors_are_config_errors():
     assert e.value.option == "--rate-limit"
     with pytest.raises(ec.ConfigError):
         ec.profile("nope")
+
+
+@pytest.mark.parametrize("mode", ["plain", "buffer", "prefix_router"])
+@pytest.mark.parametrize("upstream", [18020, [18020, 18021, 18022, 18023]])
+def test_overhead_bench_configs_validate(mode, upstream, tmp_path):
+    """benches/overhead's proxies come from this module too (no hand-written YAML): each mode, with
+    one upstream for all clusters (table mode) or one per worker (stream mode), is a config Envoy
+    accepts."""
+    from benches import overhead
+
+    text = overhead.envoy_yaml(mode, 18000, 18001, upstream)
+    if mode == "prefix_router":
+        text = text.replace(str(overhead.WASM), str(wasm_path()))
+    envoy_validate(text, tmp_path, f"overhead-{mode}.yaml")
