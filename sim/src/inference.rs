@@ -123,13 +123,16 @@ pub(crate) async fn inference(app: Arc<App>, kind: Kind, req: Request<Incoming>)
     drop(tx);
     if let (Mode::Prefill, Some(room)) = (mode, room) {
         app.disagg.prefilling(room);
+        // If this handler is dropped before the KV is ready (the client, e.g. Envoy's mirror,
+        // went away), the room fails at once instead of leaving its decode worker waiting for
+        // the whole timeout (SGLang aborts a disconnected request the same way).
+        let mut pending = pd::Pending::new(&app.disagg, room, &app.cfg.worker_id);
         // wait for the prompt's KV, hand it to the room, then answer from what was recorded
         let mut seen = Vec::with_capacity(jobs.len());
         let mut cached = vec![0usize; jobs.len()];
         let mut left = jobs.len();
         while left > 0 {
             let Some(p) = rx.recv().await else {
-                app.disagg.failed(room);
                 return error_resp(&app, &ApiError::internal("generation aborted"));
             };
             if let Some(c) = cached.get_mut(p.index) {
@@ -140,7 +143,7 @@ pub(crate) async fn inference(app: Arc<App>, kind: Kind, req: Request<Incoming>)
             }
             seen.push(p);
         }
-        app.disagg.ready(room, Kv { cached });
+        pending.ready(Kv { cached });
         let (tx2, rx2) = mpsc::unbounded_channel();
         for p in seen {
             let _ = tx2.send(p);

@@ -294,6 +294,44 @@ impl Disagg {
     }
 }
 
+/// Prefill: a room being computed; dropped before [`Pending::ready`], it marks the room failed
+/// and says so on stderr.
+pub struct Pending<'a> {
+    d: &'a Disagg,
+    room: u64,
+    worker: &'a str,
+    done: bool,
+}
+
+impl<'a> Pending<'a> {
+    pub fn new(d: &'a Disagg, room: u64, worker: &'a str) -> Self {
+        Pending {
+            d,
+            room,
+            worker,
+            done: false,
+        }
+    }
+
+    /// The room's KV is computed.
+    pub fn ready(&mut self, kv: Kv) {
+        self.done = true;
+        self.d.ready(self.room, kv);
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            eprintln!(
+                "sglang-sim {}: prefill of bootstrap_room={} abandoned (client gone or generation aborted)",
+                self.worker, self.room
+            );
+            self.d.failed(self.room);
+        }
+    }
+}
+
 /// Counts a decode request in the transfer queue while it waits.
 struct Waiting<'a>(&'a AtomicUsize);
 
@@ -394,6 +432,7 @@ pub fn fetch_error(d: &Disagg, e: &FetchError, room: u64, timeout: Duration) -> 
     match e {
         FetchError::Timeout(why) => {
             d.bootstrap_failed.fetch_add(1, Ordering::Relaxed);
+            eprintln!("decode bootstrap_room={room}: no KV within {timeout:?} ({why})");
             ApiError::internal(format!(
                 "Decode bootstrap failed for request bootstrap_room={room}: timed out after \
                  {:.1}s waiting for KV ({why})",

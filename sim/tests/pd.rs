@@ -249,3 +249,37 @@ fn flags_parse_like_sglang() {
     )
     .is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_whose_client_leaves_fails_its_room_at_once() {
+    // a prefill that takes 2 s, and a client (e.g. Envoy's mirror) that leaves after 100 ms
+    let (pa, p) = start(Config {
+        time_scale: 1.0,
+        prefill_overhead_ms: 2000.0,
+        ..cfg(Mode::Prefill)
+    })
+    .await;
+    let (da, _d) = start(Config {
+        disaggregation_timeout_s: 60.0,
+        ..cfg(Mode::Decode)
+    })
+    .await;
+    let b = body(&p, 11, false);
+    let pb = b.clone();
+    let client = tokio::spawn(async move { post(pa, "/v1/chat/completions", &pb).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.abort();
+    // the decode worker learns that the room failed instead of waiting out its 60 s timeout
+    let (s, out) = tokio::time::timeout(
+        Duration::from_secs(30),
+        post(da, "/v1/chat/completions", &b),
+    )
+    .await
+    .expect("the decode worker waited for a room whose prefill was abandoned");
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{out}");
+    assert!(out.contains("KV transfer failed"), "{out}");
+    assert_eq!(
+        metric(da, "sglang:num_transfer_failed_reqs_total").await,
+        1.0
+    );
+}
