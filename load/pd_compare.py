@@ -116,6 +116,9 @@ class Proc:
                 self.proc.kill()
 
 
+POLICY_PARAMS: list = []  # --policy-param KEY=VALUE, passed to envoy/gen
+
+
 def start_prefix_router(f: PdFleet, workdir: Path):
     listener, admin = free_port(), free_port()
     args = [sys.executable, str(GEN), "--profile", "test", "--listen", f"127.0.0.1:{listener}",
@@ -123,6 +126,8 @@ def start_prefix_router(f: PdFleet, workdir: Path):
             "--pd-model", MODEL,
             "--prefill", ",".join(f"127.0.0.1:{p}@{b}" for p, b in f.prefill),
             "--decode", ",".join(f"127.0.0.1:{p}" for p in f.decode)]
+    for kv in POLICY_PARAMS:
+        args += ["--policy-param", kv]
     r = subprocess.run(args, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise RuntimeError(r.stderr)
@@ -198,8 +203,11 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--sizes", default="2,4", help="fleet sizes N (N prefill + N decode)")
     ap.add_argument("--routers", default="prefix_router,smg")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a prefix-router policy parameter (envoy/gen --policy-param), repeatable")
     ap.add_argument("--out", default=str(LOAD / "results" / "pd.md"))
     a = ap.parse_args(argv)
+    POLICY_PARAMS[:] = a.policy_param
     rows = [run(r, int(n), a.quick) for n in a.sizes.split(",") for r in a.routers.split(",")]
     lines = ["| fleet | router | TTFT p50 ms | TTFT p99 ms | prefill hit rate | req/s | requests | errors | decode bootstrap failures |",
              "|---|---|---|---|---|---|---|---|---|"]

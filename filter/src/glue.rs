@@ -457,10 +457,12 @@ impl Root {
         };
         let (_, nanos) = now_ticks(h);
         let metrics = Metrics::define(h, &cfg);
-        self.me = nanos | 1;
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         let mut router = Router::new(cfg, nanos);
         router.init_store(h);
+        // The poll lease's owner: unique among this Envoy's VMs (the id), and across restarts
+        // (the clock); the clock alone can repeat between two VMs.
+        self.me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
         if let Some(old) = &self.shared {
             // Reconfigured in place: streams of the old configuration release into the old
             // state, which no tick flushes any more.

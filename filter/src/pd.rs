@@ -240,6 +240,11 @@ impl Rewriter {
         }
     }
 
+    /// Restarts the room stream from `seed`.
+    pub fn reseed(&mut self, seed: u64) {
+        self.rng = seed;
+    }
+
     /// A fresh room: 63 random bits (SGLang draws `random.randint(0, 2**63 - 1)`).
     pub fn room(&mut self) -> u64 {
         self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -603,6 +608,30 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("port"), "{e}");
+    }
+
+    #[test]
+    fn two_vms_configured_at_the_same_clock_reading_draw_different_rooms() {
+        let store = MemStore::default();
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let mut rooms = std::collections::HashSet::new();
+        for _ in 0..2 {
+            // the same seed: Envoy may hand two worker threads' VMs the same time
+            let mut r = Router::new(Config::from_json(PD.as_bytes()).unwrap(), 5);
+            r.init_store(&store);
+            for _ in 0..64 {
+                let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                    panic!("rejected");
+                };
+                assert!(rewrite_for(&mut r, &p, body).unwrap().is_ok());
+                let v: Value = serde_json::from_slice(&r.pd.out).unwrap();
+                assert!(
+                    rooms.insert(v["bootstrap_room"].as_u64().unwrap()),
+                    "a room repeats"
+                );
+                r.release(&store, &p);
+            }
+        }
     }
 
     #[test]

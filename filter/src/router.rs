@@ -80,6 +80,8 @@ pub struct Router {
     shrink: Option<std::ops::Range<u32>>,
     /// PD models: body rewriting buffer and room generator (`pd.rs`).
     pub pd: crate::pd::Rewriter,
+    /// The seed this VM was created with (the clock at configure; see [`Router::init_store`]).
+    seed: u64,
 }
 
 impl Router {
@@ -122,14 +124,29 @@ impl Router {
             plan: None,
             shrink: None,
             pd: crate::pd::Rewriter::new(seed ^ 0x7064),
+            seed,
             cfg,
         }
     }
 
-    /// Creates each model's load vector if this is the first VM to start.
+    /// Creates each model's load vector if this is the first VM to start, and takes this VM's
+    /// id from the shared counter ([`Ledger::init`]). The id is mixed into every per-VM random
+    /// stream (PD rooms, round robin's start, the random policy): the clock seed alone is not
+    /// unique, since Envoy can configure two worker threads' VMs at the same clock reading, and
+    /// two VMs drawing the same bootstrap rooms send two prefills of one room to a prefill
+    /// worker, leaving one decode waiting for KV until its timeout.
     pub fn init_store<S: Store>(&mut self, store: &S) {
         self.ledger.init(store, &self.cfg);
         self.shrink = crate::index::resize(store, self.cfg.index_buckets);
+        let seed = policy::mix(self.seed, self.ledger.lease_id());
+        self.pd.reseed(seed ^ 0x7064);
+        self.rr = (seed as usize) % 1024;
+        self.policy = policy::from_config(self.cfg.policy.name, seed);
+    }
+
+    /// This VM's id, unique among the VMs of this Envoy process (0 before [`Router::init_store`]).
+    pub fn vm_id(&self) -> u32 {
+        self.ledger.lease_id()
     }
 
     /// The upstream cluster of a decision.
