@@ -179,15 +179,11 @@ impl Disagg {
 
     /// Prefill: a request for `room` was accepted.
     pub fn prefilling(&self, room: u64) {
-            eprintln!("DBG prefilling {room}");
-        }
         self.set(room, Room::Prefilling);
     }
 
     /// Prefill: the room's KV is computed.
     pub fn ready(&self, room: u64, kv: Kv) {
-            eprintln!("DBG ready {room}");
-        }
         self.set(room, Room::Ready(kv));
     }
 
@@ -408,8 +404,6 @@ pub async fn fetch(
     timeout: Duration,
 ) -> Result<Kv, FetchError> {
     let _w = Waiting::new(&d.transfer_queue);
-        eprintln!("DBG fetch {room} from {host}:{port}");
-    }
     let deadline = Instant::now() + timeout;
     let mut last = String::from("no answer");
     loop {
