@@ -11,6 +11,7 @@ pub mod config;
 mod config_path;
 pub mod glue;
 pub mod host;
+pub mod ids;
 pub mod index;
 pub mod load;
 pub mod pd;

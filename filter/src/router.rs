@@ -60,6 +60,8 @@ pub struct Router {
     canon: Vec<u8>,
     /// Canonical length after each chat message, and those boundaries as block counts.
     bounds: Vec<usize>,
+    /// The token-id fast path's buffers (`request::parse_fast`).
+    tok: request::Scratch,
     ends: Vec<usize>,
     hashes: Vec<u64>,
     pub sc: Scratch,
@@ -109,6 +111,7 @@ impl Router {
         Router {
             canon: Vec::with_capacity(64 * 1024),
             bounds: Vec::with_capacity(64),
+            tok: request::Scratch::default(),
             ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
             sc: Scratch::default(),
@@ -203,11 +206,12 @@ impl Router {
             .max()
             .unwrap_or(64)
             .saturating_mul(cfg.max_prompt_blocks);
-        let parsed = match request::parse_with_bounds(
+        let parsed = match request::parse_fast(
             endpoint,
             body,
             &mut self.canon,
             &mut self.bounds,
+            &mut self.tok,
             limit,
         ) {
             Ok(p) => p,
