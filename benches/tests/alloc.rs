@@ -33,15 +33,21 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 /// Allocations per decision over `rounds` passes of `bodies` after one warm-up pass.
-fn allocs_per_decision(workers: usize, policy: &str, bodies: &[Vec<u8>], rounds: usize) -> f64 {
+fn allocs_per_decision(
+    workers: usize,
+    policy: &str,
+    ep: Endpoint,
+    bodies: &[Vec<u8>],
+    rounds: usize,
+) -> f64 {
     let (mut r, s) = router(workers, policy, 262_144);
     for b in bodies {
-        decide_and_release(&mut r, &s, Endpoint::Chat, b, 100);
+        decide_and_release(&mut r, &s, ep, b, 100);
     }
     let before = ALLOCS.load(Ordering::Relaxed);
     for _ in 0..rounds {
         for b in bodies {
-            decide_and_release(&mut r, &s, Endpoint::Chat, b, 100);
+            decide_and_release(&mut r, &s, ep, b, 100);
         }
     }
     let n = (rounds * bodies.len()) as f64;
@@ -60,11 +66,28 @@ fn steady_state_decisions_do_not_allocate() {
         (64, "round_robin"),
         (64, "random"),
     ] {
-        let a = allocs_per_decision(workers, policy, &bodies, 20);
+        let a = allocs_per_decision(workers, policy, Endpoint::Chat, &bodies, 20);
         println!("allocations per decision: {a} ({workers} workers, {policy})");
         assert_eq!(
             a, 0.0,
             "{workers} workers, {policy}: {a} allocations per decision"
         );
     }
+    // 4096-token `/generate` prompts (the token-id fast path, `request::parse_fast`).
+    let ids: Vec<Vec<u8>> = (0..32u64)
+        .map(|i| {
+            let list: Vec<String> = (0..4096u64)
+                .map(|t| ((t * 7919 + (i % 8) * 104_729) % 128_000).to_string())
+                .chain([i.to_string()])
+                .collect();
+            format!(
+                r#"{{"input_ids":[{}],"sampling_params":{{"temperature":0}}}}"#,
+                list.join(",")
+            )
+            .into_bytes()
+        })
+        .collect();
+    let a = allocs_per_decision(64, "cache_aware", Endpoint::Generate, &ids, 20);
+    println!("allocations per decision: {a} (64 workers, /generate input_ids)");
+    assert_eq!(a, 0.0, "/generate input_ids: {a} allocations per decision");
 }

@@ -1204,6 +1204,219 @@ mod tests {
         assert!(ba.is_empty());
     }
 
+    /// A small deterministic generator for [`fast_path_equals_serde`].
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+        fn pick<'x>(&mut self, xs: &[&'x str]) -> &'x str {
+            xs[self.below(xs.len() as u64) as usize]
+        }
+    }
+
+    /// One token id as JSON text: mostly canonical, sometimes what serde refuses for a `u32`.
+    fn id_text(r: &mut Rng) -> String {
+        match r.below(400) {
+            0 => r
+                .pick(&[
+                    "-1", "-0", "01", "00", "1.0", "1e3", "1E3", "2.5e-1", "\"7\"", "true", "null",
+                    "[]", "[1]", "{}", "+1", ".5", "1.", "0x10", "--1",
+                ])
+                .into(),
+            1..=4 => r
+                .pick(&[
+                    "4294967295",
+                    "4294967296",
+                    "99999999999",
+                    "18446744073709551616",
+                    "0",
+                    "12345678",
+                    "123456789",
+                    "1234567890",
+                ])
+                .into(),
+            5..=80 => r.below(10).to_string(),
+            81..=300 => r.below(260_000).to_string(),
+            301..=340 => r.below(100_000_000).to_string(),
+            _ => (r.next() as u32).to_string(),
+        }
+    }
+
+    fn ws(r: &mut Rng) -> &'static str {
+        match r.below(10) {
+            0..=5 => "",
+            6 | 7 => " ",
+            _ => ["\t", "\n", "\r\n ", "  "][r.below(4) as usize],
+        }
+    }
+
+    /// A flat id list, often with separators or elements serde refuses.
+    fn id_list(r: &mut Rng) -> String {
+        let n = match r.below(8) {
+            0 => 0,
+            1 => r.below(3),
+            2 => 60 + r.below(140), // crosses the scanner's 64-id blocks
+            _ => r.below(40),
+        };
+        let mut s = format!("[{}", ws(r));
+        for i in 0..n {
+            if i > 0 {
+                s += ws(r);
+                s += if r.below(200) == 0 {
+                    r.pick(&["", ",,", ";", " "])
+                } else {
+                    ","
+                };
+                s += ws(r);
+            }
+            s += &id_text(r);
+        }
+        s += ws(r);
+        if r.below(100) == 0 {
+            s += ",";
+        }
+        s + "]"
+    }
+
+    /// A prompt value: mostly id lists (flat or batched), sometimes text or junk.
+    fn prompt_value(r: &mut Rng) -> String {
+        match r.below(12) {
+            0 => format!("[{},{}{}]", id_list(r), ws(r), id_list(r)),
+            1 => format!("[{}{}{}]", ws(r), id_list(r), ws(r)),
+            2 => r
+                .pick(&[
+                    "\"hello\"",
+                    "[\"a\",\"b\"]",
+                    "[]",
+                    "[[]]",
+                    "[[],[1]]",
+                    "null",
+                    "3",
+                    "[[1,2],\"x\"]",
+                    "[[1,[2]]]",
+                    "[1,[2]]",
+                    "[\"a\",1]",
+                ])
+                .into(),
+            _ => id_list(r),
+        }
+    }
+
+    /// A whole body: the prompt among other fields in any order, some of them odd.
+    fn body(r: &mut Rng, key: &str) -> String {
+        let mut fields = vec![format!("\"{key}\":{}{}", ws(r), prompt_value(r))];
+        let extra = [
+            r#""model":"llama""#,
+            r#""model":"ll\u0061ma""#,
+            r#""model":null"#,
+            r#""model":7"#,
+            r#""lora_path":"ad""#,
+            r#""sampling_params":{"max_new_tokens":16,"temperature":0.7,"stop":["]",",","\"}"]}"#,
+            r#""stream":true"#,
+            r#""rid":"4294967295""#,
+            r#""x":[4294967295]"#,
+            r#""input_ids":[1,2]"#,
+            r#""prompt":[3]"#,
+            r#""text":"t""#,
+            r#""text":[]"#,
+            r#""input_ids":[]"#,
+            r#""n":[[[[[[[[1]]]]]]]]"#,
+        ];
+        for _ in 0..r.below(4) {
+            fields.push(r.pick(&extra).to_string());
+        }
+        let n = fields.len();
+        fields.swap(0, r.below(n as u64) as usize);
+        let sep = [",", ", ", " ,\n"][r.below(3) as usize];
+        format!("{}{{{}{}}}{}", ws(r), fields.join(sep), ws(r), ws(r))
+    }
+
+    /// Byte-level damage: truncation, a changed byte, an inserted or a removed one.
+    fn mutate(r: &mut Rng, b: &mut Vec<u8>) {
+        if b.is_empty() {
+            return;
+        }
+        let i = r.below(b.len() as u64) as usize;
+        let junk = b"[]{},:\"\\ 0123456789-+.eE\x00\xff";
+        let c = junk[r.below(junk.len() as u64) as usize];
+        match r.below(4) {
+            0 => b.truncate(i),
+            1 => b[i] = c,
+            2 => b.insert(i, c),
+            _ => {
+                b.remove(i);
+            }
+        }
+    }
+
+    /// The fast path (`parse_fast`) against serde alone (`parse_with_bounds`) on many thousands of
+    /// valid and damaged token bodies: the same result field by field, the same canonical bytes,
+    /// and an error exactly when serde errs, with the same message.
+    #[test]
+    fn fast_path_equals_serde() {
+        let mut r = Rng(0x9E37_79B9_7F4A_7C15);
+        let (mut fast_hits, mut oks, mut errs) = (0, 0, 0);
+        let mut scratch = Scratch::default();
+        let (mut ca, mut cb, mut ba, mut bb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for case in 0..60_000 {
+            let (ep, key) = match r.below(4) {
+                0 => (Endpoint::Generate, "input_ids"),
+                1 => (Endpoint::Generate, "text"),
+                2 => (Endpoint::Completions, "prompt"),
+                _ => (Endpoint::Generate, "prompt"),
+            };
+            let mut b = body(&mut r, key).into_bytes();
+            if r.below(4) == 0 {
+                for _ in 0..1 + r.below(2) {
+                    mutate(&mut r, &mut b);
+                }
+            }
+            let limit = [1 << 20, 64, 7, 1000, 0][r.below(5) as usize];
+            let want = parse_with_bounds(ep, &b, &mut ca, &mut ba, limit);
+            let got = parse_fast(ep, &b, &mut cb, &mut bb, &mut scratch, limit);
+            let ctx = || {
+                format!(
+                    "case {case} {ep:?} limit {limit}: {}",
+                    String::from_utf8_lossy(&b)
+                )
+            };
+            match (&want, &got) {
+                (Ok(w), Ok(g)) => {
+                    assert_eq!(w.model, g.model, "{}", ctx());
+                    assert_eq!(w.lora, g.lora, "{}", ctx());
+                    assert_eq!(w.kind, g.kind, "{}", ctx());
+                    assert_eq!(w.tokens, g.tokens, "{}", ctx());
+                    assert_eq!(w.text_bytes, g.text_bytes, "{}", ctx());
+                    assert_eq!(w.media_parts, g.media_parts, "{}", ctx());
+                    assert_eq!(w.truncated, g.truncated, "{}", ctx());
+                    assert_eq!(ca, cb, "{}", ctx());
+                    assert_eq!(ba, bb, "{}", ctx());
+                    oks += 1;
+                }
+                (Err(w), Err(g)) => {
+                    assert_eq!(w, g, "{}", ctx());
+                    errs += 1;
+                }
+                _ => panic!("{}: serde {want:?}, fast {got:?}", ctx()),
+            }
+            let (mut c, mut bd) = (Vec::new(), Vec::new());
+            fast_hits += usize::from(fast(ep, &b, &mut c, &mut bd, &mut scratch, limit).is_some());
+        }
+        // The comparison means something only if both paths and both outcomes are common.
+        assert!(
+            fast_hits > 10_000 && oks > 25_000 && errs > 10_000,
+            "{fast_hits} {oks} {errs}"
+        );
+    }
+
     mod props {
         use super::super::*;
         use proptest::prelude::*;
@@ -1229,8 +1442,11 @@ mod tests {
             #[test]
             fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
                 let mut buf = Vec::new();
+                let (mut bounds, mut scratch) = (Vec::new(), Scratch::default());
                 for ep in [Endpoint::Chat, Endpoint::Completions, Endpoint::Generate] {
                     let _ = parse(ep, &body, &mut buf, 4096);
+                    prop_assert!(buf.len() <= 4096);
+                    let _ = parse_fast(ep, &body, &mut buf, &mut bounds, &mut scratch, 4096);
                     prop_assert!(buf.len() <= 4096);
                 }
             }
@@ -1253,7 +1469,11 @@ mod tests {
                 let p = parse(Endpoint::Generate, body.as_bytes(), &mut buf, 1 << 20).unwrap();
                 prop_assert_eq!(p.kind, PromptKind::Tokens);
                 prop_assert_eq!(p.tokens, ids.len());
-                prop_assert_eq!(buf, super::tokens(&ids));
+                prop_assert_eq!(&buf, &super::tokens(&ids));
+                let (mut fast, mut bounds, mut scratch) = (Vec::new(), Vec::new(), Scratch::default());
+                let f = parse_fast(Endpoint::Generate, body.as_bytes(), &mut fast, &mut bounds, &mut scratch, 1 << 20).unwrap();
+                prop_assert_eq!((f.kind, f.tokens), (PromptKind::Tokens, ids.len()));
+                prop_assert_eq!(fast, buf);
             }
         }
     }
