@@ -141,7 +141,7 @@ fn put(block: &mut [u8; 4 * BLOCK], count: &mut usize, out: &mut Vec<u8>, cap: u
         slot.copy_from_slice(&v.to_le_bytes());
     }
     *count += 1;
-    if *count % BLOCK == 0 && out.len() < cap {
+    if count.is_multiple_of(BLOCK) && out.len() < cap {
         out.extend_from_slice(block);
     }
 }
