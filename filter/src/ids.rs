@@ -60,15 +60,10 @@ pub fn scan(b: &[u8], at: usize, out: &mut Vec<u8>, cap: usize) -> Option<Scanne
     let mut block = [0u8; 4 * BLOCK];
     let mut count = 0usize;
     let mut p = at + 1;
-    // The SWAR path reads 8 bytes at `p`: only while `p <= last`.
-    let last = b.len().checked_sub(8);
     loop {
-        // One number at `p` (after `[` or `,`), then its separator at `q`.
-        let fast = match last {
-            Some(last) if p <= last => b.get(p..p + 8).and_then(|s| s.first_chunk::<8>()),
-            _ => None,
-        };
-        let (v, q) = match fast {
+        // One number at `p` (after `[` or `,`), then its separator at `q`. The SWAR path reads
+        // 8 bytes at `p`, so it stops 8 bytes before the end of the body.
+        let (v, q) = match b.get(p..).and_then(|s| s.first_chunk::<8>()) {
             Some(w) => {
                 let w = u64::from_le_bytes(*w);
                 // Per byte: `c - '0'` (high bit set when c < '0' or c >= 0xB0) or `c + 0x46`
