@@ -166,6 +166,7 @@ fn policies(c: &mut Criterion) {
                 head_blocks: 0,
                 busy: &[],
                 placed: &[],
+                recent: None,
             };
             g.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter(|| policy::choose(&cfg.policy, black_box(&inp)))

@@ -381,6 +381,7 @@ impl Router {
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.placement_window_ms);
+        let recent = footprint.recent(mi, affinity, now);
         let mut sampled = false;
         let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
             if !sampled {
@@ -401,6 +402,7 @@ impl Router {
                 head_blocks,
                 busy: busy.of(mi),
                 placed: footprint.of(mi),
+                recent,
             };
             let (w, reason) = policy.choose(&cfg.policy, &inp);
             let tok = if uses_index {
@@ -421,6 +423,9 @@ impl Router {
         if uses_index {
             // What the worker will newly cache (the charge is the uncached estimate).
             footprint.place(mi, w, tok, cfg.policy.placement_window_ms);
+            if deepest == 0 {
+                footprint.remember(mi, affinity, w, now);
+            }
             self.plan_record(mi, w, now);
         }
         d

@@ -14,7 +14,8 @@
 //!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
 //!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`. A
 //!   worker this VM lately sent more uncached prompt tokens than the mean plus this prompt is not
-//!   eligible (`footprint.rs`), so new prefixes fill the caches evenly rather than binomially.
+//!   a candidate (`footprint.rs`), so new prefixes fill the caches evenly rather than binomially;
+//!   the reason stays `hash_affinity` (placement, not a spill).
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
@@ -100,24 +101,25 @@ fn under_bound(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize, slack: f64)
     r + 1.0 <= share + slack
 }
 
-/// A prompt nobody holds may go to worker `i` only while the uncached tokens it was sent lately,
-/// per unit weight, exceed the fleet's mean by at most this prompt (`footprint.rs`): the
-/// rendezvous worker of a new prefix is skipped once it carries a prompt's worth more than its
-/// share, so cache footprints stay balanced. Empty sums (policy off, tests): always true.
-fn footprint_ok(inp: &Inputs, i: usize, mean: f64) -> bool {
-    let Some(&f) = inp.placed.get(i) else {
-        return true;
+/// Two choices for a prompt nobody holds: the rendezvous top `a` and runner-up `b` (both under
+/// the load bound). `b` wins when the uncached tokens `a` was sent lately (`footprint.rs`), per
+/// unit weight, exceed `b`'s by more than this prompt: new prefixes then fill the caches evenly
+/// (the best of two choices), while a prefix keeps its rendezvous worker whenever the two are
+/// close, so siblings and replicas still agree, and a worker left with a large footprint (a long
+/// document) only stops being the first choice. No sums kept (policy off, tests): `a`.
+fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
+    let Some(b) = b else {
+        return a;
     };
-    let w = inp.model.workers[i].weight;
-    f64::from(f) / w <= mean + f64::from(inp.prompt_tokens) / w
-}
-
-/// The fleet's placed tokens per unit weight (0 when none are kept).
-fn footprint_mean(inp: &Inputs) -> f64 {
-    if inp.placed.len() != inp.model.workers.len() {
-        return 0.0;
+    let (Some(&fa), Some(&fb)) = (inp.placed.get(a), inp.placed.get(b)) else {
+        return a;
+    };
+    let (wa, wb) = (inp.model.workers[a].weight, inp.model.workers[b].weight);
+    if f64::from(fa) / wa - f64::from(fb) / wb > f64::from(inp.prompt_tokens) / wb {
+        b
+    } else {
+        a
     }
-    inp.placed.iter().map(|&f| f64::from(f)).sum::<f64>() / inp.model.total_weight
 }
 
 /// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
@@ -125,6 +127,14 @@ fn footprint_mean(inp: &Inputs) -> f64 {
 /// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
 /// Both make the same choice (tested), so replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    if inp.deepest == 0 {
+        if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
+            let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+            if under_bound(p, inp, total, w, 1.0) {
+                return (w, Reason::HashAffinity);
+            }
+        }
+    }
     if is_fleet_prefix(p, inp) {
         if let Some(w) = choose_least_busy(p, inp) {
             return (w, reason_of(inp, w, w));
@@ -227,22 +237,30 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         // Nobody holds the prompt (so every cap is `cap_other`): the eligible worker with the
         // highest rendezvous score, and the overall top to tell affinity from spill.
         let (mut top, mut top_score) = (0usize, 0u64);
+        // The two highest-scoring eligible workers.
         let mut best: Option<(usize, u64)> = None;
-        let mean = footprint_mean(inp);
+        let mut second: Option<(usize, u64)> = None;
         for (i, ((w, (&r, _)), _)) in rows {
             let score = mix(inp.affinity, w.id);
             if i == 0 || score > top_score {
                 (top, top_score) = (i, score);
             }
-            if u64::from(r) < cap_other
-                && best.is_none_or(|(_, s)| score > s)
-                && footprint_ok(inp, i, mean)
-            {
+            if u64::from(r) >= cap_other {
+                continue;
+            }
+            if best.is_none_or(|(_, s)| score > s) {
+                second = best;
                 best = Some((i, score));
+            } else if second.is_none_or(|(_, s)| score > s) {
+                second = Some((i, score));
             }
         }
         return match best {
-            Some((chosen, _)) => (chosen, reason_of(inp, chosen, top)),
+            Some((a, _)) => {
+                let chosen = two_choices(inp, a, second.map(|(b, _)| b));
+                // Placement by footprint is not a spill: the reason follows `a`.
+                (chosen, reason_of(inp, a, top))
+            }
             None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
         };
     }
@@ -353,14 +371,14 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
-    let mean = footprint_mean(inp);
+    let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
     for i in 0..n {
         let score = hrw(model, i, inp.affinity);
         if score > top_score {
             top_score = score;
             top = i;
         }
-        if !cap_ok(p, inp, total, i) || (inp.deepest == 0 && !footprint_ok(inp, i, mean)) {
+        if !cap_ok(p, inp, total, i) {
             continue;
         }
         let cost = if inp.deepest == 0 {
@@ -375,17 +393,25 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             None => true,
             Some((_, c, s)) => cost < c || (cost == c && score > s),
         };
+        if inp.deepest == 0 {
+            if better {
+                second = best.map(|(b, _, s)| (b, s));
+            } else if second.is_none_or(|(_, s)| score > s) {
+                second = Some((i, score));
+            }
+        }
         if better {
             best = Some((i, cost, score));
         }
     }
     let Some((chosen, cost, _)) = best else {
-        // Every worker at or below the weighted mean of requests is under the load bound, but
-        // the footprint rule can exclude it: the least loaded worker then.
+        // Unreachable in practice (some worker is always at or below the weighted mean), but a
+        // defined answer beats a panic.
         return (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill);
     };
     if inp.deepest == 0 {
-        return (chosen, reason_of(inp, chosen, top));
+        let placed = two_choices(inp, chosen, second.map(|(b, _)| b));
+        return (placed, reason_of(inp, chosen, top));
     }
     let cost_of = |i: usize| -> Option<f64> {
         if !cap_ok(p, inp, total, i) {
@@ -438,6 +464,7 @@ mod tests {
             head_blocks: 0,
             busy: &[],
             placed: &[],
+            recent: None,
         }
     }
 
@@ -716,29 +743,72 @@ mod tests {
     }
 
     #[test]
-    fn a_new_prompt_skips_a_worker_holding_more_than_its_share_of_new_prefixes() {
-        let m = model(2);
+    fn a_new_prompt_goes_to_the_runner_up_when_the_top_was_sent_a_prompt_more() {
+        let m = model(4);
         let p = PolicyConfig::default();
-        let z = [0u32; 2];
-        let inp = inputs(&m, &z, &z, &z, 42);
-        let (top, r) = choose(&p, &inp);
+        let z = [0u32; 4];
+        let (a, r) = choose(&p, &inputs(&m, &z, &z, &z, 42));
         assert_eq!(r, Reason::HashAffinity);
-        // The rendezvous top was sent 5000 uncached tokens lately, the other none: the mean is
-        // 2500 and the top is more than one 1600-token prompt above it.
-        let mut placed = [0.0f32; 2];
-        placed[top] = 5000.0;
+        // The runner-up: the top when `a` is over the load bound.
+        let mut reqs = [0u32; 4];
+        reqs[a] = 9;
+        let (b, _) = choose(&p, &inputs(&m, &reqs, &z, &z, 42));
+        assert_ne!(a, b);
+        // `a` was sent 2000 uncached tokens more than `b` lately, more than this 1600-token
+        // prompt: `b`, still reported as placement (not a spill).
+        let mut placed = [0.0f32; 4];
+        placed[a] = 2000.0;
         let skewed = Inputs {
             placed: &placed,
             ..inputs(&m, &z, &z, &z, 42)
         };
-        assert_eq!(choose(&p, &skewed), (1 - top, Reason::LoadSpill));
-        // Within a prompt of the mean: rendezvous as before.
-        placed[top] = 3000.0;
+        assert_eq!(choose(&p, &skewed), (b, Reason::HashAffinity));
+        // Within a prompt: the rendezvous top.
+        placed[a] = 1500.0;
         let close = Inputs {
             placed: &placed,
             ..inputs(&m, &z, &z, &z, 42)
         };
-        assert_eq!(choose(&p, &close), (top, Reason::HashAffinity));
+        assert_eq!(choose(&p, &close), (a, Reason::HashAffinity));
+        // Only the runner-up is compared: a worker with a large footprint stays eligible as the
+        // runner-up of other prompts.
+        placed[a] = 0.0;
+        placed[b] = 1e9;
+        let big = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &big).0, a);
+    }
+
+    #[test]
+    fn a_sibling_follows_its_recent_placement_within_the_load_bound() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        let (top, _) = choose(&p, &inputs(&m, &z, &z, &z, 5));
+        let other = (top + 1) % 4;
+        let inp = Inputs {
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(choose(&p, &inp), (other, Reason::HashAffinity));
+        // Over the bound (4 of 4 in flight there): rendezvous as usual.
+        let mut reqs = [0u32; 4];
+        reqs[other] = 4;
+        let busy = Inputs {
+            reqs: &reqs,
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(choose(&p, &busy).0, top);
+        // Only for prompts nobody holds.
+        let matched = [3u32; 4];
+        let held = Inputs {
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &matched, 5)
+        };
+        assert_ne!(choose(&p, &held), (other, Reason::HashAffinity));
     }
 
     #[test]

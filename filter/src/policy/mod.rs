@@ -95,6 +95,9 @@ pub struct Inputs<'a> {
     /// Each worker's decayed sum of uncached prompt tokens it was sent (`footprint.rs`); empty
     /// or shorter: 0.
     pub placed: &'a [f32],
+    /// The worker this VM sent a prompt with the same rendezvous key moments ago, when nobody
+    /// held it either (`footprint.rs`): its sibling follows it.
+    pub recent: Option<usize>,
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.

@@ -51,6 +51,7 @@ mod tests {
             head_blocks: 0,
             busy: &[],
             placed: &[],
+            recent: None,
         };
         let mut rr = RoundRobin { next: usize::MAX };
         let seq: Vec<usize> = (0..6).map(|_| rr.choose(&c.policy, &inp).0).collect();
