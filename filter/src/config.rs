@@ -252,8 +252,8 @@ pub struct PolicyConfig {
     #[serde(default = "default_busy_tolerance")]
     pub busy_tolerance: f64,
     /// Time constant of each worker's decayed sum of prompt tokens it was sent uncached
-    /// (`footprint.rs`): a prompt nobody holds skips, in rendezvous order, a worker above the
-    /// mean by more than the prompt; 0: off (plain rendezvous).
+    /// (`footprint.rs`): a prompt nobody holds goes to its rendezvous runner-up when the top was
+    /// sent more than one such prompt more; 0: off (plain rendezvous).
     #[serde(default = "default_placement_window_ms")]
     pub placement_window_ms: u32,
     /// Weight of a worker's in-flight (estimated uncached) prompt tokens in its cost.

@@ -5,11 +5,12 @@
 //! workers land 18/14 or worse about half of the time, and when the caches are tight the worker
 //! with more prefixes evicts them while the other has room (measured with `load/pd_compare
 //! --sizes 2`: 142 vs 114 prefill requests, 73% hit rate against SGLang's router's 78-81%, which
-//! sends a new prefix to the worker with the smallest radix tree). With this sum the cache-aware
-//! policy (`policy/cache_aware.rs`) bounds a worker's footprint: a new prefix skips, in rendezvous
-//! order, a worker already holding more than the mean plus one such prompt, so footprints stay
-//! within about a prompt of each other while most prefixes keep their rendezvous worker (siblings
-//! arriving together and other replicas still agree).
+//! sends a new prefix to the worker with the smallest radix tree). With these sums the cache-aware
+//! policy (`policy/cache_aware.rs`, `two_choices`) gives a new prefix two choices, its rendezvous
+//! top and runner-up, and takes the runner-up when the top was sent more than one such prompt
+//! more: footprints stay within a few prompts of each other while a prefix keeps its rendezvous
+//! worker whenever the two are close (other replicas then agree), and a worker with a large
+//! footprint (a long document) only stops winning comparisons until the others catch up.
 //!
 //! A prompt's index records are written only once its response is a 2xx (`router.rs`), so a
 //! sibling arriving while the first request still prefills finds nothing, and the footprint

@@ -12,10 +12,11 @@
 //! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
 //!   of the prompt's rendezvous key (`router.rs`) picks the top eligible worker. Sibling
 //!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
-//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`. A
-//!   worker this VM lately sent more uncached prompt tokens than the mean plus this prompt is not
-//!   a candidate (`footprint.rs`), so new prefixes fill the caches evenly rather than binomially;
-//!   the reason stays `hash_affinity` (placement, not a spill).
+//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`. The
+//!   runner-up replaces the top when this VM lately sent the top more than one such prompt's
+//!   uncached tokens more ([`two_choices`], `footprint.rs`), so new prefixes fill the caches
+//!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
+//!   sibling of a prompt this VM placed moments ago follows it until the index has it.
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
