@@ -1,5 +1,5 @@
-//! How much new prefix each worker has been given lately: a time-decayed sum of the prompt
-//! tokens this VM placed on it as prompts nobody held (the cache footprint it asked for).
+//! How much new prefix each worker has been given lately: a time-decayed sum of the uncached
+//! prompt tokens this VM sent it (the cache footprint it asked for).
 //!
 //! Rendezvous hashing spreads new prefixes over the workers binomially: 32 system prompts on 2
 //! workers land 18/14 or worse about half of the time, and when the caches are tight the worker
