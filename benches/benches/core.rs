@@ -161,9 +161,12 @@ fn policies(c: &mut Criterion) {
                 total_blocks: 256,
                 prompt_tokens: 4096,
                 affinity: 0xdead_beef,
+                group: 0xdead_beef,
                 conversation_blocks: 0,
                 head_blocks: 0,
                 busy: &[],
+                placed: &[],
+                recent: None,
             };
             g.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter(|| policy::choose(&cfg.policy, black_box(&inp)))

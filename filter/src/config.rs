@@ -251,6 +251,11 @@ pub struct PolicyConfig {
     /// rendezvous, so replicas and threads acting on the same averages do not herd onto one.
     #[serde(default = "default_busy_tolerance")]
     pub busy_tolerance: f64,
+    /// Time constant of each worker's decayed sum of prompt tokens it was sent uncached
+    /// (`footprint.rs`): a prompt nobody holds goes to its rendezvous runner-up when the top was
+    /// sent more than one such prompt more; 0: off (plain rendezvous).
+    #[serde(default = "default_placement_window_ms")]
+    pub placement_window_ms: u32,
     /// Weight of a worker's in-flight (estimated uncached) prompt tokens in its cost.
     #[serde(default = "default_load_weight")]
     pub load_weight: f64,
@@ -293,6 +298,7 @@ impl Default for PolicyConfig {
             fleet_prefix_share: default_fleet_prefix_share(),
             busy_window_ms: default_busy_window_ms(),
             busy_tolerance: default_busy_tolerance(),
+            placement_window_ms: default_placement_window_ms(),
             load_weight: default_load_weight(),
             request_cost_tokens: default_request_cost_tokens(),
             affinity_blocks: default_affinity_blocks(),
@@ -353,6 +359,10 @@ fn default_busy_window_ms() -> u32 {
 }
 fn default_busy_tolerance() -> f64 {
     0.5
+}
+fn default_placement_window_ms() -> u32 {
+    // Long enough to cover how long a prefix stays cached under steady traffic.
+    60_000
 }
 fn default_load_eps() -> f64 {
     1.0

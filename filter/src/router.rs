@@ -17,6 +17,7 @@
 use crate::blocks::{hash_blocks, keyed_seed};
 use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
+use crate::footprint::Footprint;
 use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
 use crate::load::Ledger;
 use crate::peers::Outbox;
@@ -24,6 +25,14 @@ use crate::policy::{self, Inputs, Policy, Reason};
 use crate::request::{self, Endpoint, PromptKind};
 use crate::store::Store;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The rendezvous keys of a prompt: `affinity` (module docs) and `group` (its first
+/// `affinity_blocks` blocks, shared by every prompt that opens alike).
+#[derive(Clone, Copy)]
+struct Keys {
+    affinity: u64,
+    group: u64,
+}
 
 /// What was decided for a request; small and `Copy` so the stream context can keep it until the
 /// stream ends and release exactly what was charged.
@@ -71,6 +80,8 @@ pub struct Router {
     ids: Vec<Vec<(u32, u16)>>,
     pub ledger: Ledger,
     busy: Busy,
+    /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
+    footprint: Footprint,
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
     pub outbox: Option<Outbox>,
@@ -121,6 +132,7 @@ impl Router {
             ids,
             ledger: Ledger::new(&cfg).seeded(seed),
             busy: Busy::new(&cfg),
+            footprint: Footprint::new(&cfg),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
@@ -292,7 +304,10 @@ impl Router {
             }
             _ => 0,
         } as u32;
-        let mut d = self.decide(store, mi, prompt_tokens, affinity, head_blocks, now);
+        let k = self.cfg.policy.affinity_blocks.min(self.hashes.len());
+        let group = self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0);
+        let keys = Keys { affinity, group };
+        let mut d = self.decide(store, mi, prompt_tokens, keys, head_blocks, now);
         if let Some(r) = forced.take() {
             d.reason = r;
         }
@@ -327,10 +342,11 @@ impl Router {
         store: &S,
         mi: usize,
         prompt_tokens: u32,
-        affinity: u64,
+        keys: Keys,
         head_blocks: u32,
         now: u32,
     ) -> Decision {
+        let Keys { affinity, group } = keys;
         let cfg = &self.cfg;
         let model = &cfg.models[mi];
         let uses_index = self.policy.uses_index();
@@ -367,6 +383,9 @@ impl Router {
         };
         // The opening message's end, when another message follows it (a fleet prefix candidate).
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
+        let footprint = &mut self.footprint;
+        footprint.decay(mi, now, cfg.policy.placement_window_ms);
+        let recent = footprint.recent(mi, affinity, now);
         let mut sampled = false;
         let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
             if !sampled {
@@ -382,9 +401,12 @@ impl Router {
                 total_blocks,
                 prompt_tokens,
                 affinity,
+                group,
                 conversation_blocks,
                 head_blocks,
                 busy: busy.of(mi),
+                placed: footprint.of(mi),
+                recent,
             };
             let (w, reason) = policy.choose(&cfg.policy, &inp);
             let tok = if uses_index {
@@ -403,6 +425,11 @@ impl Router {
             ..plain(mi, w, reason)
         };
         if uses_index {
+            // What the worker will newly cache (the charge is the uncached estimate).
+            footprint.place(mi, w, tok, cfg.policy.placement_window_ms);
+            if deepest == 0 {
+                footprint.remember(mi, affinity, w, now);
+            }
             self.plan_record(mi, w, now);
         }
         d

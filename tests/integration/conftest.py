@@ -14,9 +14,13 @@ def stack(request):
     """The demo config (envoy/envoy.yaml) with the debug header forced on, shared by the session.
 
     State in Envoy (prefix index, counters) persists across tests: tests use their own random
-    prefixes and measure metric deltas, so they do not depend on order.
+    prefixes and measure metric deltas, so they do not depend on order. The cache-footprint rule
+    (`policy.placement_window_ms`) is off here: it remembers where earlier tests put their
+    prompts for a minute, which would make rendezvous spreads depend on test order; its own test
+    (test_footprint.py) starts a fresh Envoy with the default policy.
     """
-    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision"}).start()
+    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision",
+                                "policy": {"placement_window_ms": 0}}).start()
     _ACTIVE_STACKS.append(s)
     yield s
     _ACTIVE_STACKS.remove(s)

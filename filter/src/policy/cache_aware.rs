@@ -10,13 +10,20 @@
 //!   of piling onto one (bounded-load consistent hashing), while at low concurrency a holder may
 //!   take a few requests more before its cached prefix is recomputed elsewhere.
 //! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
-//!   of the hash of the first `affinity_blocks` blocks picks the top eligible worker. Sibling
+//!   of the prompt's rendezvous key (`router.rs`) picks the top eligible worker. Sibling
 //!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
-//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`.
+//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`. The
+//!   runner-up replaces the top when this VM lately sent the top more than one such prompt's
+//!   uncached tokens more ([`two_choices`], `footprint.rs`), so new prefixes fill the caches
+//!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
+//!   sibling of a prompt this VM placed moments ago follows it until the index has it.
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
 //!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
+//!   Workers holding as much of the prompt as the cheapest one, and costing at most the tokens it
+//!   holds more, share the prompt by rendezvous on its opening blocks ([`stick`]): a prompt group
+//!   that was copied to a second worker keeps using one copy instead of alternating with the load.
 //! * **A new conversation on a fleet prefix.** When the prompt's opening message (a system
 //!   prompt) is followed by more, nobody holds anything past that opening, and at least
 //!   `fleet_prefix_share` (0.75) of the workers hold some of it (or all of the index's
@@ -95,11 +102,40 @@ fn under_bound(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize, slack: f64)
     r + 1.0 <= share + slack
 }
 
+/// Two choices for a prompt nobody holds: the rendezvous top `a` and runner-up `b` (both under
+/// the load bound). `b` wins when the uncached tokens `a` was sent lately (`footprint.rs`), per
+/// unit weight, exceed `b`'s by more than this prompt: new prefixes then fill the caches evenly
+/// (the best of two choices), while a prefix keeps its rendezvous worker whenever the two are
+/// close, so siblings and replicas still agree, and a worker left with a large footprint (a long
+/// document) only stops being the first choice. No sums kept (policy off, tests): `a`.
+fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
+    let Some(b) = b else {
+        return a;
+    };
+    let (Some(&fa), Some(&fb)) = (inp.placed.get(a), inp.placed.get(b)) else {
+        return a;
+    };
+    let (wa, wb) = (inp.model.workers[a].weight, inp.model.workers[b].weight);
+    if f64::from(fa) / wa - f64::from(fb) / wb > f64::from(inp.prompt_tokens) / wb {
+        b
+    } else {
+        a
+    }
+}
+
 /// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
 ///
 /// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
 /// Both make the same choice (tested), so replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    if inp.deepest == 0 {
+        if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
+            let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+            if under_bound(p, inp, total, w, 1.0) {
+                return (w, Reason::HashAffinity);
+            }
+        }
+    }
     if is_fleet_prefix(p, inp) {
         if let Some(w) = choose_least_busy(p, inp) {
             return (w, reason_of(inp, w, w));
@@ -117,6 +153,9 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
 }
 
+/// Fewest holders of a fleet prefix (see [`is_fleet_prefix`]).
+const MIN_FLEET_HOLDERS: usize = 3;
+
 /// A new conversation on a fleet prefix (module docs).
 fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
     if p.fleet_prefix_share <= 0.0
@@ -129,10 +168,12 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
     // The index keeps at most `HOLDERS` holders per checkpoint: in a larger fleet a prefix
     // whose holder slots are all taken counts as held widely enough.
     let holders = inp.matched.iter().filter(|&&m| m > 0).count();
-    // At least two: a prompt on one worker has never spilled, whatever the fleet's size (one
-    // holder of two workers is not a fleet-wide prefix).
+    // At least three, whatever the fleet's size: one holder has never spilled, and two may be a
+    // prompt group plus one spill (a sibling routed before the first answer was indexed); with
+    // two workers that made every spilled group "fleet-wide" and spread it over both caches
+    // for good (`load/pd_compare --sizes 2`: 72-75% prefill hit rate, 78-79% with three).
     let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
-    holders >= 2 && holders as f64 >= need.min(HOLDERS as f64)
+    holders >= MIN_FLEET_HOLDERS && holders as f64 >= need.min(HOLDERS as f64)
 }
 
 /// The least busy worker under the load bound with slack 1, rendezvous among those within
@@ -197,39 +238,57 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         // Nobody holds the prompt (so every cap is `cap_other`): the eligible worker with the
         // highest rendezvous score, and the overall top to tell affinity from spill.
         let (mut top, mut top_score) = (0usize, 0u64);
+        // The two highest-scoring eligible workers.
         let mut best: Option<(usize, u64)> = None;
+        let mut second: Option<(usize, u64)> = None;
         for (i, ((w, (&r, _)), _)) in rows {
             let score = mix(inp.affinity, w.id);
             if i == 0 || score > top_score {
                 (top, top_score) = (i, score);
             }
-            if u64::from(r) < cap_other && best.is_none_or(|(_, s)| score > s) {
+            if u64::from(r) >= cap_other {
+                continue;
+            }
+            if best.is_none_or(|(_, s)| score > s) {
+                second = best;
                 best = Some((i, score));
+            } else if second.is_none_or(|(_, s)| score > s) {
+                second = Some((i, score));
             }
         }
         return match best {
-            Some((chosen, _)) => (chosen, reason_of(inp, chosen, top)),
+            Some((a, _)) => {
+                let chosen = two_choices(inp, a, second.map(|(b, _)| b));
+                // Placement by footprint is not a spill: the reason follows `a`.
+                (chosen, reason_of(inp, a, top))
+            }
             None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
         };
     }
     // Someone holds a prefix: lowest cost; rendezvous scores only to break exact ties.
     let prompt = f64::from(inp.prompt_tokens);
-    let mut best: Option<(usize, f64, u32)> = None;
-    for (i, ((w, (&r, &t)), &m)) in rows {
+    let cost_of = |i: usize| -> Option<f64> {
+        let (r, t, m) = (inp.reqs[i], inp.tokens[i], inp.matched[i]);
         let cap = if m > 0 {
             cap(holder_slack(p, inp, i))
         } else {
             cap_other
         };
         if u64::from(r) >= cap {
-            continue;
+            return None;
         }
         let uncached = if m == 0 {
             prompt
         } else {
             f64::from(uncached_tokens(inp, i))
         };
-        let cost = uncached + p.load_weight * f64::from(t) + p.request_cost_tokens * f64::from(r);
+        Some(uncached + p.load_weight * f64::from(t) + p.request_cost_tokens * f64::from(r))
+    };
+    let mut best: Option<(usize, f64, u32)> = None;
+    for (i, ((w, _), _)) in rows {
+        let Some(cost) = cost_of(i) else {
+            continue;
+        };
         let better = match best {
             None => true,
             Some((_, c, b)) => {
@@ -241,9 +300,54 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         }
     }
     match best {
-        Some((chosen, _, _)) => (chosen, reason_of(inp, chosen, 0)),
+        Some((chosen, cost, _)) => {
+            let chosen = stick(inp, chosen, cost, cost_of, |i| {
+                mix(inp.group, model.workers[i].id) as f64
+            });
+            (chosen, reason_of(inp, chosen, 0))
+        }
         None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
     }
+}
+
+/// Among the workers holding as much of the prompt as `chosen` (the cheapest), those whose cost
+/// is within the tokens `chosen` holds of its cost share the prompt by rendezvous on its
+/// opening (`Inputs::group`), so every request of a prompt group returns to one copy of its
+/// prefix instead of alternating between copies with the load, which doubles the group's cache
+/// footprint for good once it has spilled (measured with `load/pd_compare --sizes 2`: 5-8 of 32
+/// groups alternating between both prefill workers). A copy is abandoned only when its worker's
+/// queue costs more than recomputing the prefix elsewhere; the load bound still applies.
+fn stick(
+    inp: &Inputs,
+    chosen: usize,
+    chosen_cost: f64,
+    cost_of: impl Fn(usize) -> Option<f64>,
+    score: impl Fn(usize) -> f64,
+) -> usize {
+    let depth = inp.matched.get(chosen).copied().unwrap_or(0);
+    if depth == 0 || inp.group == 0 {
+        return chosen;
+    }
+    let held = f64::from(
+        inp.prompt_tokens
+            .saturating_sub(uncached_tokens(inp, chosen)),
+    );
+    let w = inp.model.workers[chosen].weight;
+    let limit = chosen_cost + held / w;
+    let mut best = (chosen, score(chosen));
+    for i in 0..inp.model.workers.len() {
+        if i == chosen || inp.matched.get(i).copied().unwrap_or(0) != depth {
+            continue;
+        }
+        let Some(c) = cost_of(i) else {
+            continue;
+        };
+        let s = score(i);
+        if c <= limit && s > best.1 {
+            best = (i, s);
+        }
+    }
+    best.0
 }
 
 fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
@@ -268,6 +372,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
+    let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
     for i in 0..n {
         let score = hrw(model, i, inp.affinity);
         if score > top_score {
@@ -289,15 +394,39 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             None => true,
             Some((_, c, s)) => cost < c || (cost == c && score > s),
         };
+        if inp.deepest == 0 {
+            if better {
+                second = best.map(|(b, _, s)| (b, s));
+            } else if second.is_none_or(|(_, s)| score > s) {
+                second = Some((i, score));
+            }
+        }
         if better {
             best = Some((i, cost, score));
         }
     }
-    let Some((chosen, _, _)) = best else {
+    let Some((chosen, cost, _)) = best else {
         // Unreachable in practice (some worker is always at or below the weighted mean), but a
         // defined answer beats a panic.
         return (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill);
     };
+    if inp.deepest == 0 {
+        let placed = two_choices(inp, chosen, second.map(|(b, _)| b));
+        return (placed, reason_of(inp, chosen, top));
+    }
+    let cost_of = |i: usize| -> Option<f64> {
+        if !cap_ok(p, inp, total, i) {
+            return None;
+        }
+        let w = model.workers[i].weight;
+        let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+        let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
+        Some(
+            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r)
+                / w,
+        )
+    };
+    let chosen = stick(inp, chosen, cost, cost_of, |i| hrw(model, i, inp.group));
     (chosen, reason_of(inp, chosen, top))
 }
 
@@ -331,9 +460,12 @@ mod tests {
             total_blocks: 100,
             prompt_tokens: 1600,
             affinity: key,
+            group: key,
             conversation_blocks: 0,
             head_blocks: 0,
             busy: &[],
+            placed: &[],
+            recent: None,
         }
     }
 
@@ -576,6 +708,132 @@ mod tests {
     }
 
     #[test]
+    fn equally_deep_holders_share_a_prompt_group_by_its_opening_not_by_load() {
+        // Workers 0 and 1 hold the same 80 of 100 blocks (1280 of 1600 tokens); the group's
+        // rendezvous favourite gets every request of the group while its extra queued work
+        // costs less than the 1280 tokens it holds.
+        let m = model(2);
+        let p = PolicyConfig::default();
+        let matched = [80u32, 80];
+        let z = [0u32; 2];
+        for group in [7u64, 8, 9] {
+            let fav = (0..2usize)
+                .max_by_key(|&i| mix(group, m.workers[i].id))
+                .unwrap();
+            // The favourite has two more requests and 1000 more in-flight tokens: cost +628.
+            let mut reqs = [0u32; 2];
+            let mut tokens = [0u32; 2];
+            reqs[fav] = 2;
+            tokens[fav] = 1000;
+            let inp = Inputs {
+                reqs: &reqs,
+                tokens: &tokens,
+                ..inputs(&m, &z, &z, &matched, 7)
+            };
+            let inp = Inputs { group, ..inp };
+            assert_eq!(choose(&p, &inp), (fav, Reason::PrefixHit), "group {group}");
+            // Queued work above what it holds (+2628 > 1280): the other copy.
+            let mut tokens2 = tokens;
+            tokens2[fav] = 5000;
+            let inp2 = Inputs {
+                tokens: &tokens2,
+                ..inp
+            };
+            assert_eq!(choose(&p, &inp2), (1 - fav, Reason::PrefixHit));
+        }
+    }
+
+    #[test]
+    fn a_new_prompt_goes_to_the_runner_up_when_the_top_was_sent_a_prompt_more() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        let (a, r) = choose(&p, &inputs(&m, &z, &z, &z, 42));
+        assert_eq!(r, Reason::HashAffinity);
+        // The runner-up: the top when `a` is over the load bound.
+        let mut reqs = [0u32; 4];
+        reqs[a] = 9;
+        let (b, _) = choose(&p, &inputs(&m, &reqs, &z, &z, 42));
+        assert_ne!(a, b);
+        // `a` was sent 2000 uncached tokens more than `b` lately, more than this 1600-token
+        // prompt: `b`, still reported as placement (not a spill).
+        let mut placed = [0.0f32; 4];
+        placed[a] = 2000.0;
+        let skewed = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &skewed), (b, Reason::HashAffinity));
+        // Within a prompt: the rendezvous top.
+        placed[a] = 1500.0;
+        let close = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &close), (a, Reason::HashAffinity));
+        // Only the runner-up is compared: a worker with a large footprint stays eligible as the
+        // runner-up of other prompts.
+        placed[a] = 0.0;
+        placed[b] = 1e9;
+        let big = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &big).0, a);
+    }
+
+    #[test]
+    fn a_sibling_follows_its_recent_placement_within_the_load_bound() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        let (top, _) = choose(&p, &inputs(&m, &z, &z, &z, 5));
+        let other = (top + 1) % 4;
+        let inp = Inputs {
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(choose(&p, &inp), (other, Reason::HashAffinity));
+        // Over the bound (4 of 4 in flight there): rendezvous as usual.
+        let mut reqs = [0u32; 4];
+        reqs[other] = 4;
+        let busy = Inputs {
+            reqs: &reqs,
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(choose(&p, &busy).0, top);
+        // Only for prompts nobody holds.
+        let matched = [3u32; 4];
+        let held = Inputs {
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &matched, 5)
+        };
+        assert_ne!(choose(&p, &held), (other, Reason::HashAffinity));
+    }
+
+    #[test]
+    fn two_holders_are_not_a_fleet_prefix_even_in_a_two_worker_fleet() {
+        let m = model(2);
+        let p = PolicyConfig::default();
+        let z = [0u32; 2];
+        let matched = [10u32, 10];
+        let inp = Inputs {
+            head_blocks: 10,
+            ..inputs(&m, &z, &z, &matched, 3)
+        };
+        assert!(!is_fleet_prefix(&p, &inp));
+        let m3 = model(3);
+        let z3 = [0u32; 3];
+        let matched3 = [10u32, 10, 10];
+        let inp3 = Inputs {
+            head_blocks: 10,
+            ..inputs(&m3, &z3, &z3, &matched3, 3)
+        };
+        assert!(is_fleet_prefix(&p, &inp3));
+    }
+
+    #[test]
     fn uniform_fast_path_matches_the_general_policy() {
         use proptest::prelude::*;
         let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
@@ -589,7 +847,12 @@ mod tests {
         let strat = (
             0usize..7,
             proptest::collection::vec(
-                (0u32..12, 0u32..20_000, prop_oneof![Just(0u32), 1u32..100]),
+                // Depths from a few values, so equally deep holders (`stick`) are common.
+                (
+                    0u32..12,
+                    0u32..20_000,
+                    prop_oneof![Just(0u32), Just(40u32), Just(80u32), 1u32..100],
+                ),
                 64,
             ),
             any::<u64>(),
@@ -597,27 +860,39 @@ mod tests {
             prop_oneof![Just(1.0), Just(3.0), 0.0f64..5.0],
             any::<bool>(),
             prop_oneof![Just(0u32), Just(8192u32), 1u32..4000],
+            any::<bool>(),
         );
         runner
-            .run(&strat, |(mi, rows, key, eps, slack, miss, full)| {
-                let m = &models[mi];
-                let n = m.workers.len();
-                let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
-                let tokens: Vec<u32> = rows[..n].iter().map(|r| r.1).collect();
-                let matched: Vec<u32> = rows[..n]
-                    .iter()
-                    .map(|r| if miss { 0 } else { r.2 })
-                    .collect();
-                let p = PolicyConfig {
-                    load_eps: eps,
-                    load_slack: slack,
-                    slack_full_tokens: full,
-                    ..PolicyConfig::default()
-                };
-                let inp = inputs(m, &reqs, &tokens, &matched, key);
-                prop_assert_eq!(choose_uniform(&p, &inp), choose_general(&p, &inp));
-                Ok(())
-            })
+            .run(
+                &strat,
+                |(mi, rows, key, eps, slack, miss, full, footprint)| {
+                    let m = &models[mi];
+                    let n = m.workers.len();
+                    let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
+                    let tokens: Vec<u32> = rows[..n].iter().map(|r| r.1).collect();
+                    let matched: Vec<u32> = rows[..n]
+                        .iter()
+                        .map(|r| if miss { 0 } else { r.2 })
+                        .collect();
+                    let p = PolicyConfig {
+                        load_eps: eps,
+                        load_slack: slack,
+                        slack_full_tokens: full,
+                        ..PolicyConfig::default()
+                    };
+                    // Footprints: the in-flight tokens reused as placed tokens (any spread will do).
+                    let placed: Vec<f32> = if footprint {
+                        tokens.iter().map(|&t| t as f32).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let mut inp = inputs(m, &reqs, &tokens, &matched, key);
+                    inp.placed = &placed;
+                    inp.group = key.rotate_left(17);
+                    prop_assert_eq!(choose_uniform(&p, &inp), choose_general(&p, &inp));
+                    Ok(())
+                },
+            )
             .unwrap();
     }
 }

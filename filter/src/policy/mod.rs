@@ -80,6 +80,9 @@ pub struct Inputs<'a> {
     pub total_blocks: u32,
     pub prompt_tokens: u32,
     pub affinity: u64,
+    /// The hash of the prompt's first `affinity_blocks` blocks: the same for every prompt that
+    /// opens alike (a prompt group), whatever follows; 0: none.
+    pub group: u64,
     /// For a chat prompt of three or more messages, the block count at the end of its second
     /// message (system prompt + first user message); 0 otherwise. A worker holding more than
     /// that holds this conversation's own history.
@@ -89,6 +92,12 @@ pub struct Inputs<'a> {
     pub head_blocks: u32,
     /// Each worker's decayed in-flight average (`busy.rs`); empty or shorter: 0.
     pub busy: &'a [f32],
+    /// Each worker's decayed sum of uncached prompt tokens it was sent (`footprint.rs`); empty
+    /// or shorter: 0.
+    pub placed: &'a [f32],
+    /// The worker this VM sent a prompt with the same rendezvous key moments ago, when nobody
+    /// held it either (`footprint.rs`): its sibling follows it.
+    pub recent: Option<usize>,
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.

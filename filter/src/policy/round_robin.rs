@@ -46,9 +46,12 @@ mod tests {
             total_blocks: 0,
             prompt_tokens: 0,
             affinity: 0,
+            group: 0,
             conversation_blocks: 0,
             head_blocks: 0,
             busy: &[],
+            placed: &[],
+            recent: None,
         };
         let mut rr = RoundRobin { next: usize::MAX };
         let seq: Vec<usize> = (0..6).map(|_| rr.choose(&c.policy, &inp).0).collect();
