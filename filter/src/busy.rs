@@ -54,7 +54,11 @@ impl Busy {
         } as f32;
         *last = now;
         for (v, &r) in avg.iter_mut().zip(reqs) {
-            *v += a * (r as f32 - *v);
+            // A worker marked unavailable (`poll::exclude_unknown`) keeps its average: the mark
+            // is not a load, and averaging it in would make the worker look busy for minutes.
+            if r < crate::poll::UNAVAILABLE {
+                *v += a * (r as f32 - *v);
+            }
         }
     }
 

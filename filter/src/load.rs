@@ -268,6 +268,9 @@ impl Ledger {
             let stale = cfg.load_poll.stale_ms / 100;
             let polled = self.polled.get(mi).map_or(&[][..], Vec::as_slice);
             poll::merge(polled, now, stale, &mut self.reqs, &mut self.tokens);
+            if model.pd.is_some() {
+                poll::exclude_unknown(polled, now, stale, &mut self.reqs);
+            }
         }
         cas
     }

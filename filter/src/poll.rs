@@ -132,6 +132,33 @@ pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: 
     unknown
 }
 
+/// What a worker that must not be chosen counts as (far above any load bound).
+pub const UNAVAILABLE: u32 = u32::MAX / 4;
+
+/// PD prefill workers: a worker whose last poll failed or is stale while another answered is
+/// marked [`UNAVAILABLE`] in `reqs` (the load bound then skips it, and so does the least loaded
+/// fallback). A mirror cannot be retried or cancel its decode request, so a prefill sent to a
+/// dead worker costs the client the whole bootstrap timeout; a worker that cannot answer a load
+/// poll is not worth that risk. Returns how many were marked. With no worker known (polling off,
+/// or before the first answers) nothing changes.
+pub fn exclude_unknown(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32]) -> u32 {
+    if polled.len() != reqs.len() {
+        return 0;
+    }
+    let fresh = |p: &Polled| p.at != 0 && now.wrapping_sub(p.at) <= stale;
+    if !polled.iter().any(fresh) {
+        return 0;
+    }
+    let mut n = 0;
+    for (p, r) in polled.iter().zip(reqs.iter_mut()) {
+        if !fresh(p) {
+            *r = UNAVAILABLE;
+            n += 1;
+        }
+    }
+    n
+}
+
 /// `max(own, polled + own − own_at_poll)`, saturating.
 fn own_plus_polled(own: u32, polled: u32, own_at_poll: u32) -> u32 {
     let v = i64::from(polled) + i64::from(own) - i64::from(own_at_poll);
@@ -364,6 +391,20 @@ mod tests {
         assert_eq!(merge(&p, 52, 10, &mut r, &mut t), 0);
         assert_eq!(r, vec![11, 0, 2]);
         assert_eq!(t, vec![1100, 0, 200]);
+    }
+
+    #[test]
+    fn prefill_workers_that_stopped_answering_are_unavailable_while_another_answers() {
+        let p = [known(3, 1, 50), Polled::default(), known(1, 1, 30)];
+        let mut r = [1, 0, 0];
+        // Worker 1 failed (at 0), worker 2 is stale (30 + 10 < 55).
+        assert_eq!(exclude_unknown(&p, 55, 10, &mut r), 2);
+        assert_eq!(r, [1, UNAVAILABLE, UNAVAILABLE]);
+        // Nobody known: unchanged (polling off, or before the first answers).
+        let mut r = [1, 0, 0];
+        assert_eq!(exclude_unknown(&[Polled::default(); 3], 55, 10, &mut r), 0);
+        assert_eq!(r, [1, 0, 0]);
+        assert_eq!(exclude_unknown(&[], 55, 10, &mut r), 0);
     }
 
     #[test]

@@ -298,7 +298,7 @@ class SimWorker:
 
 
 class SimFleet:
-    def __init__(self, tmp):
+    def __init__(self, tmp, *extra_gen: str):
         self.prefill = [SimWorker(f"p{i}", "prefill") for i in range(2)]
         self.decode = [SimWorker(f"d{i}", "decode") for i in range(2)]
         listener, admin = free_port(), free_port()
@@ -307,6 +307,7 @@ class SimFleet:
             "--pd-model", MODEL,
             "--prefill", ",".join(f"127.0.0.1:{w.port}@{w.bootstrap_port}" for w in self.prefill),
             "--decode", ",".join(f"127.0.0.1:{w.port}" for w in self.decode),
+            *extra_gen,
         ])
         self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp)
         self.client = Client(listener)
@@ -379,3 +380,43 @@ def test_prefill_worker_down_gives_a_counted_error_within_the_bootstrap_timeout(
     after = sum(w.metric("sglang:num_bootstrap_failed_reqs_total") for w in sims.decode)
     assert after == before + 1
     wait_for(lambda: all_inflight_zero(sims.envoy), "in-flight gauges at 0")
+
+
+@pytest.fixture
+def polled_sims(tmp_path_factory):
+    """A fresh 2+2 simulated PD fleet whose Envoy polls every worker's load (gen --load-poll-ms)."""
+    f = None
+    try:
+        f = SimFleet(tmp_path_factory.mktemp("pd-sim-polled"), "--load-poll-ms", "100")
+        f.envoy.start()
+    except Exception:
+        if f:
+            f.close()
+        raise
+    it_conftest._ACTIVE_STACKS.append(f)
+    yield f
+    it_conftest._ACTIVE_STACKS.remove(f)
+    f.close()
+
+
+def test_a_prefill_worker_that_stops_answering_load_polls_gets_no_prefills(polled_sims):
+    """With load polling on, a prefill worker whose polls fail is skipped: requests, including
+    those whose prefix it held, are prefilled by the live one instead of waiting out the decode
+    worker's bootstrap timeout."""
+    s = polled_sims
+    prompt = "shared document " + uuid.uuid4().hex * 40
+    first = s.client.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert first.status == 200, first.body
+    holder = first.decision["worker"]
+    dead = next(w for w in s.prefill if holder.endswith(w.name[-1]))
+    failures = lambda: stats(s.envoy).get("prefix_router_load_poll_failures", 0)  # noqa: E731
+    before = failures()
+    dead.stop()
+    wait_for(lambda: failures() >= before + 2, "the poller sees the prefill worker gone")
+    for i in range(6):
+        p = prompt if i % 2 == 0 else uuid.uuid4().hex * 20
+        r = s.client.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 2})
+        assert r.status == 200, (i, r.body)
+        assert r.decision["worker"] != holder, r.decision
+    wait_for(lambda: all_inflight_zero(s.envoy), "in-flight gauges at 0")
+

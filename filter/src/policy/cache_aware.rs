@@ -123,6 +123,17 @@ fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
     }
 }
 
+/// The model's requests in flight, for the load bound; a worker marked unavailable
+/// (`poll::UNAVAILABLE`) counts none, so the mark excludes that worker without raising everyone
+/// else's bound.
+fn total_reqs(inp: &Inputs) -> u64 {
+    inp.reqs
+        .iter()
+        .filter(|&&r| r < crate::poll::UNAVAILABLE)
+        .map(|&r| u64::from(r))
+        .sum()
+}
+
 /// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
 ///
 /// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
@@ -130,7 +141,7 @@ fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     if inp.deepest == 0 {
         if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
-            let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+            let total = total_reqs(inp) as f64;
             if under_bound(p, inp, total, w, 1.0) {
                 return (w, Reason::HashAffinity);
             }
@@ -180,7 +191,7 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
 /// `busy_tolerance` of it; `None` when every worker is at its bound.
 fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
     let model = inp.model;
-    let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+    let total = total_reqs(inp) as f64;
     // The decayed average plus the requests in flight now: the average alone moves slowly
     // (`busy_window_ms`), so a worker that just took new conversations would keep looking idle
     // and take every conversation starting in the next seconds.
@@ -216,7 +227,7 @@ fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
 fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
-    let total: u64 = inp.reqs.iter().map(|&r| u64::from(r)).sum();
+    let total = total_reqs(inp);
     let share = (1.0 + p.load_eps) * (total as f64 + 1.0) / n as f64;
     // `r + 1 <= share + slack` for an integer r  <=>  `r + 1 <= floor(share + slack)`.
     let cap = |slack: f64| -> u64 {
@@ -368,7 +379,7 @@ fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
 fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
-    let total: f64 = inp.reqs.iter().map(|&r| f64::from(r)).sum();
+    let total = total_reqs(inp) as f64;
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
