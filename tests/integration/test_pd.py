@@ -319,11 +319,11 @@ class SimFleet:
             w.stop()
 
 
-@pytest.fixture(scope="module")
-def sims(tmp_path_factory):
+def _sim_fleet(tmp, *extra_gen: str):
+    """Starts a SimFleet, yields it (its Envoy log goes into failure reports), closes it."""
     f = None
     try:
-        f = SimFleet(tmp_path_factory.mktemp("pd-sim"))
+        f = SimFleet(tmp, *extra_gen)
         f.envoy.start()
     except Exception:
         if f:
@@ -333,6 +333,11 @@ def sims(tmp_path_factory):
     yield f
     it_conftest._ACTIVE_STACKS.remove(f)
     f.close()
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory):
+    yield from _sim_fleet(tmp_path_factory.mktemp("pd-sim"))
 
 
 def sse_events(body: bytes) -> list:
@@ -385,18 +390,7 @@ def test_prefill_worker_down_gives_a_counted_error_within_the_bootstrap_timeout(
 @pytest.fixture
 def polled_sims(tmp_path_factory):
     """A fresh 2+2 simulated PD fleet whose Envoy polls every worker's load (gen --load-poll-ms)."""
-    f = None
-    try:
-        f = SimFleet(tmp_path_factory.mktemp("pd-sim-polled"), "--load-poll-ms", "100")
-        f.envoy.start()
-    except Exception:
-        if f:
-            f.close()
-        raise
-    it_conftest._ACTIVE_STACKS.append(f)
-    yield f
-    it_conftest._ACTIVE_STACKS.remove(f)
-    f.close()
+    yield from _sim_fleet(tmp_path_factory.mktemp("pd-sim-polled"), "--load-poll-ms", "100")
 
 
 def test_a_prefill_worker_that_stops_answering_load_polls_gets_no_prefills(polled_sims):
