@@ -406,7 +406,9 @@ def test_a_prefill_worker_that_stops_answering_load_polls_gets_no_prefills(polle
     failures = lambda: stats(s.envoy).get("prefix_router_load_poll_failures", 0)  # noqa: E731
     before = failures()
     dead.stop()
-    wait_for(lambda: failures() >= before + 2, "the poller sees the prefill worker gone")
+    # Several failed rounds (100 ms apart): every VM has re-read the published failure by then
+    # (each does once per 50 ms tick).
+    wait_for(lambda: failures() >= before + 4, "the poller sees the prefill worker gone")
     for i in range(6):
         p = prompt if i % 2 == 0 else uuid.uuid4().hex * 20
         r = s.client.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 2})
