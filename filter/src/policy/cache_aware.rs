@@ -339,6 +339,17 @@ fn stick(
     if depth == 0 || inp.group == 0 {
         return chosen;
     }
+    // An exact tie (idle copies): the conversation's own rendezvous already chose among them, so
+    // conversations over a shared prompt still spread over its holders when nothing is queued;
+    // the group decides only when load would otherwise alternate between the copies.
+    let tied = (0..inp.model.workers.len()).any(|i| {
+        i != chosen
+            && inp.matched.get(i).copied().unwrap_or(0) == depth
+            && cost_of(i) == Some(chosen_cost)
+    });
+    if tied {
+        return chosen;
+    }
     let held = f64::from(
         inp.prompt_tokens
             .saturating_sub(uncached_tokens(inp, chosen)),
