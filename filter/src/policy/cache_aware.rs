@@ -395,22 +395,35 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let mut top_score = f64::MIN;
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
     let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
+                                                 // Worker `i`'s cost per unit weight, `None` over the load bound.
+    let cost_of = |i: usize| -> Option<f64> {
+        if !cap_ok(p, inp, total, i) {
+            return None;
+        }
+        let w = model.workers[i].weight;
+        let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+        let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
+        Some(
+            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r)
+                / w,
+        )
+    };
     for i in 0..n {
         let score = hrw(model, i, inp.affinity);
         if score > top_score {
             top_score = score;
             top = i;
         }
-        if !cap_ok(p, inp, total, i) {
-            continue;
-        }
         let cost = if inp.deepest == 0 {
+            if !cap_ok(p, inp, total, i) {
+                continue;
+            }
             0.0 // pure rendezvous among eligible workers
         } else {
-            let w = model.workers[i].weight;
-            let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-            let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
-            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r) / w
+            match cost_of(i) {
+                Some(c) => c,
+                None => continue,
+            }
         };
         let better = match best {
             None => true,
@@ -436,18 +449,6 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         let placed = two_choices(inp, chosen, second.map(|(b, _)| b));
         return (placed, reason_of(inp, chosen, top));
     }
-    let cost_of = |i: usize| -> Option<f64> {
-        if !cap_ok(p, inp, total, i) {
-            return None;
-        }
-        let w = model.workers[i].weight;
-        let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-        let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
-        Some(
-            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r)
-                / w,
-        )
-    };
     let chosen = stick(inp, chosen, cost, cost_of, |i| hrw(model, i, inp.group));
     (chosen, reason_of(inp, chosen, top))
 }
