@@ -17,6 +17,7 @@ pub mod index;
 pub mod load;
 pub mod pd;
 pub mod peers;
+pub mod placements;
 pub mod policy;
 pub mod poll;
 pub mod records;

@@ -183,6 +183,7 @@ pub fn add_decode_models<'a>(
             index_key_prefix: format!("pr/i/{hidden}/"),
             load_key: format!("pr/l2/{hidden}"),
             poll_key: format!("pr/p/{hidden}"),
+            placed_key: format!("pr/np/{hidden}"),
             peer_key: crate::config::worker_id(&hidden),
             poll_clusters: workers
                 .iter()

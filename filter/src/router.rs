@@ -21,6 +21,7 @@ use crate::footprint::Footprint;
 use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
 use crate::load::Ledger;
 use crate::peers::Outbox;
+use crate::placements::Placements;
 use crate::policy::{self, Inputs, Policy, Reason};
 use crate::request::{self, Endpoint, PromptKind};
 use crate::store::Store;
@@ -32,6 +33,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 struct Keys {
     affinity: u64,
     group: u64,
+    /// What siblings of a new prompt share (`placements.rs`): the opening message when it is at
+    /// least `affinity_blocks` long, else the rendezvous key.
+    sibling: u64,
 }
 
 /// What was decided for a request; small and `Copy` so the stream context can keep it until the
@@ -82,6 +86,8 @@ pub struct Router {
     busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
+    /// Recent placements of prompts nobody held, shared by the VMs (`placements.rs`).
+    placements: Placements,
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
     pub outbox: Option<Outbox>,
@@ -133,6 +139,7 @@ impl Router {
             ledger: Ledger::new(&cfg).seeded(seed),
             busy: Busy::new(&cfg),
             footprint: Footprint::new(&cfg),
+            placements: Placements::default(),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
@@ -306,7 +313,15 @@ impl Router {
         } as u32;
         let k = self.cfg.policy.affinity_blocks.min(self.hashes.len());
         let group = self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0);
-        let keys = Keys { affinity, group };
+        let sibling = match head_blocks as usize {
+            h if h >= k.max(1) => self.hashes.get(h - 1).copied().unwrap_or(affinity),
+            _ => affinity,
+        };
+        let keys = Keys {
+            affinity,
+            group,
+            sibling,
+        };
         let mut d = self.decide(store, mi, prompt_tokens, keys, head_blocks, now);
         if let Some(r) = forced.take() {
             d.reason = r;
@@ -346,7 +361,11 @@ impl Router {
         head_blocks: u32,
         now: u32,
     ) -> Decision {
-        let Keys { affinity, group } = keys;
+        let Keys {
+            affinity,
+            group,
+            sibling,
+        } = keys;
         let cfg = &self.cfg;
         let model = &cfg.models[mi];
         let uses_index = self.policy.uses_index();
@@ -385,7 +404,18 @@ impl Router {
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.placement_window_ms);
-        let recent = footprint.recent(mi, affinity, now);
+        // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
+        let follow = uses_index && deepest == 0 && cfg.policy.placement_window_ms > 0;
+        let recent = if follow {
+            let ids = &self.ids[mi];
+            self.placements
+                .recent(store, &model.placed_key, sibling, now)
+                .and_then(|id| ids.binary_search_by_key(&id, |e| e.0).ok())
+                .and_then(|k| ids.get(k))
+                .map(|e| usize::from(e.1))
+        } else {
+            None
+        };
         let mut sampled = false;
         let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
             if !sampled {
@@ -427,8 +457,11 @@ impl Router {
         if uses_index {
             // What the worker will newly cache (the charge is the uncached estimate).
             footprint.place(mi, w, tok, cfg.policy.placement_window_ms);
-            if deepest == 0 {
-                footprint.remember(mi, affinity, w, now);
+            if follow {
+                if let Some(wk) = model.workers.get(w) {
+                    let key = &model.placed_key;
+                    self.placements.remember(store, key, sibling, wk.id, now);
+                }
             }
             self.plan_record(mi, w, now);
         }
@@ -682,6 +715,48 @@ mod tests {
             }
         }
         assert!(a.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    #[test]
+    fn a_sibling_on_another_vm_follows_a_new_prompt_before_its_answer_is_indexed() {
+        // The first prompt of a group is still being served (nothing indexed); a sibling with
+        // another question (another conversation key) reaches another thread.
+        let sys = "A system prompt all of this group's questions share. ".repeat(20);
+        let (mut differed, mut expired_moved) = (0, 0);
+        for window in [0, 60_000] {
+            let cfg_w = || cfg(&format!(r#","policy":{{"placement_window_ms":{window}}}"#));
+            for g in 0..8 {
+                let s = MemStore::new();
+                let mut a = Router::new(cfg_w(), 1);
+                let mut b = Router::new(cfg_w(), 2);
+                a.init_store(&s);
+                b.init_store(&s);
+                let sys = format!("{g} {sys}");
+                let first = routed(a.route(&s, Endpoint::Chat, &chat("llama", &sys, "q"), 50));
+                assert_eq!(first.reason, Reason::HashAffinity);
+                for q in 0..6 {
+                    let body = chat("llama", &sys, &format!("question {q}"));
+                    let d = routed(b.route(&s, Endpoint::Chat, &body, 52));
+                    b.release(&s, &d);
+                    if window > 0 {
+                        assert_eq!(d.worker, first.worker, "group {g} question {q}");
+                    } else if d.worker != first.worker {
+                        differed += 1;
+                    }
+                }
+                // Once the placement is older than its window, rendezvous decides again.
+                if window > 0 {
+                    let late = 52 + crate::placements::TICKS + 1;
+                    let body = chat("llama", &sys, "a late question");
+                    let d = routed(b.route(&s, Endpoint::Chat, &body, late));
+                    b.release(&s, &d);
+                    expired_moved += usize::from(d.worker != first.worker);
+                }
+            }
+        }
+        assert!(expired_moved > 0, "expired placements steer nothing");
+        // Without the shared placements the conversation keys scatter the siblings.
+        assert!(differed > 20, "{differed}");
     }
 
     #[test]

@@ -80,12 +80,42 @@ fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
     // count the previous turn as in flight (until their next poll).
     let own_history = inp.conversation_blocks > 0
         && inp.matched.get(i).copied().unwrap_or(0) > inp.conversation_blocks;
-    if p.slack_full_tokens == 0 || own_history {
+    if own_history {
         return p.load_slack;
     }
     let held = inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i));
-    let f = (f64::from(held) / f64::from(p.slack_full_tokens)).min(1.0);
+    slack_for(p, inp, held)
+}
+
+/// The load bound's slack for a worker holding `held` tokens of the prompt (see
+/// [`holder_slack`]); the prefill workers of a PD model reach the full slack at
+/// `prefill_slack_full_tokens`.
+fn slack_for(p: &PolicyConfig, inp: &Inputs, held: u32) -> f64 {
+    let full = if inp.model.pd.is_some() {
+        p.prefill_slack_full_tokens
+    } else {
+        p.slack_full_tokens
+    };
+    if full == 0 {
+        return p.load_slack;
+    }
+    let f = (f64::from(held) / f64::from(full)).min(1.0);
     1.0 + (p.load_slack - 1.0).max(0.0) * f
+}
+
+/// The slack of the worker a new prompt's sibling went to moments ago: it is about to hold the
+/// part the siblings share (the opening message, else the rendezvous blocks).
+fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
+    let shared = if inp.head_blocks > 0 {
+        inp.head_blocks
+    } else {
+        p.affinity_blocks.min(u32::MAX as usize) as u32
+    };
+    let held = match inp.total_blocks {
+        0 => 0,
+        t => (u64::from(inp.prompt_tokens) * u64::from(shared.min(t)) / u64::from(t)) as u32,
+    };
+    slack_for(p, inp, held)
 }
 
 /// The load bound (module docs), with [`holder_slack`].
@@ -142,7 +172,7 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     if inp.deepest == 0 {
         if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
             let total = total_reqs(inp) as f64;
-            if under_bound(p, inp, total, w, 1.0) {
+            if under_bound(p, inp, total, w, follow_slack(p, inp)) {
                 return (w, Reason::HashAffinity);
             }
         }
@@ -523,6 +553,41 @@ mod tests {
             ..PolicyConfig::default()
         };
         assert_eq!(choose(&old, &inp), (0, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn prefill_workers_keep_a_shorter_prefix_through_the_full_slack() {
+        // A PD model's prefill workers: in flight means queued prefills, mostly of cached
+        // prompts, so a 2048-token system prompt keeps its holder where a plain worker spills.
+        let prefill: Vec<String> = (0..4)
+            .map(|i| format!(r#"{{"cluster":"p{i}","bootstrap_host":"h"}}"#))
+            .collect();
+        let json = format!(
+            r#"{{"models":{{"m":{{"prefill":[{}],"decode":["d0"]}}}}}}"#,
+            prefill.join(",")
+        );
+        let pd = Config::from_json(json.as_bytes()).unwrap().models.remove(0);
+        let plain = model(4);
+        let p = PolicyConfig::default();
+        let reqs = [3, 0, 0, 0];
+        let (z, matched) = ([0u32; 4], [94u32, 0, 0, 0]);
+        for (m, stays) in [(&plain, false), (&pd, true)] {
+            let mut inp = inputs(m, &reqs, &z, &matched, 1);
+            inp.prompt_tokens = 2176; // 2048 held: slack 1.5 (cap 4) or 3 (cap 5)
+            assert_eq!(choose(&p, &inp).0 == 0, stays, "pd {}", m.pd.is_some());
+            // A sibling placed there moments ago (nothing indexed yet) follows it alike.
+            let none = [0u32; 4];
+            let mut inp = inputs(m, &reqs, &z, &none, 1);
+            inp.prompt_tokens = 2176;
+            inp.head_blocks = 94;
+            inp.recent = Some(0);
+            assert_eq!(
+                choose(&p, &inp).0 == 0,
+                stays,
+                "follow, pd {}",
+                m.pd.is_some()
+            );
+        }
     }
 
     #[test]
