@@ -7,7 +7,12 @@ each router: a fresh fleet, the router, one k6 run of `load/shared_prefix.js`, t
 the first token), the prefill hit rate (cached / prompt tokens over the prefill workers), request
 throughput, errors, and decode workers' bootstrap failures.
 
-    load/pd_compare [--sizes 2,4] [--quick] [--routers prefix_router,smg]
+    load/pd_compare [--sizes 2,4] [--quick] [--routers prefix_router,smg] [--runs N]
+
+With `--runs N` every fleet size and router runs N times, interleaved (run 1 of each router,
+then run 2, ...: a slow spell of the machine hits both routers), and the table adds each
+router's median per fleet: single runs of the 2+2 fleet, whose caches are tight, vary by several
+points of hit rate for both routers.
 
 Writes load/results/pd.md (table + command). Workers: KV 40960 tokens each (shared_prefix's
 sizing), decode bootstrap timeout 30 s.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -205,15 +211,34 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a prefix-router policy parameter (envoy/gen --policy-param), repeatable")
+    ap.add_argument("--runs", type=int, default=1, help="runs per fleet size and router (interleaved)")
     ap.add_argument("--out", default=str(LOAD / "results" / "pd.md"))
     a = ap.parse_args(argv)
     POLICY_PARAMS[:] = a.policy_param
-    rows = [run(r, int(n), a.quick) for n in a.sizes.split(",") for r in a.routers.split(",")]
-    lines = ["| fleet | router | TTFT p50 ms | TTFT p99 ms | prefill hit rate | req/s | requests | errors | decode bootstrap failures |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for n in a.sizes.split(","):
+        for k in range(1, a.runs + 1):
+            for r in a.routers.split(","):
+                rows.append(dict(run(r, int(n), a.quick), run_no=k))
+    lines = ["| fleet | router | run | TTFT p50 ms | TTFT p99 ms | prefill hit rate | req/s | requests | errors | decode bootstrap failures |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def line(r: dict, label: str) -> str:
+        return (f"| {r['n']}+{r['n']} | {r['how']} | {label} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
+                f"{r['hit_rate']:.1%} | {r['rps']:.1f} | {r['requests']} | {r['errors']} | {r['bootstrap_failed']:.0f} |")
+
     for r in rows:
-        lines.append(f"| {r['n']}+{r['n']} | {r['how']} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
-                     f"{r['hit_rate']:.1%} | {r['rps']:.1f} | {r['requests']} | {r['errors']} | {r['bootstrap_failed']:.0f} |")
+        lines.append(line(r, str(r["run_no"])))
+    if a.runs > 1:
+        for n in a.sizes.split(","):
+            for router in a.routers.split(","):
+                mine = [r for r in rows if r["n"] == int(n) and r["router"] == router]
+                med = {k: statistics.median(r[k] for r in mine)
+                       for k in ("ttft_p50", "ttft_p99", "hit_rate", "rps")}
+                med.update(n=int(n), how=mine[0]["how"], requests=sum(r["requests"] for r in mine),
+                           errors=sum(r["errors"] for r in mine),
+                           bootstrap_failed=sum(r["bootstrap_failed"] for r in mine))
+                lines.append(line(med, f"**median of {len(mine)}** (requests, errors: sums)"))
     cmd = "load/pd_compare " + " ".join(argv if argv is not None else sys.argv[1:])
     env = QUICK if a.quick else ENV
     text = (f"# PD disaggregation: prefix-router vs smg PD\n\nCommand: `{cmd}` ({time.strftime('%Y-%m-%d')}, "

@@ -16,7 +16,9 @@
 //!   runner-up replaces the top when this VM lately sent the top more than one such prompt's
 //!   uncached tokens more ([`two_choices`], `footprint.rs`), so new prefixes fill the caches
 //!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
-//!   sibling of a prompt this VM placed moments ago follows it until the index has it.
+//!   sibling of a prompt placed moments ago by any thread follows it until the index has it
+//!   (`placements.rs`; within the holder slack of what it will share on PD prefill workers,
+//!   slack 1 elsewhere).
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
@@ -103,8 +105,8 @@ fn slack_for(p: &PolicyConfig, inp: &Inputs, held: u32) -> f64 {
     1.0 + (p.load_slack - 1.0).max(0.0) * f
 }
 
-/// The slack of the worker a new prompt's sibling went to moments ago: it is about to hold the
-/// part the siblings share (the opening message, else the rendezvous blocks).
+/// The slack of the PD prefill worker a new prompt's sibling went to moments ago: it is about
+/// to hold the part the siblings share (the opening message, else the rendezvous blocks).
 fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
     let shared = if inp.head_blocks > 0 {
         inp.head_blocks
@@ -172,7 +174,14 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     if inp.deepest == 0 {
         if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
             let total = total_reqs(inp) as f64;
-            if under_bound(p, inp, total, w, follow_slack(p, inp)) {
+            // A PD prefill worker is about to hold the siblings' opening (router.rs keys PD
+            // siblings by it); elsewhere the sibling is the same conversation: slack 1.
+            let slack = if inp.model.pd.is_some() {
+                follow_slack(p, inp)
+            } else {
+                1.0
+            };
+            if under_bound(p, inp, total, w, slack) {
                 return (w, Reason::HashAffinity);
             }
         }
