@@ -447,7 +447,7 @@ impl Router {
             };
             let (w, reason) = policy.choose(&cfg.policy, &inp);
             let tok = if uses_index {
-                policy::uncached_tokens(&inp, w).max(1)
+                policy::charged_tokens(&cfg.policy, &inp, w).max(1)
             } else {
                 prompt_tokens
             };

@@ -39,7 +39,7 @@
 //!   document or a per-tenant prompt) keep the cost rule above, and a conversation's later
 //!   turns, whose history some worker holds, are cost-ranked as before.
 
-use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
+use super::{least_loaded, mix, sibling_held_tokens, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::{Model, PolicyConfig};
 use crate::index::HOLDERS;
 
@@ -108,16 +108,7 @@ fn slack_for(p: &PolicyConfig, inp: &Inputs, held: u32) -> f64 {
 /// The slack of the PD prefill worker a new prompt's sibling went to moments ago: it is about
 /// to hold the part the siblings share (the opening message, else the rendezvous blocks).
 fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
-    let shared = if inp.head_blocks > 0 {
-        inp.head_blocks
-    } else {
-        p.affinity_blocks.min(u32::MAX as usize) as u32
-    };
-    let held = match inp.total_blocks {
-        0 => 0,
-        t => (u64::from(inp.prompt_tokens) * u64::from(shared.min(t)) / u64::from(t)) as u32,
-    };
-    slack_for(p, inp, held)
+    slack_for(p, inp, sibling_held_tokens(p, inp))
 }
 
 /// The load bound (module docs), with [`holder_slack`].
@@ -907,6 +898,33 @@ mod tests {
             ..inputs(&m, &z, &z, &matched, 5)
         };
         assert_ne!(choose(&p, &held), (other, Reason::HashAffinity));
+    }
+
+    #[test]
+    fn a_follower_is_charged_past_what_its_sibling_computes() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        // 1600 tokens in 100 blocks, the opening message 90 of them.
+        let follow = Inputs {
+            recent: Some(2),
+            head_blocks: 90,
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(crate::policy::charged_tokens(&p, &follow, 2), 160);
+        // Anywhere else, or without a sibling, the whole prompt.
+        assert_eq!(crate::policy::charged_tokens(&p, &follow, 1), 1600);
+        let alone = Inputs {
+            head_blocks: 90,
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(crate::policy::charged_tokens(&p, &alone, 2), 1600);
+        // No opening message: the rendezvous blocks (4 of 100).
+        let blocks = Inputs {
+            recent: Some(2),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(crate::policy::charged_tokens(&p, &blocks, 2), 1536);
     }
 
     #[test]

@@ -115,6 +115,33 @@ pub fn uncached_tokens(inp: &Inputs, i: usize) -> u32 {
     (left / u64::from(inp.total_blocks)) as u32
 }
 
+/// The prompt tokens a new prompt shares with the sibling placed moments ago (`Inputs::recent`):
+/// its opening message, else its rendezvous blocks.
+pub fn sibling_held_tokens(p: &PolicyConfig, inp: &Inputs) -> u32 {
+    let shared = if inp.head_blocks > 0 {
+        inp.head_blocks
+    } else {
+        p.affinity_blocks.min(u32::MAX as usize) as u32
+    };
+    match inp.total_blocks {
+        0 => 0,
+        t => (u64::from(inp.prompt_tokens) * u64::from(shared.min(t)) / u64::from(t)) as u32,
+    }
+}
+
+/// The load charge of sending the prompt to worker `w`: its uncached tokens there; for a prompt
+/// nobody holds that follows its sibling (`Inputs::recent`), those past what the sibling is
+/// computing (it waits in that worker's queue and then reuses it), so a group's first requests
+/// do not make their worker look busier than it is and push the next siblings elsewhere.
+pub fn charged_tokens(p: &PolicyConfig, inp: &Inputs, w: usize) -> u32 {
+    if inp.deepest == 0 && inp.recent == Some(w) {
+        inp.prompt_tokens
+            .saturating_sub(sibling_held_tokens(p, inp))
+    } else {
+        uncached_tokens(inp, w)
+    }
+}
+
 /// Fewest in-flight requests, then fewest tokens; scanning from `start` spreads ties.
 pub fn least_loaded(reqs: &[u32], tokens: &[u32], start: usize) -> usize {
     let n = reqs.len();
