@@ -37,12 +37,15 @@ fn chat(chars: usize, group: u64, id: u64) -> Vec<u8> {
     .into_bytes()
 }
 
-fn generate(tokens: usize, group: u64, id: u64) -> Vec<u8> {
+/// A `/generate` body of `tokens` ids below 128,000 (a Llama-3-sized vocabulary), joined by
+/// `sep`: `","` (compact JSON) or `", "` (Python's `json.dumps` default, what the `requests` and
+/// OpenAI clients send).
+fn generate(tokens: usize, group: u64, id: u64, sep: &str) -> Vec<u8> {
     let mut ids: Vec<String> = (0..tokens as u64)
         .map(|i| ((i * 7919 + group * 104_729) % 128_000).to_string())
         .collect();
     ids.push(id.to_string());
-    format!(r#"{{"input_ids":[{}]}}"#, ids.join(",")).into_bytes()
+    format!(r#"{{"input_ids":[{}]}}"#, ids.join(sep)).into_bytes()
 }
 
 /// Makes the body of request `id` in prefix group `group`.
@@ -78,19 +81,25 @@ fn bench(c: &mut Criterion) {
             "generate_tokens",
             512,
             "/generate",
-            Box::new(|g, i| generate(512, g, i)),
+            Box::new(|g, i| generate(512, g, i, ",")),
         ),
         (
             "generate_tokens",
             4096,
             "/generate",
-            Box::new(|g, i| generate(4096, g, i)),
+            Box::new(|g, i| generate(4096, g, i, ",")),
+        ),
+        (
+            "generate_tokens_spaced",
+            4096,
+            "/generate",
+            Box::new(|g, i| generate(4096, g, i, ", ")),
         ),
         (
             "generate_tokens",
             32768,
             "/generate",
-            Box::new(|g, i| generate(32768, g, i)),
+            Box::new(|g, i| generate(32768, g, i, ",")),
         ),
     ];
     let fuel_host = Host::filter(Options { fuel: true }).expect("load prefix_router.wasm");
