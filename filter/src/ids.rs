@@ -15,10 +15,20 @@
 //! at most `u32::MAX`, ws = space, tab, CR, LF) and returns `None` for anything else (including
 //! `[]`), after which the caller uses serde alone. Never panics: every byte is read with `get`.
 //!
-//! Costs: ~105 Wasm instructions per id (wasmtime fuel, 4096 ids of 1 to 6 digits; the whole
-//! `/generate` request costs ~131 per id, docs/performance.md), O(array bytes), no allocation beyond growing the caller's reusable `out` (the ids are
-//! written as little-endian `u32`s, 256 bytes at a time from a stack block, one `memory.copy`
-//! each). [`locate`] walks the body's top-level object only as far as the prompt key.
+//! Layout: a fast loop reads one id of 1 to 7 digits (no leading zero) and its separator per
+//! 8-byte load, for `,` and for `, ` (Python's `json.dumps` default, what the OpenAI and
+//! `requests` clients send: the space is in the same word and skipped there). Anything else
+//! (whitespace elsewhere, `0`, 8+ digits, the closing `]`, the last 7 bytes of the body) takes
+//! one general step (whitespace, then one id through the same SWAR word or byte by byte, then
+//! its separator) and goes back to the fast loop.
+//!
+//! Costs: ~107 Wasm instructions per id in the fast loop, the same with `,` and `, `
+//! (wasmtime fuel, 4096 ids of 1 to 6 digits; the whole `/generate` request costs ~134 per id,
+//! `harness/benches/wasm.rs`, docs/performance.md); other whitespace (` ,`, `,\n  `) costs a
+//! general step per id on top. O(array bytes), no allocation beyond growing the caller's
+//! reusable `out` (the ids are written as little-endian `u32`s, 256 bytes at a time from a
+//! stack block, one `memory.copy` each). [`locate`] walks the body's top-level object only as
+//! far as the prompt key.
 
 /// Whitespace as JSON (and serde_json) defines it.
 fn is_ws(c: u8) -> bool {
@@ -62,56 +72,34 @@ pub fn scan(b: &[u8], at: usize, out: &mut Vec<u8>, cap: usize) -> Option<Scanne
     let mut count = 0usize;
     let mut p = at + 1;
     loop {
-        // One number at `p` (after `[` or `,`), then its separator at `q`. The SWAR path reads
-        // 8 bytes at `p`, so it stops 8 bytes before the end of the body.
-        let (v, q) = match b.get(p..).and_then(|s| s.first_chunk::<8>()) {
-            Some(w) => {
-                let w = u64::from_le_bytes(*w);
-                // Per byte: `c - '0'` (high bit set when c < '0' or c >= 0xB0) or `c + 0x46`
-                // (high bit set when '9' < c < 0xBA): the high bit flags a non-digit. Borrows and
-                // carries only move upwards, out of digit bytes never, so the lowest flag is
-                // exactly the first non-digit.
-                let d = w.wrapping_sub(ZEROS);
-                let t = (w.wrapping_add(ADD46) | d) & HIGH;
-                let z = t.trailing_zeros(); // 8n + 7 for n leading digits; 64 when all 8 are
-                if z.wrapping_sub(15) > 48 || d & 0xFF == 0 {
-                    // Not 1 to 7 digits, or a leading `0`: whitespace is skipped and the number
-                    // read byte by byte (`0`, 8+ digits) or refused (`-`, `01`, `]` after `,`).
-                    let p2 = skip_ws(b, p);
-                    if p2 != p {
-                        p = p2;
-                        continue;
-                    }
-                    number(b, p)?
-                } else {
-                    // Left-align the n digits (zeros below are leading zeros), then combine
-                    // pairs, quads and octets: the value of up to 8 digits in 3 multiplies.
-                    let x = d << (71 - z); // 64 - 8n
-                    let x = x.wrapping_mul(10).wrapping_add(x >> 8);
-                    let x = ((x & 0x0000_00FF_0000_00FF).wrapping_mul(0x000F_4240_0000_0064))
-                        .wrapping_add(
-                            ((x >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(0x0000_2710_0000_0001),
-                        )
-                        >> 32;
-                    // The byte after the digits is in `w` too: a comma is the common case.
-                    let sep = (w >> (z - 7)) as u8;
-                    let q = p + (z >> 3) as usize;
-                    if sep == b',' {
-                        put(&mut block, &mut count, out, cap, x as u32);
-                        p = q + 1;
-                        continue;
-                    }
-                    (x as u32, q)
-                }
+        // Fast loop: one id of 1 to 7 digits at `p` followed by `,` or `, `, per round.
+        while let Some(w) = b.get(p..).and_then(|s| s.first_chunk::<8>()) {
+            let w = u64::from_le_bytes(*w);
+            let Some((d, z)) = digits(w) else {
+                break; // whitespace, `0` (alone or leading), 8+ digits, `]`, or a refusal
+            };
+            // The bytes after the digits are in `w` too: `,` is the common case, and `, `
+            // (Python's `json.dumps` default, what the OpenAI and `requests` clients send)
+            // skips its space here instead of going round through the general step. (For 7
+            // digits only the separator is in `w`.)
+            let sep = (w >> (z - 7)) as u16;
+            if sep as u8 != b',' {
+                break; // `]` or whitespace next: the general step reads this id again
             }
-            None => {
-                let p2 = skip_ws(b, p);
-                if p2 != p {
-                    p = p2;
-                    continue;
-                }
-                number(b, p)?
-            }
+            put(&mut block, &mut count, out, cap, value(d, z));
+            p += (z >> 3) as usize + 1 + usize::from(sep >> 8 == u16::from(b' '));
+        }
+        // General step: whitespace (then back to the fast loop), else one id and what follows
+        // it up to its separator.
+        let q = skip_ws(b, p);
+        if q != p {
+            p = q;
+            continue;
+        }
+        let word = b.get(p..p + 8).and_then(|s| s.first_chunk::<8>());
+        let (v, q) = match word.map(|w| u64::from_le_bytes(*w)).and_then(digits) {
+            Some((d, z)) => (value(d, z), p + (z >> 3) as usize),
+            None => number(b, p)?, // `0`, 8+ digits, the last bytes of the body
         };
         put(&mut block, &mut count, out, cap, v);
         let q = skip_ws(b, q);
@@ -126,6 +114,35 @@ pub fn scan(b: &[u8], at: usize, out: &mut Vec<u8>, cap: usize) -> Option<Scanne
             _ => return None,
         }
     }
+}
+
+/// How many digits a word starts with, when 1 to 7 without a leading zero: `(d, z)` with `d`
+/// the word minus `'0'` per byte and `z = 8n + 7` for `n` digits.
+#[inline(always)]
+fn digits(w: u64) -> Option<(u64, u32)> {
+    // Per byte: `c - '0'` (high bit set when c < '0' or c >= 0xB0) or `c + 0x46` (high bit set
+    // when '9' < c < 0xBA): the high bit flags a non-digit. Borrows and carries only move
+    // upwards, out of digit bytes never, so the lowest flag is exactly the first non-digit.
+    let d = w.wrapping_sub(ZEROS);
+    if d & 0xFF == 0 {
+        return None; // a leading `0`: `0` alone is read byte by byte, `01` refused
+    }
+    let t = (w.wrapping_add(ADD46) | d) & HIGH;
+    let z = t.trailing_zeros(); // 8n + 7 for n leading digits; 64 when all 8 are
+    (z.wrapping_sub(15) <= 48).then_some((d, z))
+}
+
+/// The value of the `n` leading digits of a word, given `d` (the word minus `'0'` per byte)
+/// and `z = 8n + 7` (n from 1 to 7).
+#[inline(always)]
+fn value(d: u64, z: u32) -> u32 {
+    // Left-align the n digits (zeros below are leading zeros), then combine pairs, quads and
+    // octets: the value of up to 8 digits in 3 multiplies.
+    let x = d << (71 - z); // 64 - 8n
+    let x = x.wrapping_mul(10).wrapping_add(x >> 8);
+    (((x & 0x0000_00FF_0000_00FF).wrapping_mul(0x000F_4240_0000_0064))
+        .wrapping_add(((x >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(0x0000_2710_0000_0001))
+        >> 32) as u32
 }
 
 /// Stores id number `count` in the stack block, appending the block to `out` when it is full
@@ -284,6 +301,33 @@ mod tests {
         let (v, r) = ids(&body).unwrap();
         assert_eq!(v, (0..1000).map(|i| i * 7919).collect::<Vec<u32>>());
         assert_eq!(r.end, body.len());
+    }
+
+    /// Every separator form, every digit count (the fast loop, the general step's word read
+    /// and the byte-by-byte tail), against serde.
+    #[test]
+    fn separators_and_digit_counts_match_serde() {
+        let vals: Vec<u32> = (0..400u32)
+            .map(|i| match i % 11 {
+                10 => u32::MAX - i,
+                k => 7u32.wrapping_pow(k).wrapping_add(i) % 10u32.pow(k.min(9)).max(10),
+            })
+            .collect();
+        for sep in [",", ", ", " ,", " , ", ",\n  ", "\t,\r\n", ",  "] {
+            for n in [1usize, 2, 3, 7, 8, 9, 64, 65, 400] {
+                let want = &vals[..n];
+                let text: Vec<String> = want.iter().map(u32::to_string).collect();
+                for tail in ["]", " ]", "]}", "] ,\"x\":[1,2,3,4,5,6,7,8]}"] {
+                    let s = format!("[{}{tail}", text.join(sep));
+                    let (v, r) = ids(&s).unwrap_or_else(|| panic!("{s}"));
+                    assert_eq!(v, want, "{s}");
+                    assert_eq!(r.count, n);
+                    assert_eq!(&s[r.end - 1..r.end], "]");
+                    let serde: Vec<u32> = serde_json::from_str(&s[..r.end]).unwrap();
+                    assert_eq!(serde, v);
+                }
+            }
+        }
     }
 
     #[test]
