@@ -298,8 +298,8 @@ class SimWorker:
 
 
 class SimFleet:
-    def __init__(self, tmp, *extra_gen: str):
-        self.prefill = [SimWorker(f"p{i}", "prefill") for i in range(2)]
+    def __init__(self, tmp, *extra_gen: str, prefill_args: tuple = ()):
+        self.prefill = [SimWorker(f"p{i}", "prefill", *prefill_args) for i in range(2)]
         self.decode = [SimWorker(f"d{i}", "decode") for i in range(2)]
         listener, admin = free_port(), free_port()
         text = gen(base_args(listener, admin) + [
@@ -319,11 +319,11 @@ class SimFleet:
             w.stop()
 
 
-def _sim_fleet(tmp, *extra_gen: str):
+def _sim_fleet(tmp, *extra_gen: str, prefill_args: tuple = ()):
     """Starts a SimFleet, yields it (its Envoy log goes into failure reports), closes it."""
     f = None
     try:
-        f = SimFleet(tmp, *extra_gen)
+        f = SimFleet(tmp, *extra_gen, prefill_args=prefill_args)
         f.envoy.start()
     except Exception:
         if f:
@@ -416,3 +416,49 @@ def test_a_prefill_worker_that_stops_answering_load_polls_gets_no_prefills(polle
         assert r.decision["worker"] != holder, r.decision
     wait_for(lambda: all_inflight_zero(s.envoy), "in-flight gauges at 0")
 
+
+
+@pytest.fixture
+def slow_prefill_sims(tmp_path_factory):
+    # 50 prompt tokens per simulated second at time scale 0.05: a 1k-token prompt prefills in
+    # about 1 s, long enough for its siblings to arrive before its answer is indexed.
+    yield from _sim_fleet(tmp_path_factory.mktemp("pd-slow"), prefill_args=("--prefill-tokens-per-sec", "50"))
+
+
+def test_siblings_that_arrive_before_the_first_answer_follow_its_prefill_worker(slow_prefill_sims):
+    """Prompts of one new group (one system prompt, different questions: different conversation
+    keys) sent while the first one is still prefilling, on their own connections (so on both
+    Envoy threads): the placement shared by the threads (filter/src/placements.rs) sends every
+    one to the first one's prefill worker. Without it each picks its own rendezvous worker (all
+    nine on one of two workers by chance: 1 in 256)."""
+    import threading
+
+    s = slow_prefill_sims
+    system = "You answer questions about this handbook. " + uuid.uuid4().hex * 120
+    replies: dict = {}
+
+    def ask(i: int):
+        c = Client(s.envoy.listener_port)
+        try:
+            body = {"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": f"question {i}?"}]}
+            replies[i] = c.post("/v1/chat/completions", body)
+        finally:
+            c.close()
+
+    first = threading.Thread(target=ask, args=(0,))
+    first.start()
+    time.sleep(0.3)
+    siblings = [threading.Thread(target=ask, args=(i,)) for i in range(1, 9)]
+    for t in siblings:
+        t.start()
+    for t in [first] + siblings:
+        t.join(timeout=60)
+    assert sorted(replies) == list(range(9)), replies
+    workers = {i: r.decision["worker"] for i, r in replies.items()}
+    assert set(workers.values()) == {workers[0]}, workers
+    for i, r in replies.items():
+        assert r.status == 200, (i, r.body)
+    # Nothing was indexed when they were routed: they followed the placement, not a prefix hit.
+    assert replies[0].decision["reason"] == "hash_affinity", replies[0].decision
+    wait_for(lambda: all_inflight_zero(s.envoy), "in-flight gauges at 0")
