@@ -42,17 +42,14 @@ impl Busy {
         let (Some(avg), Some(last)) = (self.avg.get_mut(mi), self.last.get_mut(mi)) else {
             return;
         };
-        if window_ms == 0 || now == *last {
+        let Some(step) = crate::decay::step(last, now, window_ms) else {
             return;
-        }
-        // A clock that stepped back restarts the window rather than extrapolating.
-        let dt_ms = f64::from(now.saturating_sub(*last)) * 100.0;
-        let a = if *last == 0 || dt_ms == 0.0 {
-            1.0
-        } else {
-            1.0 - (-dt_ms / f64::from(window_ms)).exp()
-        } as f32;
-        *last = now;
+        };
+        // A restart (first sample, clock stepped back) sets the averages.
+        let a = match step {
+            crate::decay::Step::Keep(keep) => 1.0 - keep,
+            crate::decay::Step::Restart => 1.0,
+        };
         for (v, &r) in avg.iter_mut().zip(reqs) {
             // A worker marked unavailable (`poll::exclude_unknown`) keeps its average: the mark
             // is not a load, and averaging it in would make the worker look busy for minutes.

@@ -46,16 +46,10 @@ impl Footprint {
         let (Some(v), Some(last)) = (self.placed.get_mut(mi), self.last.get_mut(mi)) else {
             return;
         };
-        if window_ms == 0 || now == *last {
+        // A restart (first decay, clock stepped back) keeps the sums as they are.
+        let Some(crate::decay::Step::Keep(keep)) = crate::decay::step(last, now, window_ms) else {
             return;
-        }
-        // A clock that stepped back restarts the window rather than extrapolating.
-        let dt_ms = f64::from(now.saturating_sub(*last)) * 100.0;
-        *last = now;
-        if dt_ms == 0.0 {
-            return;
-        }
-        let keep = (-dt_ms / f64::from(window_ms)).exp() as f32;
+        };
         for x in v.iter_mut() {
             *x *= keep;
         }

@@ -9,6 +9,7 @@ pub mod blocks;
 pub mod busy;
 pub mod config;
 mod config_path;
+pub mod decay;
 pub mod footprint;
 pub mod glue;
 pub mod host;
