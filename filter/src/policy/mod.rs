@@ -95,8 +95,8 @@ pub struct Inputs<'a> {
     /// Each worker's decayed sum of uncached prompt tokens it was sent (`footprint.rs`); empty
     /// or shorter: 0.
     pub placed: &'a [f32],
-    /// The worker this VM sent a prompt with the same rendezvous key moments ago, when nobody
-    /// held it either (`footprint.rs`): its sibling follows it.
+    /// The worker some VM of this Envoy sent a prompt with the same sibling key moments ago,
+    /// when nobody held it either (`placements.rs`): its sibling follows it.
     pub recent: Option<usize>,
 }
 
