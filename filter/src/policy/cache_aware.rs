@@ -139,7 +139,15 @@ fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
         return a;
     };
     let (wa, wb) = (inp.model.workers[a].weight, inp.model.workers[b].weight);
-    if f64::from(fa) / wa - f64::from(fb) / wb > f64::from(inp.prompt_tokens) / wb {
+    // PD prefill workers: the prefills queued on each (in-flight uncached tokens, fleet-wide
+    // through the load ledger, released at the first token) count too, so a burst of new
+    // prompts spreads its prefill work over the workers rather than queueing behind one.
+    let queued = |i: usize| match inp.model.pd {
+        Some(_) => f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
+        None => 0.0,
+    };
+    let (fa, fb) = (f64::from(fa) + queued(a), f64::from(fb) + queued(b));
+    if fa / wa - fb / wb > f64::from(inp.prompt_tokens) / wb {
         b
     } else {
         a
@@ -898,6 +906,41 @@ mod tests {
             ..inputs(&m, &z, &z, &matched, 5)
         };
         assert_ne!(choose(&p, &held), (other, Reason::HashAffinity));
+    }
+
+    #[test]
+    fn new_pd_prompts_avoid_a_prefill_worker_with_queued_prefills() {
+        let prefill: Vec<String> = (0..4)
+            .map(|i| format!(r#"{{"cluster":"p{i}","bootstrap_host":"h"}}"#))
+            .collect();
+        let json = format!(
+            r#"{{"models":{{"m":{{"prefill":[{}],"decode":["d0"]}}}}}}"#,
+            prefill.join(",")
+        );
+        let pd = Config::from_json(json.as_bytes()).unwrap().models.remove(0);
+        let plain = model(4);
+        let p = PolicyConfig::default();
+        let (z, placed) = ([0u32; 4], [0f32; 4]);
+        for (m, moves) in [(&plain, false), (&pd, true)] {
+            let idle = Inputs {
+                placed: &placed,
+                ..inputs(m, &z, &z, &z, 5)
+            };
+            let (top, _) = choose(&p, &idle);
+            // Two prompts' worth of prefill queued on the top (one request in flight each way).
+            let mut tokens = [0u32; 4];
+            tokens[top] = 3200;
+            let reqs = [1u32; 4];
+            let busy = Inputs {
+                tokens: &tokens,
+                reqs: &reqs,
+                placed: &placed,
+                ..inputs(m, &z, &z, &z, 5)
+            };
+            let (w, reason) = choose(&p, &busy);
+            assert_eq!(w != top, moves, "pd {}", m.pd.is_some());
+            assert_eq!(reason, Reason::HashAffinity);
+        }
     }
 
     #[test]
