@@ -507,6 +507,18 @@ mod tests {
         Config::from_json(json.as_bytes()).unwrap().models.remove(0)
     }
 
+    /// A PD model with `n` prefill workers (the model whose workers the prefill choice ranks).
+    fn pd_model(n: usize) -> Model {
+        let prefill: Vec<String> = (0..n)
+            .map(|i| format!(r#"{{"cluster":"p{i}","bootstrap_host":"h"}}"#))
+            .collect();
+        let json = format!(
+            r#"{{"models":{{"m":{{"prefill":[{}],"decode":["d0"]}}}}}}"#,
+            prefill.join(",")
+        );
+        Config::from_json(json.as_bytes()).unwrap().models.remove(0)
+    }
+
     fn inputs<'a>(
         m: &'a Model,
         reqs: &'a [u32],
@@ -569,14 +581,7 @@ mod tests {
     fn prefill_workers_keep_a_shorter_prefix_through_the_full_slack() {
         // A PD model's prefill workers: in flight means queued prefills, mostly of cached
         // prompts, so a 2048-token system prompt keeps its holder where a plain worker spills.
-        let prefill: Vec<String> = (0..4)
-            .map(|i| format!(r#"{{"cluster":"p{i}","bootstrap_host":"h"}}"#))
-            .collect();
-        let json = format!(
-            r#"{{"models":{{"m":{{"prefill":[{}],"decode":["d0"]}}}}}}"#,
-            prefill.join(",")
-        );
-        let pd = Config::from_json(json.as_bytes()).unwrap().models.remove(0);
+        let pd = pd_model(4);
         let plain = model(4);
         let p = PolicyConfig::default();
         let reqs = [3, 0, 0, 0];
@@ -912,14 +917,7 @@ mod tests {
 
     #[test]
     fn new_pd_prompts_avoid_a_prefill_worker_with_queued_prefills() {
-        let prefill: Vec<String> = (0..4)
-            .map(|i| format!(r#"{{"cluster":"p{i}","bootstrap_host":"h"}}"#))
-            .collect();
-        let json = format!(
-            r#"{{"models":{{"m":{{"prefill":[{}],"decode":["d0"]}}}}}}"#,
-            prefill.join(",")
-        );
-        let pd = Config::from_json(json.as_bytes()).unwrap().models.remove(0);
+        let pd = pd_model(4);
         let plain = model(4);
         let p = PolicyConfig::default();
         let (z, placed) = ([0u32; 4], [0f32; 4]);
