@@ -23,6 +23,7 @@ use crate::load::Ledger;
 use crate::peers::Outbox;
 use crate::placements::Placements;
 use crate::policy::{self, Inputs, Policy, Reason};
+use crate::records::ById;
 use crate::request::{self, Endpoint, PromptKind};
 use crate::store::Store;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -80,8 +81,8 @@ pub struct Router {
     pub sc: Scratch,
     matches: Matches,
     matched: Vec<u32>,
-    /// Per model: `(worker id, index)` sorted by id, to map index holders to workers in O(log n).
-    ids: Vec<Vec<(u32, u16)>>,
+    /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
+    ids: Vec<ById>,
     pub ledger: Ledger,
     busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
@@ -108,16 +109,7 @@ impl Router {
         let ids = cfg
             .models
             .iter()
-            .map(|m| {
-                let mut v: Vec<(u32, u16)> = m
-                    .workers
-                    .iter()
-                    .enumerate()
-                    .map(|(i, w)| (w.id, i as u16))
-                    .collect();
-                v.sort_unstable();
-                v
-            })
+            .map(|m| ById::new(m.workers.iter().map(|w| w.id)))
             .collect();
         let max_workers = cfg
             .models
@@ -395,9 +387,8 @@ impl Router {
         let ids = &self.ids[mi];
         let mut deepest = 0;
         for &Held { id, blocks, .. } in &self.matches.workers {
-            if let Ok(k) = ids.binary_search_by_key(&id, |e| e.0) {
-                let i = usize::from(ids[k].1);
-                self.matched[i] = self.matched[i].max(blocks);
+            if let Some(m) = ids.position(id).and_then(|i| self.matched.get_mut(i)) {
+                *m = (*m).max(blocks);
                 deepest = deepest.max(blocks);
             }
         }
@@ -414,12 +405,9 @@ impl Router {
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
         let follow = uses_index && deepest == 0 && cfg.policy.placement_window_ms > 0;
         let recent = if follow {
-            let ids = &self.ids[mi];
             self.placements
                 .recent(store, &model.placed_key, sibling, now)
-                .and_then(|id| ids.binary_search_by_key(&id, |e| e.0).ok())
-                .and_then(|k| ids.get(k))
-                .map(|e| usize::from(e.1))
+                .and_then(|id| self.ids[mi].position(id))
         } else {
             None
         };

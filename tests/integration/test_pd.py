@@ -18,6 +18,7 @@ import http.client
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -431,8 +432,6 @@ def test_siblings_that_arrive_before_the_first_answer_follow_its_prefill_worker(
     Envoy threads): the placement shared by the threads (filter/src/placements.rs) sends every
     one to the first one's prefill worker. Without it each picks its own rendezvous worker (all
     nine on one of two workers by chance: 1 in 256)."""
-    import threading
-
     s = slow_prefill_sims
     system = "You answer questions about this handbook. " + uuid.uuid4().hex * 120
     replies: dict = {}
