@@ -16,10 +16,13 @@
 //! | `proxy_on_http_call_response` | load poll and peer batch answers |
 //! | `proxy_on_request_headers`, `proxy_on_request_body` | once per request (body: per chunk until complete) |
 //! | `proxy_on_response_headers` | once per response (debug header; the status hook) |
-//! | `proxy_on_done`, `proxy_on_delete` | once per stream end; root teardown |
+//! | `proxy_on_delete` | once per stream end; root teardown |
 //!
 //! Not exported, so never entered: response body and trailers, request trailers, `on_log`,
-//! network-filter, gRPC, queue and foreign-function callbacks.
+//! `on_done`, network-filter, gRPC, queue and foreign-function callbacks. `on_done` is left out
+//! because Envoy calls `on_delete` right after it in every case (a stream's `onDestroy` calls
+//! both back to back; a root's shutdown calls `on_delete` once `on_done` answers true, and an
+//! absent `on_done` counts as true), so one VM entry per stream end is enough.
 //!
 //! Contexts: a VM holds its root contexts and its streams in a map by context id. A callback
 //! takes its context out of the map for its duration, so a nested call from the host (none is
@@ -58,6 +61,7 @@ mod raw {
             ret: *mut *mut u8,
             ret_len: *mut usize,
         ) -> u32;
+        pub fn proxy_get_header_map_pairs(map: u32, ret: *mut *mut u8, ret_len: *mut usize) -> u32;
         pub fn proxy_add_header_map_value(
             map: u32,
             key: *const u8,
@@ -139,25 +143,6 @@ unsafe fn owned(ptr: *mut u8, len: usize) -> Vec<u8> {
     Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)).into_vec()
 }
 
-/// The proxy-wasm serialization of header pairs: count, (key len, value len) each, then each
-/// key and value NUL-terminated.
-fn pairs(h: &[(&str, &str)]) -> Vec<u8> {
-    let size = 4 + h.iter().map(|(k, v)| 10 + k.len() + v.len()).sum::<usize>();
-    let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
-    for (k, v) in h {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (k, v) in h {
-        out.extend_from_slice(k.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v.as_bytes());
-        out.push(0);
-    }
-    out
-}
-
 /// Envoy, through the proxy-wasm host calls: one host call per method call.
 pub struct Envoy;
 
@@ -198,6 +183,16 @@ impl Host for Envoy {
             raw::proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut p, &mut n)
         };
         (st == OK).then(|| unsafe { owned(p, n) })
+    }
+    fn header_pairs(&self, map: Map) -> Vec<u8> {
+        let (mut p, mut n) = (std::ptr::null_mut(), 0usize);
+        // SAFETY: as in `get`.
+        let st = unsafe { raw::proxy_get_header_map_pairs(map as u32, &mut p, &mut n) };
+        if st == OK {
+            unsafe { owned(p, n) }
+        } else {
+            Vec::new()
+        }
     }
     fn add_header(&self, map: Map, name: &str, value: &str) {
         // SAFETY: valid slices for the duration of the call.
@@ -269,7 +264,7 @@ impl Host for Envoy {
         unsafe { raw::proxy_record_metric(id, value) };
     }
     fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
-        let h = pairs(headers);
+        let h = crate::header_pairs::encode(headers);
         // SAFETY: valid slices for the duration of the call; -1: no gRPC status.
         unsafe {
             raw::proxy_send_local_response(
@@ -291,8 +286,8 @@ impl Host for Envoy {
         body: Option<&[u8]>,
         timeout_ms: u32,
     ) -> Result<u32, CallRefused> {
-        let h = pairs(headers);
-        let t = pairs(&[]);
+        let h = crate::header_pairs::encode(headers);
+        let t = crate::header_pairs::encode::<&str, &str>(&[]);
         let body = body.unwrap_or_default();
         let mut token = 0u32;
         // SAFETY: valid slices and out-pointer for the duration of the call.
@@ -429,21 +424,8 @@ pub extern "C" fn proxy_on_response_headers(id: u32, _headers: usize, _eos: u32)
     }) as u32
 }
 
-/// A stream's end (its charge is released and its context dropped), or the root's teardown
-/// (batched state flushed).
-#[no_mangle]
-pub extern "C" fn proxy_on_done(id: u32) -> u32 {
-    let stream = with_stream(id, false, |s| {
-        s.on_done(&Envoy);
-        (true, false)
-    });
-    if stream {
-        return 1;
-    }
-    u32::from(with_root(id, true, |r| r.on_done(&Envoy)))
-}
-
-/// A context is gone: a stream whose `on_done` never came still releases here.
+/// A context is gone: a stream's end (its charge is released and its context dropped), or the
+/// root's teardown (batched state flushed, then the root dropped).
 #[no_mangle]
 pub extern "C" fn proxy_on_delete(id: u32) {
     let stream = with_stream(id, false, |s| {
@@ -451,6 +433,8 @@ pub extern "C" fn proxy_on_delete(id: u32) {
         (true, false)
     });
     if !stream {
-        CONTEXTS.with(|c| c.borrow_mut().roots.remove(&id));
+        if let Some(mut root) = CONTEXTS.with(|c| c.borrow_mut().roots.remove(&id)) {
+            root.on_done(&Envoy);
+        }
     }
 }

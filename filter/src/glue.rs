@@ -11,6 +11,7 @@
 //! a few metric increments; at stream end 1 load read + 1 load CAS.
 
 use crate::config::{Config, PEER_PATH, PEER_SECRET_HEADER};
+use crate::header_pairs;
 use crate::host::{Buffer, Host, Map, MetricKind};
 use crate::index::Plan;
 use crate::peers;
@@ -558,15 +559,64 @@ fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
     Action::Pause
 }
 
+/// The request header fields the filter reads, borrowed from one serialized header map.
+#[derive(Default)]
+struct Head<'a> {
+    method: &'a [u8],
+    path: &'a [u8],
+    /// Value of `tenant_header` (empty when not configured or absent).
+    tenant: &'a [u8],
+    peer_secret: &'a [u8],
+}
+
 impl Stream {
+    /// Picks the fields of [`Head`] out of the request header map and removes the client's
+    /// values of the filter's own header names: whatever the client sent under them is never
+    /// trusted or forwarded. A map without `:method` (the read failed: Envoy always has one)
+    /// removes them unconditionally.
+    fn read_head<'a>(&self, h: &impl Host, raw: &'a [u8]) -> Head<'a> {
+        let r = self.shared.router.borrow();
+        let cfg = &r.cfg;
+        let tenant = cfg.tenant_header.as_deref().map(str::as_bytes);
+        let debug = cfg.debug_header.as_deref();
+        let ours = |k: &[u8]| {
+            k == cfg.cluster_header.as_bytes()
+                || k == cfg.prefill_cluster_header.as_bytes()
+                || debug.is_some_and(|d| k == d.as_bytes())
+        };
+        let mut head = Head::default();
+        for (k, v) in header_pairs::decode(raw) {
+            match k {
+                b":method" => head.method = v,
+                b":path" => head.path = v,
+                _ if Some(k) == tenant => head.tenant = v,
+                _ if k == PEER_SECRET_HEADER.as_bytes() => head.peer_secret = v,
+                _ if ours(k) => {
+                    if let Ok(name) = std::str::from_utf8(k) {
+                        h.remove_header(Map::RequestHeaders, name);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if head.method.is_empty() {
+            h.remove_header(Map::RequestHeaders, &cfg.cluster_header);
+            h.remove_header(Map::RequestHeaders, &cfg.prefill_cluster_header);
+            if let Some(d) = debug {
+                h.remove_header(Map::RequestHeaders, d);
+            }
+        }
+        head
+    }
+
     /// Peer listener: only `POST /prefix-router/v1/records` with the shared secret is accepted.
-    fn peer_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
+    fn peer_headers(&mut self, h: &impl Host, head: &Head, end_of_stream: bool) -> Action {
         let ok = {
             let r = self.shared.router.borrow();
             let secret = r.cfg.peers.as_ref().map_or("", |p| p.secret.as_str());
-            header(h, ":method") == b"POST"
-                && header(h, ":path") == PEER_PATH.as_bytes()
-                && peers::secret_ok(&header(h, PEER_SECRET_HEADER), secret)
+            head.method == b"POST"
+                && head.path == PEER_PATH.as_bytes()
+                && peers::secret_ok(head.peer_secret, secret)
         };
         if !ok || end_of_stream {
             let m = &self.shared.metrics;
@@ -748,27 +798,19 @@ impl Stream {
         }
     }
 
-    /// `proxy_on_request_headers`.
+    /// `proxy_on_request_headers`. One host call reads the whole header map (see
+    /// `header_pairs`); the filter's own routing headers are removed only when the client sent
+    /// them.
     pub fn on_request_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
-        {
-            // Whatever the client sent under our header names is never trusted or forwarded.
-            let r = self.shared.router.borrow();
-            h.remove_header(Map::RequestHeaders, &r.cfg.cluster_header);
-            h.remove_header(Map::RequestHeaders, &r.cfg.prefill_cluster_header);
-            if let Some(d) = &r.cfg.debug_header {
-                h.remove_header(Map::RequestHeaders, d);
-            }
-        }
+        let raw = h.header_pairs(Map::RequestHeaders);
+        let head = self.read_head(h, &raw);
         if self.shared.router.borrow().cfg.peer_listener {
-            return self.peer_headers(h, end_of_stream);
+            return self.peer_headers(h, &head, end_of_stream);
         }
-        let method = header(h, ":method");
-        let path = header(h, ":path");
-        if let Some(ep) = Endpoint::classify(&method, &path) {
+        if let Some(ep) = Endpoint::classify(head.method, head.path) {
             self.endpoint = Some(ep);
-            if let Some(t) = &self.shared.router.borrow().cfg.tenant_header {
-                self.tenant = header(h, t);
-            }
+            self.tenant.clear();
+            self.tenant.extend_from_slice(head.tenant);
             if end_of_stream {
                 return self.decide(h, &[]);
             }

@@ -41,6 +41,8 @@ pub struct CallRefused;
 pub trait Host: Store {
     /// A header's value, or `None` when the map has no such header.
     fn header(&self, map: Map, name: &str) -> Option<Vec<u8>>;
+    /// A whole header map in one call, serialized as [`crate::header_pairs`] describes.
+    fn header_pairs(&self, map: Map) -> Vec<u8>;
     fn add_header(&self, map: Map, name: &str, value: &str);
     fn remove_header(&self, map: Map, name: &str);
     /// Sets a header, replacing every value it had.
@@ -161,6 +163,10 @@ impl Host for FakeHost {
         m.iter()
             .find(|e| e.0 == name)
             .map(|e| e.1.as_bytes().to_vec())
+    }
+    fn header_pairs(&self, map: Map) -> Vec<u8> {
+        let mut s = self.count();
+        crate::header_pairs::encode(s.map(map))
     }
     fn add_header(&self, map: Map, name: &str, value: &str) {
         self.count().map(map).push((name.into(), value.into()));

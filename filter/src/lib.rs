@@ -12,6 +12,7 @@ mod config_path;
 pub mod decay;
 pub mod footprint;
 pub mod glue;
+pub mod header_pairs;
 pub mod host;
 pub mod ids;
 pub mod index;

@@ -197,6 +197,58 @@ fn passthrough_takes_the_configured_cluster_and_the_client_never_picks_one() {
     s.on_done(&h);
 }
 
+/// The request headers are one host call: the filter's own header names are removed only when
+/// the client sent them (each of them, prefill cluster and debug included), and every other
+/// header stays.
+#[test]
+fn request_headers_are_read_in_one_call_and_spoofed_routing_headers_removed() {
+    let (h, root) = configured(&config(r#","debug_header":"x-debug""#));
+    let body = chat("one call");
+    let mut st = root.new_stream().expect("stream");
+    {
+        let mut s = h.state.borrow_mut();
+        s.request_headers = vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/v1/chat/completions".into()),
+            ("x-other".into(), "kept".into()),
+        ];
+        s.request_body = body.as_bytes().to_vec();
+    }
+    let calls = h.calls();
+    assert_eq!(st.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(
+        h.calls() - calls,
+        1,
+        "one host call for the request headers"
+    );
+    st.on_done(&h);
+
+    let spoof = [
+        ("x-prefix-router-cluster", "admin"),
+        ("x-prefix-router-prefill-cluster", "admin"),
+        ("x-debug", "forged"),
+        ("x-other", "kept"),
+    ];
+    let mut st = root.new_stream().expect("stream");
+    {
+        let mut s = h.state.borrow_mut();
+        s.request_headers = vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/v1/chat/completions".into()),
+        ];
+        s.request_headers
+            .extend(spoof.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    }
+    let calls = h.calls();
+    assert_eq!(st.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(h.calls() - calls, 4, "the map read and three removals");
+    for (name, _) in &spoof[..3] {
+        assert_eq!(request_header(&h, name), None, "{name} removed");
+    }
+    assert_eq!(request_header(&h, "x-other").as_deref(), Some("kept"));
+    st.on_done(&h);
+}
+
 #[test]
 fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
     let (h, root) = configured(&config(r#","debug_header":"x-debug""#));

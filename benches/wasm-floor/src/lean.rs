@@ -107,9 +107,4 @@ pub extern "C" fn proxy_on_response_headers(_id: u32, _n: usize, _eos: u32) -> u
 }
 
 #[no_mangle]
-pub extern "C" fn proxy_on_done(_id: u32) -> u32 {
-    1
-}
-
-#[no_mangle]
 pub extern "C" fn proxy_on_delete(_id: u32) {}
