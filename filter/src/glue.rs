@@ -433,7 +433,8 @@ impl Root {
         h.record_metric(m.poll_unknown, unknown as u64);
     }
 
-    /// `proxy_on_done` of the root context.
+    /// The root context's teardown (`proxy_on_delete` of the root; the module does not export
+    /// `proxy_on_done`).
     pub fn on_done(&mut self, h: &impl Host) -> bool {
         // Envoy is removing this plugin (its filter chain drained after a config update, or
         // shutdown). Without this, the in-flight gauge decrements of the last streams (batched
@@ -901,7 +902,7 @@ impl Stream {
         m.add(m.index_dropped, i64::from(w.dropped));
     }
 
-    /// `proxy_on_done` (and `proxy_on_delete` when done never came): the stream ended,
+    /// `proxy_on_delete` (Envoy calls it right after `on_done`, not exported): the stream ended,
     /// whichever way (response complete, client reset, local reply). Releases the charge.
     pub fn on_done(&mut self, h: &impl Host) {
         self.release(h);
