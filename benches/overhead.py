@@ -9,6 +9,7 @@ every request after the first is a prefix hit, the steady state).
   benches/overhead --sizes 4       # only the 4 KB prompt
   benches/overhead --rss 1000000   # Envoy RSS after indexing N distinct prefixes (default capacity)
   benches/overhead --stream        # streamed responses: Envoy CPU per response (see run_stream)
+  benches/overhead --stream --tokens 256 1024 --secs 6 --rounds 5   # more rounds: medians, paired ratios
 
 Installs what it needs: nginx and wrk with apt-get when missing, smg==1.13.0 into .venv-smg.
 Envoy is .venv/bin/envoy (scripts/setup); the filter is target/wasm32-wasip1/release/prefix_router.wasm
@@ -23,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -360,50 +362,65 @@ def run_stream(args, tmp: Path):
             ports.append(port)
         for p in ports:
             wait_http(f"http://127.0.0.1:{p}/health", 30)
-        results, per_chunk = {}, {}
-        for kind, label in STREAM_KINDS:
-            if kind not in args.kinds:
-                continue
-            p, url = start_proxy(kind, tmp, ports)
-            try:
+        kinds = [k for k, _ in STREAM_KINDS if k in args.kinds]
+        labels = dict(STREAM_KINDS)
+        # Every proxy runs for the whole bench (idle ones cost nothing measured: the figure is the
+        # measured Envoy's own CPU), and each round measures every kind in a rotated order, so
+        # a slow drift of the machine hits all kinds alike; the table gives medians over rounds
+        # and the median of each round's ratio to plain Envoy measured in that same round.
+        proxies = {}
+        try:
+            for k in kinds:
+                proxies[k] = start_proxy(k, tmp, ports)
+            runs: dict = {}
+            for r in range(args.rounds):
                 for n in args.tokens:
                     body = json.dumps({"model": "llama", "prompt": "Stream me the answer, token by token. " * 8,
                                        "max_tokens": n, "ignore_eos": True, "stream": True}).encode()
                     per = max(2, round(args.secs * 1000 / (n * args.step_ms)))
-                    stream_round(url, body, args.streams, 1)  # warm-up
-                    c0, t0 = cpu_seconds(p.p.pid), time.time()
-                    chunks = stream_round(url, body, args.streams, per)
-                    cpu, wall = cpu_seconds(p.p.pid) - c0, time.time() - t0
-                    done = args.streams * per
-                    results[(kind, n)] = cpu / done * 1e6
-                    per_chunk[(kind, n)] = (cpu / chunks * 1e6, chunks / done)
-                    print(f"{label:36s} {n:5d} tokens  {done:5d} responses ({chunks / done:.0f} chunks each) "
-                          f"in {wall:5.1f} s  Envoy CPU {cpu:6.2f} s = {results[(kind, n)]:8.0f} us/response",
-                          flush=True)
-            finally:
+                    for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                        p, url = proxies[k]
+                        stream_round(url, body, args.streams, 1)  # warm-up
+                        c0, t0 = cpu_seconds(p.p.pid), time.time()
+                        chunks = stream_round(url, body, args.streams, per)
+                        cpu, wall = cpu_seconds(p.p.pid) - c0, time.time() - t0
+                        done = args.streams * per
+                        runs.setdefault((k, n), []).append((cpu / done * 1e6, cpu / chunks * 1e6, chunks / done))
+                        print(f"round {r + 1} {labels[k]:36s} {n:5d} tokens  {done:5d} responses "
+                              f"({chunks / done:.0f} chunks each) in {wall:5.1f} s  Envoy CPU {cpu:6.2f} s = "
+                              f"{cpu / done * 1e6:8.0f} us/response", flush=True)
+        finally:
+            for p, _ in proxies.values():
                 p.stop()
-        kinds = [k for k, _ in STREAM_KINDS if k in args.kinds]
+        med = statistics.median
+        results = {key: med(v[0] for v in vs) for key, vs in runs.items()}
+        per_chunk = {key: (med(v[1] for v in vs), med(v[2] for v in vs)) for key, vs in runs.items()}
         print()
-        print("| response | " + " | ".join(label for k, label in STREAM_KINDS if k in kinds) + " |")
+        print(f"Medians over {args.rounds} round(s); (x) = median of each round's ratio to plain Envoy "
+              "in the same round, [min-max] of those ratios:")
+        print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
         print("|---|" + "---|" * len(kinds))
         for n in args.tokens:
-            base = results.get(("envoy", n))
+            base = runs.get(("envoy", n))
             cells = []
             for k in kinds:
                 v = results[(k, n)]
-                cells.append(f"{v:,.0f} us" if k == "envoy" or not base else f"{v:,.0f} us ({v / base:.2f}x)")
+                if k == "envoy" or not base:
+                    cells.append(f"{v:,.0f} us")
+                    continue
+                ratios = [a[0] / b[0] for a, b in zip(runs[(k, n)], base)]
+                cells.append(f"{v:,.0f} us ({med(ratios):.3f}x [{min(ratios):.2f}-{max(ratios):.2f}])")
             print(f"| {n} tokens | " + " | ".join(cells) + " |")
         print()
         print("Envoy CPU per HTTP chunk the client read (chunks per response: SSE events coalesce when a "
               "proxy or worker falls behind, which changes the work per response):")
-        print("| response | " + " | ".join(label for k, label in STREAM_KINDS if k in kinds) + " |")
+        print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
         print("|---|" + "---|" * len(kinds))
         for n in args.tokens:
             print(f"| {n} tokens | " + " | ".join(f"{per_chunk[(k, n)][0]:.1f} us ({per_chunk[(k, n)][1]:.0f} chunks)"
                                                   for k in kinds) + " |")
         if args.json:
-            Path(args.json).write_text(json.dumps({f"{k}/{n}": [v, *per_chunk[(k, n)]]
-                                                   for (k, n), v in results.items()}, indent=1))
+            Path(args.json).write_text(json.dumps({f"{k}/{n}": vs for (k, n), vs in runs.items()}, indent=1))
     finally:
         for s in sims:
             s.stop()
@@ -421,6 +438,7 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 1024], help="--stream: tokens per response")
     ap.add_argument("--step-ms", type=float, default=2.0, help="--stream: the workers' decode step")
     ap.add_argument("--streams", type=int, default=16, help="--stream: concurrent streaming clients")
+    ap.add_argument("--rounds", type=int, default=3, help="--stream: rounds (every kind measured once per round)")
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores (proxy on core 0, load on core 1)")
