@@ -234,43 +234,60 @@ KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buf
 
 
 def run_table(args, tmp: Path, upstream: int):
-    results = {}
-    for kind, label in KINDS:
-        if kind not in args.kinds:
-            continue
-        p, url = start_proxy(kind, tmp, upstream)
-        try:
+    """Every proxy runs for the whole bench; each round measures every kind once per size in a
+    rotated order. Cells are medians over rounds; the ratio columns are medians of each round's
+    ratio (both sides measured in the same round), with their range when there are rounds."""
+    kinds = [k for k, _ in KINDS if k in args.kinds]
+    labels = dict(KINDS)
+    runs: dict = {}
+    proxies = {}
+    try:
+        for k in kinds:
+            proxies[k] = start_proxy(k, tmp, upstream)
+        for r in range(args.rounds):
             for kb in args.sizes:
                 bf = tmp / f"body-{kb}.json"
                 bf.write_bytes(body_of_size(kb))
                 lua = tmp / f"wrk-{kb}.lua"
                 lua.write_text(WRK_LUA.format(body=bf))
-                wrk(url, lua, 4, 1)  # warm-up (index the prompt, JIT, pools)
-                thr = wrk(url, lua, args.conns, args.secs)
-                lat = wrk(url, lua, 1, args.secs)
-                results[(kind, kb)] = {"rps": thr["rps"], "p50": lat["p50"], "p99": lat["p99"],
-                                       "rps_c1": lat["rps"], "p99_cN": thr["p99"],
-                                       "bad": thr["non2xx"] + lat["non2xx"]}
-                r = results[(kind, kb)]
-                print(f"{label:32s} {kb:3d} KB  rps(-c{args.conns}) {r['rps']:9.0f}  "
-                      f"p50(-c1) {r['p50']:7.0f} us  p99(-c1) {r['p99']:7.0f} us  non-2xx {r['bad']}", flush=True)
-        finally:
+                for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                    url = proxies[kind][1]
+                    wrk(url, lua, 4, 1)  # warm-up (index the prompt, JIT, pools)
+                    thr = wrk(url, lua, args.conns, args.secs)
+                    lat = wrk(url, lua, 1, args.secs)
+                    res = {"rps": thr["rps"], "p50": lat["p50"], "p99": lat["p99"], "rps_c1": lat["rps"],
+                           "p99_cN": thr["p99"], "bad": thr["non2xx"] + lat["non2xx"]}
+                    runs.setdefault((kind, kb), []).append(res)
+                    print(f"round {r + 1} {labels[kind]:32s} {kb:3d} KB  rps(-c{args.conns}) {res['rps']:9.0f}  "
+                          f"p50(-c1) {res['p50']:7.0f} us  p99(-c1) {res['p99']:7.0f} us  non-2xx {res['bad']}",
+                          flush=True)
+    finally:
+        for p, _ in proxies.values():
             p.stop()
+    med = statistics.median
+
+    def m(k, kb, f):
+        return med(x[f] for x in runs[(k, kb)])
+
+    def ratio(a, b, kb, f="rps"):
+        rs = [x[f] / y[f] for x, y in zip(runs[(a, kb)], runs[(b, kb)])]
+        return f"{med(rs):.2f}" + (f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 else "")
+
     print()
-    print(f"| prompt | (i) Envoy rps | (ii) +buffer rps | (iii) +prefix-router rps | (iv) smg rps | "
-          f"(v) no-op Wasm rps | (iii)/(ii) | (v)/(ii) | (iii)/(v) | (iii)/(iv) | "
-          f"p50 (i) / (ii) / (iii) / (iv) / (v) us | p99 (iii) us | added p50 (iii)-(i) us |")
+    print(f"Medians over {args.rounds} round(s); ratios are medians of per-round ratios (range):")
+    print("| prompt | (i) Envoy rps | (ii) +buffer rps | (iii) +prefix-router rps | (iv) smg rps | "
+          "(v) no-op Wasm rps | (iii)/(ii) | (v)/(ii) | (iii)/(v) | (iii)/(iv) | "
+          "p50 (i) / (ii) / (iii) / (iv) / (v) us | p99 (iii) us | added p50 (iii)-(i) us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for kb in args.sizes if len(args.kinds) == len(KINDS) else []:
-        g = lambda k: results[(k, kb)]  # noqa: E731
-        a, b, c, d, e = g("envoy"), g("envoy_buffer"), g("prefix_router"), g("smg"), g("wasm_floor")
-        print(f"| {kb} KB | {a['rps']:.0f} | {b['rps']:.0f} | {c['rps']:.0f} | {d['rps']:.0f} | {e['rps']:.0f} | "
-              f"{c['rps'] / b['rps']:.2f} | {e['rps'] / b['rps']:.2f} | {c['rps'] / e['rps']:.2f} | "
-              f"{c['rps'] / d['rps']:.2f} | "
-              f"{a['p50']:.0f} / {b['p50']:.0f} / {c['p50']:.0f} / {d['p50']:.0f} / {e['p50']:.0f} | "
-              f"{c['p99']:.0f} | {c['p50'] - a['p50']:.0f} |")
+    for kb in args.sizes if len(kinds) == len(KINDS) else []:
+        added = med(c["p50"] - a["p50"] for a, c in zip(runs[("envoy", kb)], runs[("prefix_router", kb)]))
+        print(f"| {kb} KB | " + " | ".join(f"{m(k, kb, 'rps'):.0f}" for k, _ in KINDS) + " | "
+              f"{ratio('prefix_router', 'envoy_buffer', kb)} | {ratio('wasm_floor', 'envoy_buffer', kb)} | "
+              f"{ratio('prefix_router', 'wasm_floor', kb)} | {ratio('prefix_router', 'smg', kb)} | "
+              + " / ".join(f"{m(k, kb, 'p50'):.0f}" for k, _ in KINDS) + " | "
+              f"{m('prefix_router', kb, 'p99'):.0f} | {added:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in results.items()}, indent=1))
+        Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in runs.items()}, indent=1))
 
 
 def run_rss(args, tmp: Path, upstream: int):
