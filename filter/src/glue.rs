@@ -560,51 +560,59 @@ fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
     Action::Pause
 }
 
-/// The request header fields the filter reads, borrowed from one serialized header map.
+/// The request header fields the filter reads, borrowed from one serialized header map. Each
+/// is the header's first value, as a single-header read (`proxy_get_header_map_value`) gives.
 #[derive(Default)]
 struct Head<'a> {
-    method: &'a [u8],
-    path: &'a [u8],
-    /// Value of `tenant_header` (empty when not configured or absent).
-    tenant: &'a [u8],
-    peer_secret: &'a [u8],
+    method: Option<&'a [u8]>,
+    path: Option<&'a [u8]>,
+    /// Value of `tenant_header` (none when not configured or absent).
+    tenant: Option<&'a [u8]>,
+    peer_secret: Option<&'a [u8]>,
 }
 
 impl Stream {
     /// Picks the fields of [`Head`] out of the request header map and removes the client's
-    /// values of the filter's own header names: whatever the client sent under them is never
-    /// trusted or forwarded. A map without `:method` (the read failed: Envoy always has one)
-    /// removes them unconditionally.
+    /// values of the filter's own header names (one removal per name present): whatever the
+    /// client sent under them is never trusted or forwarded. A map without `:method` (the read
+    /// failed: Envoy always has one) removes them unconditionally.
     fn read_head<'a>(&self, h: &impl Host, raw: &'a [u8]) -> Head<'a> {
         let r = self.shared.router.borrow();
         let cfg = &r.cfg;
         let tenant = cfg.tenant_header.as_deref().map(str::as_bytes);
-        let debug = cfg.debug_header.as_deref();
-        let ours = |k: &[u8]| {
-            k == cfg.cluster_header.as_bytes()
-                || k == cfg.prefill_cluster_header.as_bytes()
-                || debug.is_some_and(|d| k == d.as_bytes())
-        };
+        let ours = [
+            Some(cfg.cluster_header.as_str()),
+            Some(cfg.prefill_cluster_header.as_str()),
+            cfg.debug_header.as_deref(),
+        ];
+        let mut removed = [false; 3];
         let mut head = Head::default();
         for (k, v) in header_pairs::decode(raw) {
-            match k {
-                b":method" => head.method = v,
-                b":path" => head.path = v,
-                _ if Some(k) == tenant => head.tenant = v,
-                _ if k == PEER_SECRET_HEADER.as_bytes() => head.peer_secret = v,
-                _ if ours(k) => {
-                    if let Ok(name) = std::str::from_utf8(k) {
-                        h.remove_header(Map::RequestHeaders, name);
+            let slot = match k {
+                b":method" => &mut head.method,
+                b":path" => &mut head.path,
+                _ if Some(k) == tenant => &mut head.tenant,
+                _ if k == PEER_SECRET_HEADER.as_bytes() => &mut head.peer_secret,
+                _ => {
+                    let own = ours
+                        .iter()
+                        .position(|n| n.is_some_and(|n| n.as_bytes() == k));
+                    if let Some(i) = own {
+                        if let (Some(name), Some(done)) = (ours[i], removed.get_mut(i)) {
+                            if !*done {
+                                *done = true;
+                                h.remove_header(Map::RequestHeaders, name);
+                            }
+                        }
                     }
+                    continue;
                 }
-                _ => {}
-            }
+            };
+            slot.get_or_insert(v);
         }
-        if head.method.is_empty() {
-            h.remove_header(Map::RequestHeaders, &cfg.cluster_header);
-            h.remove_header(Map::RequestHeaders, &cfg.prefill_cluster_header);
-            if let Some(d) = debug {
-                h.remove_header(Map::RequestHeaders, d);
+        if head.method.is_none() {
+            for name in ours.into_iter().flatten() {
+                h.remove_header(Map::RequestHeaders, name);
             }
         }
         head
@@ -615,9 +623,9 @@ impl Stream {
         let ok = {
             let r = self.shared.router.borrow();
             let secret = r.cfg.peers.as_ref().map_or("", |p| p.secret.as_str());
-            head.method == b"POST"
-                && head.path == PEER_PATH.as_bytes()
-                && peers::secret_ok(head.peer_secret, secret)
+            head.method == Some(b"POST")
+                && head.path == Some(PEER_PATH.as_bytes())
+                && peers::secret_ok(head.peer_secret.unwrap_or_default(), secret)
         };
         if !ok || end_of_stream {
             let m = &self.shared.metrics;
@@ -808,10 +816,15 @@ impl Stream {
         if self.shared.router.borrow().cfg.peer_listener {
             return self.peer_headers(h, &head, end_of_stream);
         }
-        if let Some(ep) = Endpoint::classify(head.method, head.path) {
+        let (method, path) = (
+            head.method.unwrap_or_default(),
+            head.path.unwrap_or_default(),
+        );
+        if let Some(ep) = Endpoint::classify(method, path) {
             self.endpoint = Some(ep);
             self.tenant.clear();
-            self.tenant.extend_from_slice(head.tenant);
+            self.tenant
+                .extend_from_slice(head.tenant.unwrap_or_default());
             if end_of_stream {
                 return self.decide(h, &[]);
             }
