@@ -594,11 +594,8 @@ impl Stream {
                 _ if Some(k) == tenant => &mut head.tenant,
                 _ if k == PEER_SECRET_HEADER.as_bytes() => &mut head.peer_secret,
                 _ => {
-                    let own = ours
-                        .iter()
-                        .position(|n| n.is_some_and(|n| n.as_bytes() == k));
-                    if let Some(i) = own {
-                        if let (Some(name), Some(done)) = (ours[i], removed.get_mut(i)) {
+                    for (name, done) in ours.iter().zip(removed.iter_mut()) {
+                        if let Some(name) = name.filter(|n| n.as_bytes() == k) {
                             if !*done {
                                 *done = true;
                                 h.remove_header(Map::RequestHeaders, name);
