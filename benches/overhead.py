@@ -19,6 +19,7 @@ Envoy is .venv/bin/envoy (scripts/setup); the filter is target/wasm32-wasip1/rel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -233,6 +234,26 @@ KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buf
          ("wasm_floor", "(v) Envoy + no-op body-reading Wasm")]
 
 
+@contextlib.contextmanager
+def all_proxies(kinds: list, tmp: Path, upstream):
+    """Every proxy of `kinds` up for the whole bench ({kind: (proc, url)}), all stopped after.
+    With [`rotated`], each round measures every kind once in a shifted order, so a slow drift of
+    the machine hits all kinds alike."""
+    proxies: dict = {}
+    try:
+        for k in kinds:
+            proxies[k] = start_proxy(k, tmp, upstream)
+        yield proxies
+    finally:
+        for p, _ in proxies.values():
+            p.stop()
+
+
+def rotated(kinds: list, r: int) -> list:
+    """Round `r`'s measuring order: `kinds` shifted by `r`."""
+    return kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+
+
 def run_table(args, tmp: Path, upstream: int):
     """Every proxy runs for the whole bench; each round measures every kind once per size in a
     rotated order. Cells are medians over rounds; the ratio columns are medians of each round's
@@ -240,17 +261,14 @@ def run_table(args, tmp: Path, upstream: int):
     kinds = [k for k, _ in KINDS if k in args.kinds]
     labels = dict(KINDS)
     runs: dict = {}
-    proxies = {}
-    try:
-        for k in kinds:
-            proxies[k] = start_proxy(k, tmp, upstream)
+    with all_proxies(kinds, tmp, upstream) as proxies:
         for r in range(args.rounds):
             for kb in args.sizes:
                 bf = tmp / f"body-{kb}.json"
                 bf.write_bytes(body_of_size(kb))
                 lua = tmp / f"wrk-{kb}.lua"
                 lua.write_text(WRK_LUA.format(body=bf))
-                for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                for kind in rotated(kinds, r):
                     url = proxies[kind][1]
                     wrk(url, lua, 4, 1)  # warm-up (index the prompt, JIT, pools)
                     thr = wrk(url, lua, args.conns, args.secs)
@@ -261,9 +279,6 @@ def run_table(args, tmp: Path, upstream: int):
                     print(f"round {r + 1} {labels[kind]:32s} {kb:3d} KB  rps(-c{args.conns}) {res['rps']:9.0f}  "
                           f"p50(-c1) {res['p50']:7.0f} us  p99(-c1) {res['p99']:7.0f} us  non-2xx {res['bad']}",
                           flush=True)
-    finally:
-        for p, _ in proxies.values():
-            p.stop()
     med = statistics.median
 
     def m(k, kb, f):
@@ -381,21 +396,17 @@ def run_stream(args, tmp: Path):
             wait_http(f"http://127.0.0.1:{p}/health", 30)
         kinds = [k for k, _ in STREAM_KINDS if k in args.kinds]
         labels = dict(STREAM_KINDS)
-        # Every proxy runs for the whole bench (idle ones cost nothing measured: the figure is the
-        # measured Envoy's own CPU), and each round measures every kind in a rotated order, so
-        # a slow drift of the machine hits all kinds alike; the table gives medians over rounds
-        # and the median of each round's ratio to plain Envoy measured in that same round.
-        proxies = {}
-        try:
-            for k in kinds:
-                proxies[k] = start_proxy(k, tmp, ports)
-            runs: dict = {}
+        # Idle proxies cost nothing measured (the figure is the measured Envoy's own CPU); the
+        # table gives medians over rounds and the median of each round's ratio to plain Envoy
+        # measured in that same round.
+        runs: dict = {}
+        with all_proxies(kinds, tmp, ports) as proxies:
             for r in range(args.rounds):
                 for n in args.tokens:
                     body = json.dumps({"model": "llama", "prompt": "Stream me the answer, token by token. " * 8,
                                        "max_tokens": n, "ignore_eos": True, "stream": True}).encode()
                     per = max(2, round(args.secs * 1000 / (n * args.step_ms)))
-                    for k in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                    for k in rotated(kinds, r):
                         p, url = proxies[k]
                         stream_round(url, body, args.streams, 1)  # warm-up
                         c0, t0 = cpu_seconds(p.p.pid), time.time()
@@ -406,9 +417,6 @@ def run_stream(args, tmp: Path):
                         print(f"round {r + 1} {labels[k]:36s} {n:5d} tokens  {done:5d} responses "
                               f"({chunks / done:.0f} chunks each) in {wall:5.1f} s  Envoy CPU {cpu:6.2f} s = "
                               f"{cpu / done * 1e6:8.0f} us/response", flush=True)
-        finally:
-            for p, _ in proxies.values():
-                p.stop()
         med = statistics.median
         results = {key: med(v[0] for v in vs) for key, vs in runs.items()}
         per_chunk = {key: (med(v[1] for v in vs), med(v[2] for v in vs)) for key, vs in runs.items()}
