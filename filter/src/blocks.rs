@@ -10,7 +10,8 @@
 //! Token-id prompts reach this module as little-endian `u32` bytes, so a block of `k` tokens is
 //! simply a block of `4k` bytes and one code path serves both kinds.
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use crate::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// Seed domain separator so our chains never equal a plain xxh3 of the same bytes.
 const CHAIN_DOMAIN: u64 = 0x7072_6566_6978_7274; // "prefixrt"

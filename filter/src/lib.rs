@@ -26,6 +26,7 @@ pub mod records;
 pub mod request;
 pub mod router;
 pub mod store;
+pub mod xxh3;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

@@ -37,6 +37,10 @@ impl Host {
     pub fn new(wasm: &Path, opts: Options) -> Result<Host> {
         let mut cfg = Config::new();
         cfg.consume_fuel(opts.fuel);
+        // `perf record` can name the module's functions (JIT code) with this set.
+        if std::env::var_os("PREFIX_ROUTER_PERFMAP").is_some() {
+            cfg.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         let engine = Engine::new(&cfg)?;
         let bytes = std::fs::read(wasm).with_context(|| format!("reading {}", wasm.display()))?;
         let module = Module::new(&engine, bytes)?;

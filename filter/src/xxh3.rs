@@ -1,0 +1,152 @@
+//! xxh3-64 with a seed, as `xxhash_rust::xxh3::xxh3_64_with_seed` computes it, with 64-byte
+//! inputs (every full block at the default sizes: 64-byte text blocks, 16-token id blocks)
+//! hashed here.
+//!
+//! Why: xxh3 mixes a 64-byte input as four 16-byte windows, each through a 64x64→128-bit
+//! multiply. Wasm has no such instruction, so LLVM calls the `__multi3` libcall (a full
+//! 128x128 product returned through linear memory) four times per block. Here the length is
+//! fixed, so the windows are read without bounds checks and multiplied inline from 32-bit
+//! halves.
+//!
+//! Invariant: the output equals `xxhash_rust`'s for every input and seed (the index, the peers
+//! and the rendezvous keys of every replica must agree whatever build computed a hash; tested
+//! below against the crate). Other lengths go to the crate. Native builds multiply through
+//! `u128`, which is one instruction there.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed as reference;
+
+/// The first 64 bytes of xxh3's default secret (`kSecret` in the xxHash specification), as
+/// little-endian 64-bit words: the part a 64-byte input reads.
+const SECRET: [u64; 8] = [
+    0xBE4B_A423_396C_FEB8,
+    0x1CAD_21F7_2C81_017C,
+    0xDB97_9083_E96D_D4DE,
+    0x1F67_B3B7_A4A4_4072,
+    0x78E5_C0CC_4EE6_79CB,
+    0x2172_FFCC_7DD0_5A82,
+    0x8E24_43F7_7446_08B8,
+    0x4C26_3A81_E690_35E0,
+];
+
+const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+
+/// xxh3-64 of `data` with `seed`.
+#[inline]
+pub fn xxh3_64_with_seed(data: &[u8], seed: u64) -> u64 {
+    match <&[u8; 64]>::try_from(data) {
+        Ok(block) => block64(block, seed),
+        Err(_) => reference(data, seed),
+    }
+}
+
+/// xxh3's 17-to-128-byte path at 64 bytes: the windows at 0 and 48 with secret words 0-3, the
+/// windows at 16 and 32 with words 4-7, summed, then avalanched.
+#[inline]
+fn block64(data: &[u8; 64], seed: u64) -> u64 {
+    let (w, _) = data.as_chunks::<8>();
+    let word = |i: usize| w.get(i).map_or(0, |c| u64::from_le_bytes(*c));
+    let [s0, s1, s2, s3, s4, s5, s6, s7] = SECRET;
+    let mix = |at: usize, k0: u64, k1: u64| {
+        fold(
+            word(at) ^ k0.wrapping_add(seed),
+            word(at + 1) ^ k1.wrapping_sub(seed),
+        )
+    };
+    let acc = 64u64
+        .wrapping_mul(PRIME64_1)
+        .wrapping_add(mix(0, s0, s1))
+        .wrapping_add(mix(6, s2, s3))
+        .wrapping_add(mix(2, s4, s5))
+        .wrapping_add(mix(4, s6, s7));
+    avalanche(acc)
+}
+
+fn avalanche(mut h: u64) -> u64 {
+    h ^= h >> 37;
+    h = h.wrapping_mul(0x1656_6791_9E37_79F9);
+    h ^ (h >> 32)
+}
+
+/// The 128-bit product of `a` and `b`, its two halves xor-ed.
+#[cfg(not(target_arch = "wasm32"))]
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    p as u64 ^ (p >> 64) as u64
+}
+
+#[cfg(target_arch = "wasm32")]
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    fold_halves(a, b)
+}
+
+/// [`fold`] from four 32x32→64 multiplies (what Wasm has). Written with explicit carries: LLVM
+/// recognises the textbook form (high part from the shifted cross sums) as a 128-bit multiply
+/// and turns it back into the `__multi3` call this module exists to avoid.
+#[cfg(any(test, target_arch = "wasm32"))]
+#[inline(always)]
+fn fold_halves(a: u64, b: u64) -> u64 {
+    const LOW: u64 = 0xFFFF_FFFF;
+    let (al, ah, bl, bh) = (a & LOW, a >> 32, b & LOW, b >> 32);
+    let (mid, c1) = (al * bh).overflowing_add(ah * bl); // c1 is worth 2^96
+    let (low, c2) = (al * bl).overflowing_add(mid << 32);
+    let high = ah * bh + (mid >> 32) + (u64::from(c1) << 32) + u64::from(c2);
+    low ^ high
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_length_and_seed_matches_the_crate() {
+        for len in 0..=300 {
+            for seed in [0, 1, u64::MAX, 0x9E37_79B9_7F4A_7C15, len as u64 * 7919] {
+                let d = bytes(len, seed ^ 0x55);
+                assert_eq!(
+                    xxh3_64_with_seed(&d, seed),
+                    reference(&d, seed),
+                    "{len} {seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn halves_equal_the_wide_product() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let edges = [0, 1, 0xFFFF_FFFF, 1 << 32, u64::MAX, u64::MAX - 1];
+        for &a in &edges {
+            for &b in &edges {
+                assert_eq!(fold_halves(a, b), fold(a, b), "{a} {b}");
+            }
+        }
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let (a, b) = (x, x.rotate_left(29) ^ 0xDEAD_BEEF);
+            assert_eq!(fold_halves(a, b), fold(a, b));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_inputs_match_the_crate(d in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..160), seed: u64) {
+            proptest::prop_assert_eq!(xxh3_64_with_seed(&d, seed), reference(&d, seed));
+        }
+    }
+}
