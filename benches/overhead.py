@@ -1,7 +1,8 @@
 """End-to-end proxy overhead: the same static upstream (nginx answering 200 with a small JSON)
 behind (i) Envoy with a plain cluster route, (ii) Envoy + the native buffer filter, (iii) Envoy +
 prefix-router, (iv) smg 1.13 --policy cache_aware, (v) Envoy + benches/wasm-floor (a proxy-wasm
-filter that only reads the body and sets the cluster header: the floor for any such filter). The proxy is pinned to core 0 (taskset), wrk
+filter that only reads the body and sets the cluster header: the floor for any such filter), (vi) Envoy
++ benches/dm-floor (the same floor as a native Envoy dynamic module: the floor without the Wasm VM). The proxy is pinned to core 0 (taskset), wrk
 and nginx to core 1. Bodies: OpenAI chat JSON of 1/4/16/64 KB (one fixed body per run: in (iii)
 every request after the first is a prefix hit, the steady state).
 
@@ -43,6 +44,9 @@ WASM = Path(os.environ.get("PREFIX_ROUTER_WASM", ROOT / "target/wasm32-wasip1/re
 # on the lean ABI layer (the callbacks prefix-router exports) and on the proxy-wasm SDK (every one).
 FLOOR_WASM = ROOT / "target/wasm32-wasip1/release/wasm_floor.wasm"
 FLOOR_SDK_WASM = ROOT / "target/wasm32-wasip1/release/wasm_floor_sdk.wasm"
+# benches/dm-floor: the same floor as a native dynamic module (lib<name>.so in this directory).
+DM_DIR = ROOT / "target/release"
+DM_FLOOR = "dm_floor"
 SIM = Path(os.environ.get("SGLANG_SIM_BIN", ROOT / "target/release/sglang-sim"))
 SMG_VENV = ROOT / ".venv-smg"
 PROXY_CPU, LOAD_CPU = "0", "1"
@@ -71,15 +75,16 @@ def ensure_tools():
     sh([*build_floor, "--features", "sdk"], cwd=ROOT)
     shutil.copyfile(FLOOR_WASM, FLOOR_SDK_WASM)
     sh(build_floor, cwd=ROOT)
+    sh(["cargo", "build", "-p", "dm-floor", "--release"], cwd=ROOT)
     if "SGLANG_SIM_BIN" not in os.environ:
         sh(["cargo", "build", "-p", "sglang-sim", "--release"], cwd=ROOT)
 
 
 class Proc:
-    def __init__(self, cmd, cpu, log: Path):
+    def __init__(self, cmd, cpu, log: Path, env: dict | None = None):
         self.log = open(log, "w")
         self.p = subprocess.Popen(["taskset", "-c", cpu, *cmd], stdout=self.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  start_new_session=True, env={**os.environ, **(env or {})})
 
     def stop(self):
         if self.p.poll() is None:
@@ -148,13 +153,14 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
         filters = [ec.buffer_filter()] if mode == "buffer" else []
         pools = {"up": [("127.0.0.1", u) for u in sorted(set(ups))]}
         return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
-    wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM}[mode]
+    wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
+            "dm_floor": WASM}[mode]
     # One nginx for all clusters (table mode): worker i dials it on loopback address 127.0.0.<i+1>
     # (nginx listens on all four), so the generator sees four distinct workers.
     hosts = ["127.0.0.1"] * WORKERS if len(set(ups)) == WORKERS else [f"127.0.0.{i + 1}" for i in range(WORKERS)]
     models = {"llama": [ec.Worker(f"w{i}", hosts[i], ups[i]) for i in range(WORKERS)]}
     o = ec.profile("bench", models=models, listen=listen, admin=admin_addr, wasm=str(wasm),
-                   plugin=plugin or {})
+                   dynamic_module=DM_FLOOR if mode == "dm_floor" else None, plugin=plugin or {})
     return ec.render(o)
 
 
@@ -213,12 +219,13 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, 
         p = Proc(cmd, PROXY_CPU, tmp / "smg.log")
     else:
         mode = {"envoy": "plain", "envoy_buffer": "buffer", "prefix_router": "prefix_router",
-                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk"}[kind]
+                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk", "dm_floor": "dm_floor"}[kind]
         cfg = tmp / f"envoy-{kind}.yaml"
         cfg.write_text(envoy_yaml(mode, port, admin, upstream))
         cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
                "--use-dynamic-base-id"]
-        p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log")
+        p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
+                 env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode == "dm_floor" else None)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         wait_http(url, 60, "POST", body_of_size(1))
@@ -231,7 +238,8 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, 
 
 KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buffer filter"),
          ("prefix_router", "(iii) Envoy + prefix-router"), ("smg", "(iv) smg 1.13 cache_aware"),
-         ("wasm_floor", "(v) Envoy + no-op body-reading Wasm")]
+         ("wasm_floor", "(v) Envoy + no-op body-reading Wasm"),
+         ("dm_floor", "(vi) Envoy + no-op body-reading dynamic module")]
 
 
 @contextlib.contextmanager
@@ -291,14 +299,14 @@ def run_table(args, tmp: Path, upstream: int):
     print()
     print(f"Medians over {args.rounds} round(s); ratios are medians of per-round ratios (range):")
     print("| prompt | (i) Envoy rps | (ii) +buffer rps | (iii) +prefix-router rps | (iv) smg rps | "
-          "(v) no-op Wasm rps | (iii)/(ii) | (v)/(ii) | (iii)/(v) | (iii)/(iv) | "
-          "p50 (i) / (ii) / (iii) / (iv) / (v) us | p99 (iii) us | added p50 (iii)-(i) us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(v) no-op Wasm rps | (vi) no-op native rps | (iii)/(ii) | (v)/(ii) | (vi)/(ii) | (iii)/(v) | "
+          "(iii)/(iv) | p50 (i) / (ii) / (iii) / (iv) / (v) / (vi) us | p99 (iii) us | added p50 (iii)-(i) us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kb in args.sizes if len(kinds) == len(KINDS) else []:
         added = med(c["p50"] - a["p50"] for a, c in zip(runs[("envoy", kb)], runs[("prefix_router", kb)]))
         print(f"| {kb} KB | " + " | ".join(f"{m(k, kb, 'rps'):.0f}" for k, _ in KINDS) + " | "
               f"{ratio('prefix_router', 'envoy_buffer', kb)} | {ratio('wasm_floor', 'envoy_buffer', kb)} | "
-              f"{ratio('prefix_router', 'wasm_floor', kb)} | {ratio('prefix_router', 'smg', kb)} | "
+              f"{ratio('dm_floor', 'envoy_buffer', kb)} | {ratio('prefix_router', 'wasm_floor', kb)} | {ratio('prefix_router', 'smg', kb)} | "
               + " / ".join(f"{m(k, kb, 'p50'):.0f}" for k, _ in KINDS) + " | "
               f"{m('prefix_router', kb, 'p99'):.0f} | {added:.0f} |")
     if args.json:
@@ -328,7 +336,8 @@ def run_rss(args, tmp: Path, upstream: int):
 
 
 STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ floor on the SDK (all exports)"),
-                ("wasm_floor", "+ floor, lean exports"), ("prefix_router", "+ prefix-router")]
+                ("wasm_floor", "+ floor, lean exports"), ("dm_floor", "+ floor, dynamic module"),
+                ("prefix_router", "+ prefix-router")]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,7 +1,7 @@
 """Locating or building the binaries the tools run: one policy for all of them.
 
 * An environment variable names a prebuilt artifact (PREFIX_ROUTER_WASM, SGLANG_SIM_BIN,
-  WASM_FLOOR_WASM): it is used as is (it must exist). That is how another build is tested.
+  WASM_FLOOR_WASM, DM_FLOOR_SO): it is used as is (it must exist). That is how another build is tested.
 * Otherwise the artifact is built with cargo the first time a process asks for it. cargo does
   nothing when the build is fresh (well under a second), so a stale `.wasm` or simulator left
   by an older checkout is never run; a failed build raises with cargo's output.
@@ -81,6 +81,11 @@ def wasm_path() -> Path:
 def floor_wasm_path() -> Path:
     """benches/wasm-floor: a proxy-wasm filter that only reads the body and sets the cluster header."""
     return _built("WASM_FLOOR_WASM", "wasm-floor", "wasm_floor.wasm", WASM_TARGET)
+
+
+def dm_floor_path() -> Path:
+    """benches/dm-floor: the same floor as a native Envoy dynamic module (`libdm_floor.so`)."""
+    return _built("DM_FLOOR_SO", "dm-floor", "libdm_floor.so", None)
 
 
 def sim_binary() -> Path:

@@ -13,6 +13,7 @@ Metrics: the filter batches metric increments per VM and flushes them on its 200
 from __future__ import annotations
 
 import http.client
+import os
 import re
 import signal
 import subprocess
@@ -34,7 +35,8 @@ class Envoy:
     def __init__(self, config_text: str, *, listener_port: int, admin_port: int, workdir: Path,
                  concurrency: int = 2, epoch: int = 0, base_id: int | None = None, name: str = "envoy",
                  log_level: str = "info", drain_time_s: float = 1, parent_shutdown_s: float = 2,
-                 extra_args: list[str] | None = None, prefix_cmd: list[str] | None = None):
+                 extra_args: list[str] | None = None, prefix_cmd: list[str] | None = None,
+                 env: dict | None = None):
         if epoch and base_id is None:
             raise ValueError("a hot restart (epoch > 0) needs the parent's base_id")
         self.listener_port = listener_port
@@ -49,6 +51,8 @@ class Envoy:
         self.extra_args = list(extra_args or [])
         # run through e.g. ["taskset", "-c", "0"] (it must exec Envoy: the pid stays Envoy's)
         self.prefix_cmd = list(prefix_cmd or [])
+        # added to this process's environment (e.g. ENVOY_DYNAMIC_MODULES_SEARCH_PATH)
+        self.env = dict(env or {})
         stem = name if epoch == 0 else f"{name}-{epoch}"
         self.config_path = self.workdir / f"{stem}.yaml"
         self.config_path.write_text(config_text)
@@ -71,7 +75,8 @@ class Envoy:
             args += ["--base-id", str(self.base_id)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.prefix_cmd + args + self.extra_args, cwd=REPO_ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **self.env} if self.env else None)
         return self
 
     def wait_ready(self, timeout_s: float = 60.0) -> "Envoy":

@@ -134,6 +134,10 @@ class Options:
     admin: HostPort = ("127.0.0.1", 9901)
     stats_listen: HostPort | None = ("127.0.0.1", 9902)  # GET /stats/prometheus and /ready only
     wasm: str = CONTAINER_WASM
+    # the name of an Envoy dynamic module (lib<name>.so, found through the
+    # ENVOY_DYNAMIC_MODULES_SEARCH_PATH of the Envoy process) run in place of the Wasm filter with
+    # the same plugin configuration: benches only (benches/dm-floor); prefix-router ships as Wasm
+    dynamic_module: str | None = None
     debug_header: bool = False
     access_log: bool = True
     rate_limit: int = 1000  # requests/s per Envoy replica; 0 = no global bucket
@@ -717,6 +721,24 @@ def wasm_filter(o: Options, plugin: dict, comment: str) -> dict:
     }
 
 
+def dynamic_module_filter(name: str, plugin: dict) -> dict:
+    """A native HTTP filter from the dynamic module lib<name>.so (Envoy 1.40 dynamic modules), given
+    the plugin configuration as a string. `do_not_close`: a config update must not unload the
+    module (its statics are its state)."""
+    return {
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": name, "do_not_close": True},
+            "filter_name": name,
+            "filter_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": json.dumps(plugin, indent=2) + "\n",
+            },
+        },
+    }
+
+
 def router_filter() -> dict:
     return {"#": "Terminal filter: forwards to the cluster the header names.",
             "name": "envoy.filters.http.router",
@@ -902,8 +924,10 @@ def ingress_listener(o: Options, plugin: dict) -> dict:
     filters = []
     if o.rate_limit or o.rate_limit_per_client:
         filters.append(rate_limit_filter(o))
+    routing = (dynamic_module_filter(o.dynamic_module, plugin) if o.dynamic_module
+               else wasm_filter(o, plugin, _plugin_comment(o, plugin)))
     filters.append({"#": "prefix-router: reads the body, chooses a worker, sets x-prefix-router-cluster.",
-                    **wasm_filter(o, plugin, _plugin_comment(o, plugin))})
+                    **routing})
     filters.append(router_filter())
     return {
         "#": "Client traffic (OpenAI / SGLang API).",

