@@ -2,7 +2,9 @@
 behind (i) Envoy with a plain cluster route, (ii) Envoy + the native buffer filter, (iii) Envoy +
 prefix-router, (iv) smg 1.13 --policy cache_aware, (v) Envoy + benches/wasm-floor (a proxy-wasm
 filter that only reads the body and sets the cluster header: the floor for any such filter), (vi) Envoy
-+ benches/dm-floor (the same floor as a native Envoy dynamic module: the floor without the Wasm VM). The proxy is pinned to core 0 (taskset), wrk
++ benches/dm-floor (the same floor as a native Envoy dynamic module: the floor without the Wasm VM),
+(vii) Envoy + prefix-router built as a dynamic module (filter/src/dynamic_module.rs: the same core,
+no load polls). The proxy is pinned to core 0 (taskset), wrk
 and nginx to core 1. Bodies: OpenAI chat JSON of 1/4/16/64 KB (one fixed body per run: in (iii)
 every request after the first is a prefix hit, the steady state).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -47,6 +50,7 @@ FLOOR_SDK_WASM = ROOT / "target/wasm32-wasip1/release/wasm_floor_sdk.wasm"
 # benches/dm-floor: the same floor as a native dynamic module (lib<name>.so in this directory).
 DM_DIR = ROOT / "target/release"
 DM_FLOOR = "dm_floor"
+DM_ROUTER = "prefix_router"
 SIM = Path(os.environ.get("SGLANG_SIM_BIN", ROOT / "target/release/sglang-sim"))
 SMG_VENV = ROOT / ".venv-smg"
 PROXY_CPU, LOAD_CPU = "0", "1"
@@ -76,6 +80,7 @@ def ensure_tools():
     shutil.copyfile(FLOOR_WASM, FLOOR_SDK_WASM)
     sh(build_floor, cwd=ROOT)
     sh(["cargo", "build", "-p", "dm-floor", "--release"], cwd=ROOT)
+    sh(["cargo", "build", "-p", "prefix-router", "--release", "--features", "dynamic-module"], cwd=ROOT)
     if "SGLANG_SIM_BIN" not in os.environ:
         sh(["cargo", "build", "-p", "sglang-sim", "--release"], cwd=ROOT)
 
@@ -154,13 +159,16 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
         pools = {"up": [("127.0.0.1", u) for u in sorted(set(ups))]}
         return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
     wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
-            "dm_floor": WASM}[mode]
+            "dm_floor": WASM, "prefix_router_dm": WASM}[mode]
+    module = {"dm_floor": DM_FLOOR, "prefix_router_dm": DM_ROUTER}.get(mode)
     # One nginx for all clusters (table mode): worker i dials it on loopback address 127.0.0.<i+1>
     # (nginx listens on all four), so the generator sees four distinct workers.
     hosts = ["127.0.0.1"] * WORKERS if len(set(ups)) == WORKERS else [f"127.0.0.{i + 1}" for i in range(WORKERS)]
     models = {"llama": [ec.Worker(f"w{i}", hosts[i], ups[i]) for i in range(WORKERS)]}
     o = ec.profile("bench", models=models, listen=listen, admin=admin_addr, wasm=str(wasm),
-                   dynamic_module=DM_FLOOR if mode == "dm_floor" else None, plugin=plugin or {})
+                   dynamic_module=module, plugin=plugin or {})
+    if mode == "prefix_router_dm":
+        o = dataclasses.replace(o, load_poll_ms=0)  # the native build makes no HTTP calls yet
     return ec.render(o)
 
 
@@ -219,13 +227,15 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, 
         p = Proc(cmd, PROXY_CPU, tmp / "smg.log")
     else:
         mode = {"envoy": "plain", "envoy_buffer": "buffer", "prefix_router": "prefix_router",
-                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk", "dm_floor": "dm_floor"}[kind]
+                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk", "dm_floor": "dm_floor",
+                "prefix_router_dm": "prefix_router_dm"}[kind]
         cfg = tmp / f"envoy-{kind}.yaml"
         cfg.write_text(envoy_yaml(mode, port, admin, upstream))
         cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
                "--use-dynamic-base-id"]
         p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
-                 env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode == "dm_floor" else None)
+                 env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode.startswith("dm_")
+                 or mode.endswith("_dm") else None)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         wait_http(url, 60, "POST", body_of_size(1))
@@ -239,7 +249,12 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, 
 KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buffer filter"),
          ("prefix_router", "(iii) Envoy + prefix-router"), ("smg", "(iv) smg 1.13 cache_aware"),
          ("wasm_floor", "(v) Envoy + no-op body-reading Wasm"),
-         ("dm_floor", "(vi) Envoy + no-op body-reading dynamic module")]
+         ("dm_floor", "(vi) Envoy + no-op body-reading dynamic module"),
+         ("prefix_router_dm", "(vii) Envoy + prefix-router, dynamic module")]
+# The ratio columns of the table, (numerator, denominator), where both kinds ran.
+RATIOS = [("prefix_router", "envoy_buffer"), ("wasm_floor", "envoy_buffer"), ("dm_floor", "envoy_buffer"),
+          ("prefix_router_dm", "envoy_buffer"), ("prefix_router", "wasm_floor"), ("prefix_router_dm", "dm_floor"),
+          ("prefix_router", "smg"), ("prefix_router_dm", "smg")]
 
 
 @contextlib.contextmanager
@@ -297,18 +312,26 @@ def run_table(args, tmp: Path, upstream: int):
         return f"{med(rs):.2f}" + (f" ({min(rs):.2f}-{max(rs):.2f})" if len(rs) > 1 else "")
 
     print()
-    print(f"Medians over {args.rounds} round(s); ratios are medians of per-round ratios (range):")
-    print("| prompt | (i) Envoy rps | (ii) +buffer rps | (iii) +prefix-router rps | (iv) smg rps | "
-          "(v) no-op Wasm rps | (vi) no-op native rps | (iii)/(ii) | (v)/(ii) | (vi)/(ii) | (iii)/(v) | "
-          "(iii)/(iv) | p50 (i) / (ii) / (iii) / (iv) / (v) / (vi) us | p99 (iii) us | added p50 (iii)-(i) us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for kb in args.sizes if len(kinds) == len(KINDS) else []:
-        added = med(c["p50"] - a["p50"] for a, c in zip(runs[("envoy", kb)], runs[("prefix_router", kb)]))
-        print(f"| {kb} KB | " + " | ".join(f"{m(k, kb, 'rps'):.0f}" for k, _ in KINDS) + " | "
-              f"{ratio('prefix_router', 'envoy_buffer', kb)} | {ratio('wasm_floor', 'envoy_buffer', kb)} | "
-              f"{ratio('dm_floor', 'envoy_buffer', kb)} | {ratio('prefix_router', 'wasm_floor', kb)} | {ratio('prefix_router', 'smg', kb)} | "
-              + " / ".join(f"{m(k, kb, 'p50'):.0f}" for k, _ in KINDS) + " | "
-              f"{m('prefix_router', kb, 'p99'):.0f} | {added:.0f} |")
+    print(f"Medians over {args.rounds} round(s):")
+    print(f"| prompt | proxy | rps (-c{args.conns}) | p50 (-c1) us | p99 (-c1) us |")
+    print("|---|---|---|---|---|")
+    for kb in args.sizes:
+        for k in kinds:
+            print(f"| {kb} KB | {labels[k]} | {m(k, kb, 'rps'):.0f} | {m(k, kb, 'p50'):.0f} | {m(k, kb, 'p99'):.0f} |")
+    print()
+    print("Ratios: medians of each round's ratio (both sides measured in the same round), with their range;"
+          " added p50: median of each round's p50 difference to plain Envoy:")
+    pairs = [(a, b) for a, b in RATIOS if a in kinds and b in kinds]
+    added = [k for k in ("prefix_router", "prefix_router_dm") if k in kinds and "envoy" in kinds]
+    short = {k: label.split(" ", 1)[0] for k, label in KINDS}
+    print("| prompt | " + " | ".join(f"{short[a]}/{short[b]} rps" for a, b in pairs)
+          + "".join(f" | added p50 {short[k]} us" for k in added) + " |")
+    print("|---|" + "---|" * (len(pairs) + len(added)))
+    for kb in args.sizes:
+        cells = [ratio(a, b, kb) for a, b in pairs]
+        cells += [f"{med(c['p50'] - e['p50'] for e, c in zip(runs[('envoy', kb)], runs[(k, kb)])):.0f}"
+                  for k in added]
+        print(f"| {kb} KB | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in runs.items()}, indent=1))
 

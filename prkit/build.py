@@ -30,19 +30,23 @@ class BuildError(RuntimeError):
     pass
 
 
-def cargo_build(package: str, *, target: str | None = None, release: bool = True) -> None:
-    """`cargo build -p <package> [--target T] [--release]`, once per process per argument set."""
+def cargo_build(package: str, *, target: str | None = None, release: bool = True,
+                features: list[str] | None = None) -> None:
+    """`cargo build -p <package> [--target T] [--release] [--features F,..]`, once per process per
+    argument set."""
     with _LOCK:
-        _cargo_build(package, target, release)
+        _cargo_build(package, target, release, tuple(features or ()))
 
 
 @functools.cache
-def _cargo_build(package: str, target: str | None, release: bool) -> None:
+def _cargo_build(package: str, target: str | None, release: bool, features: tuple = ()) -> None:
     cmd = ["cargo", "build", "-q", "-p", package]
     if target:
         cmd += ["--target", target]
     if release:
         cmd.append("--release")
+    if features:
+        cmd += ["--features", ",".join(features)]
     if not shutil.which("cargo"):
         raise BuildError(f"cargo not found: cannot run `{' '.join(cmd)}` (or name a prebuilt artifact)")
     # cargo -q: warnings and errors on stderr, nothing when the build is fresh

@@ -22,6 +22,8 @@ pub mod peers;
 pub mod placements;
 pub mod policy;
 pub mod poll;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod process_store;
 pub mod records;
 pub mod request;
 pub mod router;
@@ -30,3 +32,5 @@ pub mod xxh3;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;
+#[cfg(all(feature = "dynamic-module", not(target_arch = "wasm32")))]
+mod dynamic_module;

@@ -10,6 +10,7 @@ crash, a wrong body or a wrong worker).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -19,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from prkit import envoy_config as ec
-from prkit.build import dm_floor_path, envoy_binary
+from prkit.build import cargo_build, dm_floor_path, envoy_binary
+from prkit.paths import target_dir
 from prkit.envoy import Envoy
 from prkit.ports import free_port
 
+from . import workload as wl
 from .harness import Client, WorkerPool
 
 NAMES = ["w0", "w1", "w2", "w3"]
@@ -115,3 +118,75 @@ def test_a_body_in_many_chunks_arrives_whole_and_a_request_without_one_goes_to_w
     r = c.get("/v1/models")
     assert r.status == 200 and r.worker == "w0", (r.status, r.body)
     c.close()
+
+
+# --------------------------------------------------------------------------------------------
+# prefix-router itself as a dynamic module (filter/src/dynamic_module.rs): the request path
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native():
+    """prefix-router built with `--features dynamic-module`, on the demo config with the debug
+    header, minus what the native build does not do yet (load polls: it makes no HTTP calls), and
+    unknown models answered 404 (a local reply through the module)."""
+    cargo_build("prefix-router", release=True, features=["dynamic-module"])
+    so = target_dir() / "release" / "libprefix_router.so"
+    demo = ec.profile("demo")
+    names = [w.cluster for ws in demo.models.values() for w in ws]
+    pool = WorkerPool(names)
+    tmp = Path(tempfile.mkdtemp(prefix="prefix-router-native-"))
+    listen, admin = free_port(), free_port()
+    o = ec.local_demo(pool.ports, listen=listen, admin=admin, wasm="unused",
+                      plugin={"unknown_model": "reject", "policy": {"placement_window_ms": 0}})
+    o = dataclasses.replace(o, dynamic_module="prefix_router", load_poll_ms=0)
+    envoy = Envoy(ec.render(o), listener_port=listen, admin_port=admin, workdir=tmp,
+                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
+    try:
+        envoy.start()
+    except Exception:
+        pool.close()
+        raise
+    yield envoy, pool, names
+    envoy.stop()
+    pool.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_native_build_routes_a_shared_prefix_to_one_worker_with_prefix_hits(native):
+    envoy, pool, names = native
+    pool.reset()
+    r = wl.rng("native-seq")
+    prefix = wl.text(r, 4096)
+    reps = []
+    for i in range(40):
+        c = Client(envoy.listener_port)  # fresh connections: both Envoy worker threads take some
+        rep = c.post("/v1/completions", {"model": "llama", "prompt": prefix + f" Q{i}: " + wl.text(r, 100)},
+                     headers={"x-prefix-router-cluster": names[-1]})
+        c.close()
+        assert rep.status == 200, rep.body
+        reps.append(rep)
+    assert len({rep.worker for rep in reps}) == 1, [rep.worker for rep in reps]
+    assert reps[0].decision["reason"] == "hash_affinity", reps[0].decision
+    assert all(rep.decision["reason"] == "prefix_hit" and rep.decision["worker"] == rep.worker
+               for rep in reps[1:]), [rep.decision for rep in reps]
+    # The client's routing header never reached a worker: exactly one, the module's own.
+    for name, req in pool.all_requests():
+        assert req["cluster_header"] == [name] and not req["debug_header"], (name, req["cluster_header"])
+
+
+def test_native_build_spreads_distinct_prompts_and_answers_errors_locally(native):
+    envoy, pool, names = native
+    pool.reset()
+    c = Client(envoy.listener_port)
+    r = wl.rng("native-spread")
+    seen = {c.post("/v1/chat/completions", {"model": "llama", "messages": [
+        {"role": "user", "content": wl.text(r, 2000)}]}).worker for _ in range(40)}
+    assert len(seen) >= 3, seen
+    rep = c.post("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert rep.status == 404, (rep.status, rep.body)
+    assert rep.json()["object"] == "error", rep.body
+    rep = c.post("/v1/chat/completions", b"not json")
+    assert rep.status == 200 and rep.decision["reason"] == "parse_error", (rep.status, rep.decision)
+    c.close()
+    assert sum(pool.counts().values()) == 41  # the 404 never reached a worker

@@ -1,0 +1,723 @@
+//! The native build: the same core and `glue` as the `.wasm`, loaded into Envoy 1.40 as a
+//! dynamic module (`envoy.filters.http.dynamic_modules`, ABI `v0.2.0`) through this hand-written
+//! `extern "C"` layer (`cargo build -p prefix-router --release --features dynamic-module` gives
+//! `target/release/libprefix_router.so`). docs/design.md, "Next design: a native module", says
+//! why (the V8 boundary is most of the Wasm build's per-request cost) and how every ABI fact
+//! used here was checked against the shipped binary.
+//!
+//! Status: the request path only, for benchmarks (`benches/overhead` kind `prefix_router_dm`)
+//! and the real-Envoy test of this layer. Not a supported deployment yet:
+//! - no timers and no HTTP calls yet, so configs with load polling, peers, a peer listener or
+//!   prefill/decode models are refused (the filter config then fails, naming the field);
+//! - metrics are not exported yet (`define_metric` answers 0, so increments are skipped);
+//! - a panic or a crash here takes Envoy down (no Wasm sandbox, no `FAIL_RELOAD`).
+//!
+//! Threads: Envoy calls the config hooks on its main thread and the stream hooks on its worker
+//! threads. Each worker thread keeps its own [`Root`] per filter config (what a Wasm VM is per
+//! thread), created at the thread's first stream and ticked lazily at stream starts; the
+//! [`ProcessStore`] is the process-wide shared data every thread reads and writes.
+
+use crate::config::Config;
+use crate::glue::{Action, Root, Stream};
+use crate::host::{Buffer, CallRefused, Host, Map, MetricKind};
+use crate::process_store::ProcessStore;
+use crate::store::{CasMismatch, Store};
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// `ENVOY_DYNAMIC_MODULES_ABI_VERSION` of Envoy 1.40.0, NUL-terminated.
+const ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+/// `{ptr, len}`, passed by value (`envoy_dynamic_module_type_{envoy,module}_buffer`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Buf {
+    ptr: *const u8,
+    len: usize,
+}
+
+impl Buf {
+    const NULL: Buf = Buf {
+        ptr: std::ptr::null(),
+        len: 0,
+    };
+    fn of(s: &[u8]) -> Buf {
+        Buf {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        }
+    }
+    /// The bytes, valid for the current hook (Envoy's buffers) or the call (ours).
+    ///
+    /// # Safety
+    /// `ptr` is NULL or points at `len` readable bytes for the lifetime the caller picks.
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        if self.ptr.is_null() {
+            &[]
+        } else {
+            std::slice::from_raw_parts(self.ptr, self.len)
+        }
+    }
+}
+
+/// One header as Envoy hands it out and as `send_response` takes it (key, then value).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Pair {
+    key: Buf,
+    value: Buf,
+}
+
+type EnvoyFilter = *mut c_void;
+type ModuleFilter = *const c_void;
+
+const REQUEST_HEADERS: u32 = 0;
+const RESPONSE_HEADERS: u32 = 2;
+const RECEIVED_REQUEST_BODY: u32 = 0;
+const BUFFERED_REQUEST_BODY: u32 = 1;
+const CONTINUE: u32 = 0;
+/// Headers: stop iteration; body: stop iteration and buffer (both 1).
+const STOP: u32 = 1;
+
+mod raw {
+    use super::{Buf, EnvoyFilter, Pair};
+    extern "C" {
+        pub fn envoy_dynamic_module_callback_http_get_headers_size(
+            f: EnvoyFilter,
+            map: u32,
+        ) -> usize;
+        pub fn envoy_dynamic_module_callback_http_get_headers(
+            f: EnvoyFilter,
+            map: u32,
+            out: *mut Pair,
+        ) -> bool;
+        pub fn envoy_dynamic_module_callback_http_set_header(
+            f: EnvoyFilter,
+            map: u32,
+            key: Buf,
+            value: Buf,
+        ) -> bool;
+        pub fn envoy_dynamic_module_callback_http_add_header(
+            f: EnvoyFilter,
+            map: u32,
+            key: Buf,
+            value: Buf,
+        ) -> bool;
+        pub fn envoy_dynamic_module_callback_http_clear_route_cache(f: EnvoyFilter);
+        pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(
+            f: EnvoyFilter,
+            body: u32,
+        ) -> usize;
+        pub fn envoy_dynamic_module_callback_http_get_body_chunks(
+            f: EnvoyFilter,
+            body: u32,
+            out: *mut Buf,
+        ) -> bool;
+        pub fn envoy_dynamic_module_callback_http_send_response(
+            f: EnvoyFilter,
+            status: u32,
+            headers: *const Pair,
+            headers_len: usize,
+            body: Buf,
+            details: Buf,
+        );
+    }
+}
+
+/// A filter config: its JSON (every thread's [`Root`] parses it again, as each Wasm VM does) and
+/// a process-unique id naming it in the threads' root lists (a freed config's address can be
+/// reused by the next one; its id cannot).
+struct ModuleConfig {
+    id: u64,
+    json: Vec<u8>,
+}
+
+/// The reasons a config that `Config::from_json` accepts is refused here, naming the field.
+fn native_refusal(c: &Config) -> Option<&'static str> {
+    if c.load_poll.interval_ms != 0 {
+        Some("load_poll.interval_ms: the native build makes no HTTP calls yet; set it to 0")
+    } else if c.peers.is_some() || c.peer_listener {
+        Some("peers: the native build makes no HTTP calls yet")
+    } else if c.models.iter().any(|m| m.pd.is_some()) {
+        Some("models.*.prefill: the native build does not rewrite bodies yet")
+    } else {
+        None
+    }
+}
+
+/// Ticks of a thread's root are run lazily, at stream starts at least this far apart (what the
+/// Wasm build's timer does every 50 ms).
+const TICK: Duration = Duration::from_millis(50);
+/// Roots a thread keeps (configs replaced by updates leave theirs behind; the oldest goes).
+const ROOTS_PER_THREAD: usize = 4;
+
+struct ThreadRoot {
+    config: u64,
+    root: Root,
+    last_tick: Instant,
+}
+
+thread_local! {
+    static ROOTS: RefCell<Vec<ThreadRoot>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`Host`] over one stream's Envoy pointer (NULL outside a stream) and its config's JSON.
+struct Native<'a> {
+    filter: EnvoyFilter,
+    json: &'a [u8],
+}
+
+impl Native<'_> {
+    fn map(map: Map) -> Option<u32> {
+        match map {
+            Map::RequestHeaders => Some(REQUEST_HEADERS),
+            Map::ResponseHeaders => Some(RESPONSE_HEADERS),
+            Map::HttpCallResponseHeaders => None,
+        }
+    }
+
+    /// Calls `f` with the header map's pairs (valid during the call only).
+    fn with_pairs<R>(&self, map: Map, f: impl FnOnce(&[Pair]) -> R) -> Option<R> {
+        let m = Self::map(map)?;
+        if self.filter.is_null() {
+            return None;
+        }
+        // SAFETY: a live stream pointer; the array gets exactly `n` entries.
+        unsafe {
+            let n = raw::envoy_dynamic_module_callback_http_get_headers_size(self.filter, m);
+            let mut pairs = vec![
+                Pair {
+                    key: Buf::NULL,
+                    value: Buf::NULL
+                };
+                n
+            ];
+            if n == 0
+                || !raw::envoy_dynamic_module_callback_http_get_headers(
+                    self.filter,
+                    m,
+                    pairs.as_mut_ptr(),
+                )
+            {
+                return Some(f(&[]));
+            }
+            Some(f(&pairs))
+        }
+    }
+
+    fn set(&self, map: Map, name: &str, value: Buf) {
+        let Some(m) = Self::map(map) else {
+            return;
+        };
+        if self.filter.is_null() {
+            return;
+        }
+        // SAFETY: a live stream pointer; Envoy copies key and value.
+        unsafe {
+            raw::envoy_dynamic_module_callback_http_set_header(
+                self.filter,
+                m,
+                Buf::of(name.as_bytes()),
+                value,
+            );
+            if m == REQUEST_HEADERS {
+                // The route may match on this header, and Envoy keeps the route it picked
+                // before the filter ran unless told otherwise.
+                raw::envoy_dynamic_module_callback_http_clear_route_cache(self.filter);
+            }
+        }
+    }
+
+    /// The request body's chunks: the buffered body when earlier chunks were buffered (Envoy has
+    /// appended the last one to it), else the chunk just received.
+    fn body(&self, max: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        if self.filter.is_null() {
+            return out;
+        }
+        for which in [BUFFERED_REQUEST_BODY, RECEIVED_REQUEST_BODY] {
+            // SAFETY: a live stream pointer; the array gets exactly `n` entries, whose bytes
+            // stay valid for this hook.
+            unsafe {
+                let n = raw::envoy_dynamic_module_callback_http_get_body_chunks_size(
+                    self.filter,
+                    which,
+                );
+                if n == 0 {
+                    continue;
+                }
+                let mut chunks = vec![Buf::NULL; n];
+                if !raw::envoy_dynamic_module_callback_http_get_body_chunks(
+                    self.filter,
+                    which,
+                    chunks.as_mut_ptr(),
+                ) {
+                    continue;
+                }
+                for c in &chunks {
+                    let room = max.saturating_sub(out.len());
+                    let b = c.bytes();
+                    out.extend_from_slice(b.get(..b.len().min(room)).unwrap_or_default());
+                }
+                return out;
+            }
+        }
+        out
+    }
+}
+
+impl Store for Native<'_> {
+    fn get(&self, key: &str, out: &mut Vec<u8>) -> Option<u32> {
+        ProcessStore.get(key, out)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch> {
+        ProcessStore.set(key, value, cas)
+    }
+}
+
+impl Host for Native<'_> {
+    fn header(&self, map: Map, name: &str) -> Option<Vec<u8>> {
+        self.with_pairs(map, |pairs| {
+            pairs.iter().find_map(|p| {
+                // SAFETY: Envoy's bytes, valid during this hook.
+                let (k, v) = unsafe { (p.key.bytes(), p.value.bytes()) };
+                (k == name.as_bytes()).then(|| v.to_vec())
+            })
+        })
+        .flatten()
+    }
+    fn header_pairs(&self, map: Map) -> Vec<u8> {
+        self.with_pairs(map, |pairs| {
+            // SAFETY: Envoy's bytes, valid during this hook.
+            let kv: Vec<(&[u8], &[u8])> = pairs
+                .iter()
+                .map(|p| unsafe { (p.key.bytes(), p.value.bytes()) })
+                .collect();
+            crate::header_pairs::encode(&kv)
+        })
+        .unwrap_or_else(|| crate::header_pairs::encode::<&[u8], &[u8]>(&[]))
+    }
+    fn add_header(&self, map: Map, name: &str, value: &str) {
+        let Some(m) = Self::map(map) else {
+            return;
+        };
+        if self.filter.is_null() {
+            return;
+        }
+        // SAFETY: a live stream pointer; Envoy copies key and value.
+        unsafe {
+            raw::envoy_dynamic_module_callback_http_add_header(
+                self.filter,
+                m,
+                Buf::of(name.as_bytes()),
+                Buf::of(value.as_bytes()),
+            );
+            if m == REQUEST_HEADERS {
+                raw::envoy_dynamic_module_callback_http_clear_route_cache(self.filter);
+            }
+        }
+    }
+    /// A NULL value removes every value of the header (ABI `set_header`).
+    fn remove_header(&self, map: Map, name: &str) {
+        self.set(map, name, Buf::NULL);
+    }
+    fn replace_header(&self, map: Map, name: &str, value: &str) {
+        self.set(map, name, Buf::of(value.as_bytes()));
+    }
+    fn buffer(&self, which: Buffer, max: usize) -> Vec<u8> {
+        match which {
+            Buffer::RequestBody => self.body(max),
+            Buffer::PluginConfiguration => self
+                .json
+                .get(..max.min(self.json.len()))
+                .unwrap_or_default()
+                .to_vec(),
+            Buffer::HttpCallResponseBody => Vec::new(),
+        }
+    }
+    fn set_buffer(&self, _which: Buffer, _len: usize, _data: &[u8]) {
+        // Only prefill/decode rewrites bodies, and the config refuses those models here.
+        self.log_error("prefix-router: body rewrite is not available in the native build");
+    }
+    fn now_nanos(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    }
+    fn define_metric(&self, _kind: MetricKind, _name: &str) -> u32 {
+        0
+    }
+    fn increment_metric(&self, _id: u32, _by: i64) {}
+    fn record_metric(&self, _id: u32, _value: u64) {}
+    fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        if self.filter.is_null() {
+            return;
+        }
+        let pairs: Vec<Pair> = headers
+            .iter()
+            .map(|(k, v)| Pair {
+                key: Buf::of(k.as_bytes()),
+                value: Buf::of(v.as_bytes()),
+            })
+            .collect();
+        // SAFETY: a live stream pointer; every buffer outlives the call (Envoy copies them).
+        unsafe {
+            raw::envoy_dynamic_module_callback_http_send_response(
+                self.filter,
+                status,
+                pairs.as_ptr(),
+                pairs.len(),
+                Buf::of(body),
+                Buf::of(b"prefix_router"),
+            );
+        }
+    }
+    fn http_call(
+        &self,
+        _upstream: &str,
+        _headers: &[(&str, &str)],
+        _body: Option<&[u8]>,
+        _timeout_ms: u32,
+    ) -> Result<u32, CallRefused> {
+        Err(CallRefused)
+    }
+    fn set_tick_period_ms(&self, _ms: u32) {}
+    fn log_error(&self, msg: &str) {
+        eprintln!("{msg}");
+    }
+}
+
+/// Runs `f` with this thread's root of `config` (created, configured and ticked as needed).
+fn with_root<R>(config: &ModuleConfig, filter: EnvoyFilter, f: impl FnOnce(&mut Root) -> R) -> R {
+    let h = Native {
+        filter,
+        json: &config.json,
+    };
+    ROOTS.with(|roots| {
+        let mut roots = roots.borrow_mut();
+        let i = match roots.iter().position(|r| r.config == config.id) {
+            Some(i) => i,
+            None => {
+                if roots.len() >= ROOTS_PER_THREAD {
+                    roots.remove(0);
+                }
+                let mut root = Root::new();
+                root.on_configure(&h, config.json.len());
+                roots.push(ThreadRoot {
+                    config: config.id,
+                    root,
+                    last_tick: Instant::now(),
+                });
+                roots.len() - 1
+            }
+        };
+        let Some(tr) = roots.get_mut(i) else {
+            let mut root = Root::new();
+            return f(&mut root);
+        };
+        if tr.last_tick.elapsed() >= TICK {
+            tr.last_tick = Instant::now();
+            tr.root.on_tick(&h);
+        }
+        f(&mut tr.root)
+    })
+}
+
+/// One stream: its glue state and its config.
+struct Filter {
+    config: *const ModuleConfig,
+    stream: Option<Stream>,
+}
+
+/// Runs `f` on the stream behind `m` with a host over `envoy`.
+///
+/// # Safety
+/// `m` is a pointer [`envoy_dynamic_module_on_http_filter_new`] returned and Envoy has not
+/// destroyed yet; Envoy never runs two hooks of one stream at once.
+unsafe fn with_stream<R>(
+    envoy: EnvoyFilter,
+    m: ModuleFilter,
+    default: R,
+    f: impl FnOnce(&mut Stream, &Native) -> R,
+) -> R {
+    let Some(filter) = (m as *mut Filter).as_mut() else {
+        return default;
+    };
+    let Some(config) = filter.config.as_ref() else {
+        return default;
+    };
+    let h = Native {
+        filter: envoy,
+        json: &config.json,
+    };
+    match filter.stream.as_mut() {
+        Some(s) => f(s, &h),
+        None => default,
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    ABI_VERSION.as_ptr().cast()
+}
+
+/// A new filter config (main thread): validated here, so a bad one fails Envoy's config load
+/// (NULL) instead of every stream.
+///
+/// # Safety
+/// `value` is Envoy's buffer, valid during the call.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    _config: *mut c_void,
+    _name: Buf,
+    value: Buf,
+) -> *const c_void {
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    let json = value.bytes().to_vec();
+    let cfg = match Config::from_json(&json) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("prefix-router: {e}");
+            return std::ptr::null();
+        }
+    };
+    if let Some(why) = native_refusal(&cfg) {
+        eprintln!("prefix-router: {why}");
+        return std::ptr::null();
+    }
+    let c = ModuleConfig {
+        id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        json,
+    };
+    Box::into_raw(Box::new(c)) as *const c_void
+}
+
+/// # Safety
+/// `config` came from [`envoy_dynamic_module_on_http_filter_config_new`]; Envoy destroys it once,
+/// after its last stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
+    if !config.is_null() {
+        drop(Box::from_raw(config as *mut ModuleConfig));
+    }
+}
+
+/// A new stream (worker thread). Never NULL: Envoy would close the stream.
+///
+/// # Safety
+/// `config` came from [`envoy_dynamic_module_on_http_filter_config_new`] and is alive.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config: *const c_void,
+    envoy: EnvoyFilter,
+) -> ModuleFilter {
+    let c = config as *const ModuleConfig;
+    let stream = match c.as_ref() {
+        Some(cfg) => with_root(cfg, envoy, |r| r.new_stream()),
+        None => None,
+    };
+    Box::into_raw(Box::new(Filter { config: c, stream })) as ModuleFilter
+}
+
+/// # Safety
+/// `m` came from [`envoy_dynamic_module_on_http_filter_new`]; Envoy destroys it once.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: ModuleFilter) {
+    if m.is_null() {
+        return;
+    }
+    let mut filter = Box::from_raw(m as *mut Filter);
+    // Released at stream completion; a stream destroyed without it releases here (once: the
+    // stream is taken).
+    if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
+        let h = Native {
+            filter: std::ptr::null_mut(),
+            json: &config.json,
+        };
+        s.on_done(&h);
+    }
+}
+
+/// # Safety
+/// See [`with_stream`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    f: EnvoyFilter,
+    m: ModuleFilter,
+    end_of_stream: bool,
+) -> u32 {
+    status(with_stream(f, m, Action::Continue, |s, h| {
+        s.on_request_headers(h, end_of_stream)
+    }))
+}
+
+/// # Safety
+/// See [`with_stream`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    f: EnvoyFilter,
+    m: ModuleFilter,
+    end_of_stream: bool,
+) -> u32 {
+    status(with_stream(f, m, Action::Continue, |s, h| {
+        // The glue reads the body through `Host::buffer`, which gathers Envoy's chunks up to
+        // this bound (the body itself is bounded by the listener's buffer limit).
+        s.on_request_body(h, usize::MAX, end_of_stream)
+    }))
+}
+
+/// # Safety
+/// See [`with_stream`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    f: EnvoyFilter,
+    m: ModuleFilter,
+    _end_of_stream: bool,
+) -> u32 {
+    status(with_stream(f, m, Action::Continue, |s, h| {
+        s.on_response_headers(h)
+    }))
+}
+
+/// The stream ended, whichever way: its charge is released (once: the stream is taken).
+///
+/// # Safety
+/// See [`with_stream`].
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    f: EnvoyFilter,
+    m: ModuleFilter,
+) {
+    let Some(filter) = (m as *mut Filter).as_mut() else {
+        return;
+    };
+    if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
+        let h = Native {
+            filter: f,
+            json: &config.json,
+        };
+        s.on_done(&h);
+    }
+}
+
+fn status(a: Action) -> u32 {
+    match a {
+        Action::Continue => CONTINUE,
+        Action::Pause => STOP,
+    }
+}
+
+// Hooks Envoy 1.40 requires of every HTTP filter module; nothing to do there (a response body
+// chunk costs one native call that returns at once).
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+) -> u32 {
+    CONTINUE
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _end_of_stream: bool,
+) -> u32 {
+    CONTINUE
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+) -> u32 {
+    CONTINUE
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _id: u64,
+    _result: u32,
+    _headers: *const c_void,
+    _headers_len: usize,
+    _chunks: *const Buf,
+    _chunks_len: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _stream: u64,
+    _headers: *const c_void,
+    _headers_len: usize,
+    _end_of_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _stream: u64,
+    _data: *const Buf,
+    _data_len: usize,
+    _end_of_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _stream: u64,
+    _trailers: *const c_void,
+    _trailers_len: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _stream: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _stream: u64,
+    _reason: u32,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+    _event: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _f: EnvoyFilter,
+    _m: ModuleFilter,
+) {
+}
