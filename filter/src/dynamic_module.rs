@@ -9,7 +9,8 @@
 //! and the real-Envoy test of this layer. Not a supported deployment yet:
 //! - no timers and no HTTP calls yet, so configs with load polling, peers, a peer listener or
 //!   prefill/decode models are refused (the filter config then fails, naming the field);
-//! - metrics are not exported yet (`define_metric` answers 0, so increments are skipped);
+//! - metrics are Envoy stats named `dynamicmodulescustom.<name>` (the Wasm build's names carry no
+//!   prefix), defined while the config is created (the only time Envoy allows it);
 //! - a panic or a crash here takes Envoy down (no Wasm sandbox, no `FAIL_RELOAD`).
 //!
 //! Threads: Envoy calls the config hooks on its main thread and the stream hooks on its worker
@@ -83,6 +84,7 @@ const STOP: u32 = 1;
 
 mod raw {
     use super::{Buf, EnvoyFilter, Pair};
+    use std::ffi::c_void;
     extern "C" {
         pub fn envoy_dynamic_module_callback_http_get_headers_size(
             f: EnvoyFilter,
@@ -115,6 +117,48 @@ mod raw {
             body: u32,
             out: *mut Buf,
         ) -> bool;
+        pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+            config: *mut c_void,
+            name: Buf,
+            labels: *const Buf,
+            labels_len: usize,
+            id: *mut usize,
+        ) -> u32;
+        pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+            config: *mut c_void,
+            name: Buf,
+            labels: *const Buf,
+            labels_len: usize,
+            id: *mut usize,
+        ) -> u32;
+        pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+            config: *mut c_void,
+            id: usize,
+            labels: *const Buf,
+            labels_len: usize,
+            by: u64,
+        ) -> u32;
+        pub fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+            config: *mut c_void,
+            id: usize,
+            labels: *const Buf,
+            labels_len: usize,
+            by: u64,
+        ) -> u32;
+        pub fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+            config: *mut c_void,
+            id: usize,
+            labels: *const Buf,
+            labels_len: usize,
+            by: u64,
+        ) -> u32;
+        pub fn envoy_dynamic_module_callback_http_filter_config_set_gauge(
+            config: *mut c_void,
+            id: usize,
+            labels: *const Buf,
+            labels_len: usize,
+            value: u64,
+        ) -> u32;
         pub fn envoy_dynamic_module_callback_http_send_response(
             f: EnvoyFilter,
             status: u32,
@@ -126,12 +170,51 @@ mod raw {
     }
 }
 
-/// A filter config: its JSON (every thread's [`Root`] parses it again, as each Wasm VM does) and
-/// a process-unique id naming it in the threads' root lists (a freed config's address can be
-/// reused by the next one; its id cannot).
+/// A filter config: its JSON (every thread's [`Root`] parses it again, as each Wasm VM does), a
+/// process-unique id naming it in the threads' root lists (a freed config's address can be
+/// reused by the next one; its id cannot), Envoy's config pointer and the metrics defined for
+/// it.
 struct ModuleConfig {
     id: u64,
     json: Vec<u8>,
+    envoy: *mut c_void,
+    /// (name, kind, Envoy's id); a metric's id in [`Host`] is its position plus one. Written
+    /// only in `on_http_filter_config_new` (Envoy allows defining metrics only there), read
+    /// from every worker thread afterwards.
+    metrics: Vec<(String, MetricKind, usize)>,
+}
+
+/// Defines a metric while the config is being created (main thread); 0 when Envoy refused.
+fn define(envoy: *mut c_void, kind: MetricKind, name: &str) -> usize {
+    let mut id = 0usize;
+    // SAFETY: Envoy's config pointer during `on_http_filter_config_new`; no labels.
+    let rc = unsafe {
+        match kind {
+            MetricKind::Counter => {
+                raw::envoy_dynamic_module_callback_http_filter_config_define_counter(
+                    envoy,
+                    Buf::of(name.as_bytes()),
+                    std::ptr::null(),
+                    0,
+                    &mut id,
+                )
+            }
+            MetricKind::Gauge => {
+                raw::envoy_dynamic_module_callback_http_filter_config_define_gauge(
+                    envoy,
+                    Buf::of(name.as_bytes()),
+                    std::ptr::null(),
+                    0,
+                    &mut id,
+                )
+            }
+        }
+    };
+    if rc == 0 {
+        id
+    } else {
+        0
+    }
 }
 
 /// The reasons a config that `Config::from_json` accepts is refused here, naming the field.
@@ -163,10 +246,36 @@ thread_local! {
     static ROOTS: RefCell<Vec<ThreadRoot>> = const { RefCell::new(Vec::new()) };
 }
 
-/// [`Host`] over one stream's Envoy pointer (NULL outside a stream) and its config's JSON.
+/// [`Host`] over one stream's Envoy pointer (NULL outside a stream) and its config.
 struct Native<'a> {
     filter: EnvoyFilter,
     json: &'a [u8],
+    /// Envoy's config pointer (metrics are incremented on the config, from any thread).
+    config: *mut c_void,
+    metrics: &'a [(String, MetricKind, usize)],
+    /// Set only while the config is created: metric definitions go to Envoy and land here.
+    defining: Option<&'a RefCell<Vec<(String, MetricKind, usize)>>>,
+}
+
+impl<'a> Native<'a> {
+    fn new(filter: EnvoyFilter, c: &'a ModuleConfig) -> Native<'a> {
+        Native {
+            filter,
+            json: &c.json,
+            config: c.envoy,
+            metrics: &c.metrics,
+            defining: None,
+        }
+    }
+
+    /// Updates metric `id` (position plus one) with `op`, when Envoy defined it.
+    fn metric(&self, id: u32, op: impl FnOnce(MetricKind, usize)) {
+        if let Some((_, kind, envoy_id)) = self.metrics.get((id as usize).wrapping_sub(1)) {
+            if *envoy_id != 0 && !self.config.is_null() {
+                op(*kind, *envoy_id);
+            }
+        }
+    }
 }
 
 impl Native<'_> {
@@ -346,11 +455,72 @@ impl Host for Native<'_> {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
     }
-    fn define_metric(&self, _kind: MetricKind, _name: &str) -> u32 {
-        0
+    fn define_metric(&self, kind: MetricKind, name: &str) -> u32 {
+        let pos = |m: &[(String, MetricKind, usize)]| m.iter().position(|e| e.0 == name);
+        let Some(cell) = self.defining else {
+            return pos(self.metrics).map_or(0, |i| i as u32 + 1);
+        };
+        let mut m = cell.borrow_mut();
+        if let Some(i) = pos(&m) {
+            return i as u32 + 1;
+        }
+        m.push((name.to_string(), kind, define(self.config, kind, name)));
+        m.len() as u32
     }
-    fn increment_metric(&self, _id: u32, _by: i64) {}
-    fn record_metric(&self, _id: u32, _value: u64) {}
+    fn increment_metric(&self, id: u32, by: i64) {
+        self.metric(id, |kind, envoy_id| {
+            let n = by.unsigned_abs();
+            // SAFETY: Envoy's live config pointer; no labels.
+            unsafe {
+                match (kind, by >= 0) {
+                    (MetricKind::Counter, true) => {
+                        raw::envoy_dynamic_module_callback_http_filter_config_increment_counter(
+                            self.config,
+                            envoy_id,
+                            std::ptr::null(),
+                            0,
+                            n,
+                        )
+                    }
+                    (MetricKind::Counter, false) => 0, // counters only go up
+                    (MetricKind::Gauge, true) => {
+                        raw::envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+                            self.config,
+                            envoy_id,
+                            std::ptr::null(),
+                            0,
+                            n,
+                        )
+                    }
+                    (MetricKind::Gauge, false) => {
+                        raw::envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+                            self.config,
+                            envoy_id,
+                            std::ptr::null(),
+                            0,
+                            n,
+                        )
+                    }
+                };
+            }
+        });
+    }
+    fn record_metric(&self, id: u32, value: u64) {
+        self.metric(id, |kind, envoy_id| {
+            if kind == MetricKind::Gauge {
+                // SAFETY: Envoy's live config pointer; no labels.
+                unsafe {
+                    raw::envoy_dynamic_module_callback_http_filter_config_set_gauge(
+                        self.config,
+                        envoy_id,
+                        std::ptr::null(),
+                        0,
+                        value,
+                    );
+                }
+            }
+        });
+    }
     fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
         if self.filter.is_null() {
             return;
@@ -391,10 +561,7 @@ impl Host for Native<'_> {
 
 /// Runs `f` with this thread's root of `config` (created, configured and ticked as needed).
 fn with_root<R>(config: &ModuleConfig, filter: EnvoyFilter, f: impl FnOnce(&mut Root) -> R) -> R {
-    let h = Native {
-        filter,
-        json: &config.json,
-    };
+    let h = Native::new(filter, config);
     ROOTS.with(|roots| {
         let mut roots = roots.borrow_mut();
         let i = match roots.iter().position(|r| r.config == config.id) {
@@ -448,10 +615,7 @@ unsafe fn with_stream<R>(
     let Some(config) = filter.config.as_ref() else {
         return default;
     };
-    let h = Native {
-        filter: envoy,
-        json: &config.json,
-    };
+    let h = Native::new(envoy, config);
     match filter.stream.as_mut() {
         Some(s) => f(s, &h),
         None => default,
@@ -470,7 +634,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
 /// `value` is Envoy's buffer, valid during the call.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _config: *mut c_void,
+    envoy: *mut c_void,
     _name: Buf,
     value: Buf,
 ) -> *const c_void {
@@ -487,9 +651,24 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         eprintln!("prefix-router: {why}");
         return std::ptr::null();
     }
+    // The glue defines its metrics when a root is configured; Envoy allows that only now, so a
+    // root configured here defines them all, and the worker threads' roots find them by name.
+    let defined = RefCell::new(Vec::new());
+    let h = Native {
+        filter: std::ptr::null_mut(),
+        json: &json,
+        config: envoy,
+        metrics: &[],
+        defining: Some(&defined),
+    };
+    if !Root::new().on_configure(&h, json.len()) {
+        return std::ptr::null();
+    }
     let c = ModuleConfig {
         id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         json,
+        envoy,
+        metrics: defined.into_inner(),
     };
     Box::into_raw(Box::new(c)) as *const c_void
 }
@@ -532,11 +711,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(m: ModuleFi
     // Released at stream completion; a stream destroyed without it releases here (once: the
     // stream is taken).
     if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
-        let h = Native {
-            filter: std::ptr::null_mut(),
-            json: &config.json,
-        };
-        s.on_done(&h);
+        s.on_done(&Native::new(std::ptr::null_mut(), config));
     }
 }
 
@@ -594,11 +769,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
         return;
     };
     if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
-        let h = Native {
-            filter: f,
-            json: &config.json,
-        };
-        s.on_done(&h);
+        s.on_done(&Native::new(f, config));
     }
 }
 

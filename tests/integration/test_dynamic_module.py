@@ -15,6 +15,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,32 @@ def test_native_build_spreads_distinct_prompts_and_answers_errors_locally(native
     assert rep.status == 200 and rep.decision["reason"] == "parse_error", (rep.status, rep.decision)
     c.close()
     assert sum(pool.counts().values()) == 41  # the 404 never reached a worker
+
+
+def test_native_build_counts_decisions_and_in_flight_load_in_envoy_stats(native):
+    """Metrics are defined while Envoy creates the config (the only time it allows it) and
+    updated from the worker threads; increments are batched per thread and flushed at a decision
+    at most every 100 ms, so the test keeps deciding until they show."""
+    envoy, pool, names = native
+    c = Client(envoy.listener_port)
+    body = {"model": "llama", "prompt": wl.text(wl.rng("native-metrics"), 3000)}
+    deadline = time.time() + 30
+    while True:
+        assert c.post("/v1/completions", body).status == 200
+        hits = envoy.counters(r"dynamicmodulescustom\.prefix_router\.requests\.prefix_hit")
+        if sum(hits.values()) > 0:
+            break
+        assert time.time() < deadline, envoy.counters(r"dynamicmodulescustom\..*")
+        time.sleep(0.15)
+    c.close()
+    # Every stream released its charge: the in-flight gauges come back to 0 (after a decision
+    # on each thread flushed the last decrements; a fresh connection per request reaches both).
+    gauges = r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*"
+    assert set(envoy.counters(gauges)) == {f"dynamicmodulescustom.prefix_router.inflight_requests.{n}"
+                                          for n in names}
+    while sum(envoy.counters(gauges).values()) != 0:
+        assert time.time() < deadline, envoy.counters(gauges)
+        fresh = Client(envoy.listener_port)
+        fresh.get("/health")
+        fresh.close()
+        time.sleep(0.15)
