@@ -170,6 +170,9 @@ mod raw {
     }
 }
 
+/// A metric defined for a config: its name, kind and Envoy's id (0: Envoy refused it).
+type Defined = (String, MetricKind, usize);
+
 /// A filter config: its JSON (every thread's [`Root`] parses it again, as each Wasm VM does), a
 /// process-unique id naming it in the threads' root lists (a freed config's address can be
 /// reused by the next one; its id cannot), Envoy's config pointer and the metrics defined for
@@ -181,7 +184,7 @@ struct ModuleConfig {
     /// (name, kind, Envoy's id); a metric's id in [`Host`] is its position plus one. Written
     /// only in `on_http_filter_config_new` (Envoy allows defining metrics only there), read
     /// from every worker thread afterwards.
-    metrics: Vec<(String, MetricKind, usize)>,
+    metrics: Vec<Defined>,
 }
 
 /// Defines a metric while the config is being created (main thread); 0 when Envoy refused.
@@ -252,9 +255,9 @@ struct Native<'a> {
     json: &'a [u8],
     /// Envoy's config pointer (metrics are incremented on the config, from any thread).
     config: *mut c_void,
-    metrics: &'a [(String, MetricKind, usize)],
+    metrics: &'a [Defined],
     /// Set only while the config is created: metric definitions go to Envoy and land here.
-    defining: Option<&'a RefCell<Vec<(String, MetricKind, usize)>>>,
+    defining: Option<&'a RefCell<Vec<Defined>>>,
 }
 
 impl<'a> Native<'a> {
@@ -456,7 +459,7 @@ impl Host for Native<'_> {
             .map_or(0, |d| d.as_nanos() as u64)
     }
     fn define_metric(&self, kind: MetricKind, name: &str) -> u32 {
-        let pos = |m: &[(String, MetricKind, usize)]| m.iter().position(|e| e.0 == name);
+        let pos = |m: &[Defined]| m.iter().position(|e| e.0 == name);
         let Some(cell) = self.defining else {
             return pos(self.metrics).map_or(0, |i| i as u32 + 1);
         };
