@@ -213,8 +213,10 @@ def wrk(url: str, lua: Path, conns: int, secs: int) -> dict:
         return v * {"us": 1, "ms": 1e3, "s": 1e6}[u]
 
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    done = re.search(r"(\d+) requests in", out)
     errors = re.search(r"Socket errors: (.*)", out)
     return {"rps": rps, "p50": lat(50), "p99": lat(99), "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "requests": int(done.group(1)) if done else 0,
             "errors": errors.group(1) if errors else "", "raw": out}
 
 
@@ -292,14 +294,19 @@ def run_table(args, tmp: Path, upstream: int):
                 lua = tmp / f"wrk-{kb}.lua"
                 lua.write_text(WRK_LUA.format(body=bf))
                 for kind in rotated(kinds, r):
-                    url = proxies[kind][1]
+                    proc, url = proxies[kind]
                     wrk(url, lua, 4, 1)  # warm-up (index the prompt, JIT, pools)
+                    c0 = cpu_seconds(proc.p.pid)
                     thr = wrk(url, lua, args.conns, args.secs)
+                    # The proxy's own CPU per request over the throughput run: steadier than rps on
+                    # a shared machine (another tenant's load slows every proxy's wall clock).
+                    cpu_us = (cpu_seconds(proc.p.pid) - c0) / max(thr["requests"], 1) * 1e6
                     lat = wrk(url, lua, 1, args.secs)
                     res = {"rps": thr["rps"], "p50": lat["p50"], "p99": lat["p99"], "rps_c1": lat["rps"],
-                           "p99_cN": thr["p99"], "bad": thr["non2xx"] + lat["non2xx"]}
+                           "p99_cN": thr["p99"], "bad": thr["non2xx"] + lat["non2xx"], "cpu_us": cpu_us}
                     runs.setdefault((kind, kb), []).append(res)
                     print(f"round {r + 1} {labels[kind]:32s} {kb:3d} KB  rps(-c{args.conns}) {res['rps']:9.0f}  "
+                          f"CPU {cpu_us:6.1f} us/req  "
                           f"p50(-c1) {res['p50']:7.0f} us  p99(-c1) {res['p99']:7.0f} us  non-2xx {res['bad']}",
                           flush=True)
     med = statistics.median
@@ -313,11 +320,12 @@ def run_table(args, tmp: Path, upstream: int):
 
     print()
     print(f"Medians over {args.rounds} round(s):")
-    print(f"| prompt | proxy | rps (-c{args.conns}) | p50 (-c1) us | p99 (-c1) us |")
-    print("|---|---|---|---|---|")
+    print(f"| prompt | proxy | rps (-c{args.conns}) | CPU us/request (-c{args.conns}) | p50 (-c1) us | p99 (-c1) us |")
+    print("|---|---|---|---|---|---|")
     for kb in args.sizes:
         for k in kinds:
-            print(f"| {kb} KB | {labels[k]} | {m(k, kb, 'rps'):.0f} | {m(k, kb, 'p50'):.0f} | {m(k, kb, 'p99'):.0f} |")
+            print(f"| {kb} KB | {labels[k]} | {m(k, kb, 'rps'):.0f} | {m(k, kb, 'cpu_us'):.1f} | "
+                  f"{m(k, kb, 'p50'):.0f} | {m(k, kb, 'p99'):.0f} |")
     print()
     print("Ratios: medians of each round's ratio (both sides measured in the same round), with their range;"
           " added p50: median of each round's p50 difference to plain Envoy:")
@@ -325,10 +333,11 @@ def run_table(args, tmp: Path, upstream: int):
     added = [k for k in ("prefix_router", "prefix_router_dm") if k in kinds and "envoy" in kinds]
     short = {k: label.split(" ", 1)[0] for k, label in KINDS}
     print("| prompt | " + " | ".join(f"{short[a]}/{short[b]} rps" for a, b in pairs)
+          + "".join(f" | {short[a]}/{short[b]} CPU per request" for a, b in pairs)
           + "".join(f" | added p50 {short[k]} us" for k in added) + " |")
-    print("|---|" + "---|" * (len(pairs) + len(added)))
+    print("|---|" + "---|" * (2 * len(pairs) + len(added)))
     for kb in args.sizes:
-        cells = [ratio(a, b, kb) for a, b in pairs]
+        cells = [ratio(a, b, kb) for a, b in pairs] + [ratio(a, b, kb, "cpu_us") for a, b in pairs]
         cells += [f"{med(c['p50'] - e['p50'] for e, c in zip(runs[('envoy', kb)], runs[(k, kb)])):.0f}"
                   for k in added]
         print(f"| {kb} KB | " + " | ".join(cells) + " |")
