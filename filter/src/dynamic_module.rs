@@ -560,6 +560,11 @@ impl Host for Native<'_> {
     fn log_error(&self, msg: &str) {
         eprintln!("{msg}");
     }
+    /// No timer runs on an idle worker thread here, and a metric update is a native call: a
+    /// stream's end sends what its thread batched (in-flight gauges, parked releases) at once.
+    fn eager_flush(&self) -> bool {
+        true
+    }
 }
 
 /// Runs `f` with this thread's root of `config` (created, configured and ticked as needed).

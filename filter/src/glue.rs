@@ -788,7 +788,7 @@ impl Stream {
             }
             self.shared.metrics.inflight(&d, -1);
             self.release_prefill(h);
-            if self.shared.closing.get() {
+            if self.shared.closing.get() || h.eager_flush() {
                 self.shared.flush_all(h);
             }
             return;
@@ -798,7 +798,7 @@ impl Stream {
                 r.release(h, d);
             }
             self.shared.metrics.inflight(d, -1);
-            if self.shared.closing.get() {
+            if self.shared.closing.get() || h.eager_flush() {
                 self.shared.flush_all(h);
             }
         }

@@ -70,6 +70,12 @@ pub trait Host: Store {
     ) -> Result<u32, CallRefused>;
     fn set_tick_period_ms(&self, ms: u32);
     fn log_error(&self, msg: &str);
+    /// Whether the filter should send batched state (metric increments, parked load releases)
+    /// at once instead of at its next tick or decision: true where host calls are cheap and no
+    /// timer runs while a thread is idle (the native build); the Wasm host batches.
+    fn eager_flush(&self) -> bool {
+        false
+    }
 }
 
 /// A local reply the filter sent: (status, headers, body).
@@ -114,6 +120,8 @@ pub struct FakeState {
     pub errors: Vec<String>,
     /// Host calls made (shared-data calls are counted by the store).
     pub host_calls: u64,
+    /// What [`Host::eager_flush`] answers (false: batch, as the Wasm host does).
+    pub eager_flush: bool,
 }
 
 impl FakeState {
@@ -259,5 +267,8 @@ impl Host for FakeHost {
     }
     fn log_error(&self, msg: &str) {
         self.count().errors.push(msg.into());
+    }
+    fn eager_flush(&self) -> bool {
+        self.state.borrow().eager_flush
     }
 }

@@ -161,6 +161,38 @@ fn metrics_are_batched_per_100ms_and_flushed_by_the_tick() {
     }
 }
 
+/// A host without timers on idle threads (the native build) gets everything a stream's thread
+/// batched at that stream's end: the in-flight gauges are back to 0 without any tick or decision.
+#[test]
+fn an_eager_host_gets_the_batch_at_each_stream_end() {
+    for eager in [false, true] {
+        let (h, root) = configured(&config(""));
+        h.state.borrow_mut().eager_flush = eager;
+        let mut streams = Vec::new();
+        for i in 0..3 {
+            let (s, _) = request(
+                &h,
+                &root,
+                "POST",
+                "/v1/chat/completions",
+                &[],
+                &chat(&i.to_string()),
+            );
+            streams.push(s);
+        }
+        for mut s in streams {
+            s.on_done(&h);
+        }
+        let inflight: i64 = ["w0", "w1", "w2"]
+            .iter()
+            .filter_map(|w| h.metric(&format!("prefix_router.inflight_requests.{w}")))
+            .sum();
+        assert_eq!(decisions(&h), if eager { 3 } else { 1 }, "eager={eager}");
+        // Batching: the first decision's +1 went out with it, its -1 waits for the next flush.
+        assert_eq!(inflight, if eager { 0 } else { 1 }, "eager={eager}");
+    }
+}
+
 #[test]
 fn passthrough_takes_the_configured_cluster_and_the_client_never_picks_one() {
     let cfg = config(r#","passthrough_cluster":"info","debug_header":"x-debug""#);

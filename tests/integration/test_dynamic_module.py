@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -220,3 +222,52 @@ def test_native_build_counts_decisions_and_in_flight_load_in_envoy_stats(native)
         fresh.get("/health")
         fresh.close()
         time.sleep(0.15)
+
+
+def _abort_after_first_event(port: int, body: bytes) -> bool:
+    """A streamed request whose client goes away after the first bytes of the response."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        return bool(s.recv(256))
+    finally:
+        s.close()
+
+
+def test_native_build_releases_every_charge_after_client_aborts(native):
+    """Streams that end with the client gone (stream_complete, then destroy) release their charge
+    exactly once: the in-flight gauges and the sampled shared load come back to 0."""
+    envoy, pool, names = native
+    pool.reset()
+    r = wl.rng("native-abort")
+    streamed = [json.dumps({"model": "llama", "stream": True, "x_events": 40, "x_interval": 0.02,
+                            "messages": [{"role": "user", "content": wl.text(r, 1500)}]}).encode()
+                for _ in range(8)]
+    threads = [threading.Thread(target=_abort_after_first_event, args=(envoy.listener_port, b))
+               for b in streamed * 3]
+    for t in threads:
+        t.start()
+    c = Client(envoy.listener_port)
+    for b in streamed:  # and some that complete, on a keep-alive connection
+        assert c.post("/v1/chat/completions", json.loads(b) | {"stream": False}).status == 200
+    c.close()
+    for t in threads:
+        t.join(30)
+    assert sum(pool.counts().values()) >= 8
+    gauges = r"dynamicmodulescustom\.prefix_router\.(inflight_requests\..*|load\.requests)"
+    deadline = time.time() + 30
+    while True:
+        # A stream's end sends its thread's batch at once here (no timer runs on an idle thread);
+        # the shared-load gauge is sampled at a thread's tick, which runs lazily when a stream
+        # starts: non-inference requests on fresh connections (either thread) drive it.
+        values = envoy.counters(gauges)
+        if sum(values.values()) == 0 and any(k.endswith("load.requests") for k in values):
+            break
+        assert time.time() < deadline, {k.rsplit(".", 1)[-1]: v for k, v in values.items() if v}
+        fresh = Client(envoy.listener_port)
+        fresh.get("/health")
+        fresh.close()
+        time.sleep(0.1)
+    # Nothing left to flush: the in-flight gauges were 0 as soon as the streams ended.
+    assert sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*").values()) == 0
