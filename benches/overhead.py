@@ -3,8 +3,8 @@ behind (i) Envoy with a plain cluster route, (ii) Envoy + the native buffer filt
 prefix-router, (iv) smg 1.13 --policy cache_aware, (v) Envoy + benches/wasm-floor (a proxy-wasm
 filter that only reads the body and sets the cluster header: the floor for any such filter), (vi) Envoy
 + benches/dm-floor (the same floor as a native Envoy dynamic module: the floor without the Wasm VM),
-(vii) Envoy + prefix-router built as a dynamic module (filter/src/dynamic_module.rs: the same core,
-no load polls). The proxy is pinned to core 0 (taskset), wrk
+(vii) Envoy + prefix-router built as a dynamic module (filter/src/dynamic_module.rs: the same core
+and config). The proxy is pinned to core 0 (taskset), wrk
 and nginx to core 1. Bodies: OpenAI chat JSON of 1/4/16/64 KB (one fixed body per run: in (iii)
 every request after the first is a prefix hit, the steady state).
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -167,8 +166,6 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
     models = {"llama": [ec.Worker(f"w{i}", hosts[i], ups[i]) for i in range(WORKERS)]}
     o = ec.profile("bench", models=models, listen=listen, admin=admin_addr, wasm=str(wasm),
                    dynamic_module=module, plugin=plugin or {})
-    if mode == "prefix_router_dm":
-        o = dataclasses.replace(o, load_poll_ms=0)  # the native build makes no HTTP calls yet
     return ec.render(o)
 
 

@@ -7,7 +7,9 @@
 //!
 //! Status: the request path only, for benchmarks (`benches/overhead` kind `prefix_router_dm`)
 //! and the real-Envoy test of this layer. Not a supported deployment yet:
-//! - no timers and no HTTP calls yet, so configs with load polling, peers, a peer listener or
+//! - load polls run on Envoy's main thread (a timer thread of ours commits to the config's
+//!   scheduler; the calls are config-level callouts, which must all start on one thread); no
+//!   peer batches and no body rewrite yet, so configs with peers, a peer listener or
 //!   prefill/decode models are refused (the filter config then fails, naming the field);
 //! - metrics are Envoy stats named `dynamicmodulescustom.<name>` (the Wasm build's names carry no
 //!   prefix), defined while the config is created (the only time Envoy allows it);
@@ -25,7 +27,8 @@ use crate::process_store::ProcessStore;
 use crate::store::{CasMismatch, Store};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// `ENVOY_DYNAMIC_MODULES_ABI_VERSION` of Envoy 1.40.0, NUL-terminated.
@@ -159,6 +162,25 @@ mod raw {
             labels_len: usize,
             value: u64,
         ) -> u32;
+        pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
+            config: *mut c_void,
+        ) -> *mut c_void;
+        pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+            scheduler: *mut c_void,
+            event: u64,
+        );
+        pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
+            scheduler: *mut c_void,
+        );
+        pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+            config: *mut c_void,
+            id: *mut u64,
+            cluster: Buf,
+            headers: *const Pair,
+            headers_len: usize,
+            body: Buf,
+            timeout_ms: u64,
+        ) -> u32;
         pub fn envoy_dynamic_module_callback_http_send_response(
             f: EnvoyFilter,
             status: u32,
@@ -167,6 +189,70 @@ mod raw {
             body: Buf,
             details: Buf,
         );
+    }
+}
+
+/// Envoy has no timer for HTTP-filter modules: a thread of ours sleeps a tick and commits an
+/// event to the config's scheduler, which Envoy runs as `on_http_filter_config_scheduled` on its
+/// main thread (committing is safe from any thread; an HTTP call is not, so the calls start
+/// there).
+struct Timer {
+    scheduler: SendPtr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Envoy's scheduler handle, which Envoy lets any thread commit to.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut c_void);
+// SAFETY: the scheduler is only committed to (thread-safe in Envoy) and deleted after the timer
+// thread has been joined.
+unsafe impl Send for SendPtr {}
+
+impl Timer {
+    fn start(config: *mut c_void) -> Option<Timer> {
+        // SAFETY: Envoy's config pointer during `on_http_filter_config_new`.
+        let scheduler =
+            unsafe { raw::envoy_dynamic_module_callback_http_filter_config_scheduler_new(config) };
+        if scheduler.is_null() {
+            return None;
+        }
+        let ptr = SendPtr(scheduler);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("prefix-router-tick".into())
+            .spawn(move || {
+                let p = ptr;
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(TICK);
+                    // SAFETY: the scheduler outlives this thread (joined before the delete).
+                    unsafe {
+                        raw::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+                            p.0, 1,
+                        )
+                    };
+                }
+            })
+            .ok();
+        Some(Timer {
+            scheduler: ptr,
+            stop,
+            thread,
+        })
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // SAFETY: no commit can follow: the only committer has been joined.
+        unsafe {
+            raw::envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.scheduler.0)
+        };
     }
 }
 
@@ -181,6 +267,9 @@ struct ModuleConfig {
     id: u64,
     json: Vec<u8>,
     envoy: *mut c_void,
+    /// The main thread's timer (load polls need one; absent when polling is off). Only held:
+    /// dropping it with the config stops it.
+    _timer: Option<Timer>,
     /// (name, kind, Envoy's id); a metric's id in [`Host`] is its position plus one. Written
     /// only in `on_http_filter_config_new` (Envoy allows defining metrics only there), read
     /// from every worker thread afterwards.
@@ -222,10 +311,8 @@ fn define(envoy: *mut c_void, kind: MetricKind, name: &str) -> usize {
 
 /// The reasons a config that `Config::from_json` accepts is refused here, naming the field.
 fn native_refusal(c: &Config) -> Option<&'static str> {
-    if c.load_poll.interval_ms != 0 {
-        Some("load_poll.interval_ms: the native build makes no HTTP calls yet; set it to 0")
-    } else if c.peers.is_some() || c.peer_listener {
-        Some("peers: the native build makes no HTTP calls yet")
+    if c.peers.is_some() || c.peer_listener {
+        Some("peers: the native build does not send peer batches yet")
     } else if c.models.iter().any(|m| m.pd.is_some()) {
         Some("models.*.prefill: the native build does not rewrite bodies yet")
     } else {
@@ -258,6 +345,11 @@ struct Native<'a> {
     metrics: &'a [Defined],
     /// Set only while the config is created: metric definitions go to Envoy and land here.
     defining: Option<&'a RefCell<Vec<Defined>>>,
+    /// On Envoy's main thread (the timer and call hooks): the only place HTTP calls start.
+    main: bool,
+    /// The answer of the HTTP call being delivered: its headers and body chunks.
+    call_headers: &'a [Pair],
+    call_body: &'a [Buf],
 }
 
 impl<'a> Native<'a> {
@@ -268,6 +360,9 @@ impl<'a> Native<'a> {
             config: c.envoy,
             metrics: &c.metrics,
             defining: None,
+            main: false,
+            call_headers: &[],
+            call_body: &[],
         }
     }
 
@@ -391,6 +486,13 @@ impl Store for Native<'_> {
 
 impl Host for Native<'_> {
     fn header(&self, map: Map, name: &str) -> Option<Vec<u8>> {
+        if map == Map::HttpCallResponseHeaders {
+            return self.call_headers.iter().find_map(|p| {
+                // SAFETY: Envoy's bytes, valid during the callout-done hook.
+                let (k, v) = unsafe { (p.key.bytes(), p.value.bytes()) };
+                (k == name.as_bytes()).then(|| v.to_vec())
+            });
+        }
         self.with_pairs(map, |pairs| {
             pairs.iter().find_map(|p| {
                 // SAFETY: Envoy's bytes, valid during this hook.
@@ -446,7 +548,16 @@ impl Host for Native<'_> {
                 .get(..max.min(self.json.len()))
                 .unwrap_or_default()
                 .to_vec(),
-            Buffer::HttpCallResponseBody => Vec::new(),
+            Buffer::HttpCallResponseBody => {
+                let mut out = Vec::new();
+                for c in self.call_body {
+                    // SAFETY: Envoy's chunks, valid during the callout-done hook.
+                    let b = unsafe { c.bytes() };
+                    let room = max.saturating_sub(out.len());
+                    out.extend_from_slice(b.get(..b.len().min(room)).unwrap_or_default());
+                }
+                out
+            }
         }
     }
     fn set_buffer(&self, _which: Buffer, _len: usize, _data: &[u8]) {
@@ -547,14 +658,46 @@ impl Host for Native<'_> {
             );
         }
     }
+    /// A config-level callout, from the main thread only (Envoy's callout table per config is
+    /// not locked, and a call from a foreign thread crashes it); the answer comes back in
+    /// `on_http_filter_config_http_callout_done` on the main thread.
     fn http_call(
         &self,
-        _upstream: &str,
-        _headers: &[(&str, &str)],
-        _body: Option<&[u8]>,
-        _timeout_ms: u32,
+        upstream: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout_ms: u32,
     ) -> Result<u32, CallRefused> {
-        Err(CallRefused)
+        if !self.main || self.config.is_null() {
+            return Err(CallRefused);
+        }
+        let pairs: Vec<Pair> = headers
+            .iter()
+            .map(|(k, v)| Pair {
+                key: Buf::of(k.as_bytes()),
+                value: Buf::of(v.as_bytes()),
+            })
+            .collect();
+        let mut id = 0u64;
+        // SAFETY: Envoy's live config pointer, on the main thread; the buffers outlive the call
+        // (Envoy copies them).
+        let rc = unsafe {
+            raw::envoy_dynamic_module_callback_http_filter_config_http_callout(
+                self.config,
+                &mut id,
+                Buf::of(upstream.as_bytes()),
+                pairs.as_ptr(),
+                pairs.len(),
+                Buf::of(body.unwrap_or_default()),
+                u64::from(timeout_ms),
+            )
+        };
+        // Envoy's ids start at 1; the glue's tokens are 32-bit (a wrap needs 2^32 calls).
+        if rc == 0 {
+            Ok(id as u32)
+        } else {
+            Err(CallRefused)
+        }
     }
     fn set_tick_period_ms(&self, _ms: u32) {}
     fn log_error(&self, msg: &str) {
@@ -565,11 +708,19 @@ impl Host for Native<'_> {
     fn eager_flush(&self) -> bool {
         true
     }
+    fn can_call(&self) -> bool {
+        self.main
+    }
 }
 
-/// Runs `f` with this thread's root of `config` (created, configured and ticked as needed).
-fn with_root<R>(config: &ModuleConfig, filter: EnvoyFilter, f: impl FnOnce(&mut Root) -> R) -> R {
-    let h = Native::new(filter, config);
+/// Runs `f` with this thread's root of `config` (created, configured and ticked as needed;
+/// `tick` forces a tick: the timer's event).
+fn with_root<R>(
+    config: &ModuleConfig,
+    h: &Native,
+    tick: bool,
+    f: impl FnOnce(&mut Root) -> R,
+) -> R {
     ROOTS.with(|roots| {
         let mut roots = roots.borrow_mut();
         let i = match roots.iter().position(|r| r.config == config.id) {
@@ -579,7 +730,7 @@ fn with_root<R>(config: &ModuleConfig, filter: EnvoyFilter, f: impl FnOnce(&mut 
                     roots.remove(0);
                 }
                 let mut root = Root::new();
-                root.on_configure(&h, config.json.len());
+                root.on_configure(h, config.json.len());
                 roots.push(ThreadRoot {
                     config: config.id,
                     root,
@@ -592,9 +743,9 @@ fn with_root<R>(config: &ModuleConfig, filter: EnvoyFilter, f: impl FnOnce(&mut 
             let mut root = Root::new();
             return f(&mut root);
         };
-        if tr.last_tick.elapsed() >= TICK {
+        if tick || tr.last_tick.elapsed() >= TICK {
             tr.last_tick = Instant::now();
-            tr.root.on_tick(&h);
+            tr.root.on_tick(h);
         }
         f(&mut tr.root)
     })
@@ -668,14 +819,29 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         config: envoy,
         metrics: &[],
         defining: Some(&defined),
+        main: true,
+        call_headers: &[],
+        call_body: &[],
     };
     if !Root::new().on_configure(&h, json.len()) {
         return std::ptr::null();
     }
+    let timer = if cfg.load_poll.interval_ms > 0 {
+        match Timer::start(envoy) {
+            Some(t) => Some(t),
+            None => {
+                eprintln!("prefix-router: load_poll: Envoy gave no scheduler for the poll timer");
+                return std::ptr::null();
+            }
+        }
+    } else {
+        None
+    };
     let c = ModuleConfig {
         id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         json,
         envoy,
+        _timer: timer,
         metrics: defined.into_inner(),
     };
     Box::into_raw(Box::new(c)) as *const c_void
@@ -687,7 +853,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
     if !config.is_null() {
-        drop(Box::from_raw(config as *mut ModuleConfig));
+        let c = Box::from_raw(config as *mut ModuleConfig);
+        // The main thread's root of this config (the timer's and the calls'): gone with it.
+        ROOTS.with(|r| r.borrow_mut().retain(|t| t.config != c.id));
+        drop(c); // stops and joins the timer thread, then deletes the scheduler
     }
 }
 
@@ -702,7 +871,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
 ) -> ModuleFilter {
     let c = config as *const ModuleConfig;
     let stream = match c.as_ref() {
-        Some(cfg) => with_root(cfg, envoy, |r| r.new_stream()),
+        Some(cfg) => with_root(cfg, &Native::new(envoy, cfg), false, |r| r.new_stream()),
         None => None,
     };
     Box::into_raw(Box::new(Filter { config: c, stream })) as ModuleFilter
@@ -778,6 +947,71 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     };
     if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
         s.on_done(&Native::new(f, config));
+    }
+}
+
+/// The timer's event (main thread): this thread's root ticks (load polls start here).
+///
+/// # Safety
+/// `config` came from [`envoy_dynamic_module_on_http_filter_config_new`] and is alive.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _envoy: *mut c_void,
+    config: *const c_void,
+    _event: u64,
+) {
+    if let Some(c) = (config as *const ModuleConfig).as_ref() {
+        let h = Native {
+            main: true,
+            ..Native::new(std::ptr::null_mut(), c)
+        };
+        with_root(c, &h, true, |_| ());
+    }
+}
+
+/// The answer to a call the main thread's root made (main thread).
+///
+/// # Safety
+/// `config` came from [`envoy_dynamic_module_on_http_filter_config_new`] and is alive; the
+/// arrays hold the given numbers of entries (or are NULL), valid during the call.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    _envoy: *mut c_void,
+    config: *const c_void,
+    id: u64,
+    _result: u32,
+    headers: *const Pair,
+    headers_len: usize,
+    chunks: *const Buf,
+    chunks_len: usize,
+) {
+    let Some(c) = (config as *const ModuleConfig).as_ref() else {
+        return;
+    };
+    let (headers, body) = (parts(headers, headers_len), parts(chunks, chunks_len));
+    let h = Native {
+        main: true,
+        call_headers: headers,
+        call_body: body,
+        ..Native::new(std::ptr::null_mut(), c)
+    };
+    // A failed call (reset) has no headers: the glue counts it as a failed poll.
+    let size = body.iter().map(|b| b.len).sum();
+    with_root(c, &h, false, |r| {
+        r.on_http_call_response(&h, id as u32, size)
+    });
+}
+
+/// `n` entries at `p` (none when NULL).
+///
+/// # Safety
+/// `p` is NULL or points at `n` initialized entries that outlive `'a`.
+unsafe fn parts<'a, T>(p: *const T, n: usize) -> &'a [T] {
+    if n == 0 || p.is_null() {
+        &[]
+    } else {
+        std::slice::from_raw_parts(p, n)
     }
 }
 

@@ -275,8 +275,8 @@ impl Root {
     fn poll_workers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
         let r = s.router.borrow();
         let lp = &r.cfg.load_poll;
-        if lp.interval_ms == 0 || r.cfg.peer_listener {
-            return;
+        if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
+            return; // a root that cannot call never takes the lease from one that can
         }
         let ttl = 3 * u64::from(lp.interval_ms.max(TICK_MS));
         let mut buf = Vec::new();

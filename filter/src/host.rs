@@ -76,6 +76,11 @@ pub trait Host: Store {
     fn eager_flush(&self) -> bool {
         false
     }
+    /// Whether this root may make HTTP calls at all (load polls, peer batches). The native
+    /// build answers false on Envoy's worker threads: its calls must all start on one thread.
+    fn can_call(&self) -> bool {
+        true
+    }
 }
 
 /// A local reply the filter sent: (status, headers, body).

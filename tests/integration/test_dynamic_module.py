@@ -130,9 +130,9 @@ def test_a_body_in_many_chunks_arrives_whole_and_a_request_without_one_goes_to_w
 
 @pytest.fixture(scope="module")
 def native():
-    """prefix-router built with `--features dynamic-module`, on the demo config with the debug
-    header, minus what the native build does not do yet (load polls: it makes no HTTP calls), and
-    unknown models answered 404 (a local reply through the module)."""
+    """prefix-router built with `--features dynamic-module`, on the demo config (load polls every
+    100 ms through the `<worker>_load` clusters) with the debug header, and unknown models
+    answered 404 (a local reply through the module)."""
     cargo_build("prefix-router", release=True, features=["dynamic-module"])
     so = target_dir() / "release" / "libprefix_router.so"
     demo = ec.profile("demo")
@@ -142,7 +142,7 @@ def native():
     listen, admin = free_port(), free_port()
     o = ec.local_demo(pool.ports, listen=listen, admin=admin, wasm="unused",
                       plugin={"unknown_model": "reject", "policy": {"placement_window_ms": 0}})
-    o = dataclasses.replace(o, dynamic_module="prefix_router", load_poll_ms=0)
+    o = dataclasses.replace(o, dynamic_module="prefix_router")
     envoy = Envoy(ec.render(o), listener_port=listen, admin_port=admin, workdir=tmp,
                   env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
     try:
@@ -271,3 +271,25 @@ def test_native_build_releases_every_charge_after_client_aborts(native):
         time.sleep(0.1)
     # Nothing left to flush: the in-flight gauges were 0 as soon as the streams ended.
     assert sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*").values()) == 0
+
+
+def test_native_build_polls_every_worker_from_envoys_main_thread(native):
+    """The config's timer thread commits to Envoy's scheduler; the main thread's root takes the
+    poll lease and calls each worker's load endpoint through a config-level callout; the answers
+    are counted and published for every thread."""
+    envoy, pool, names = native
+    before = {n: w.stats.polls for n, w in pool.workers.items()}
+    deadline = time.time() + 30
+    while True:
+        polled = {n: w.stats.polls - before[n] for n, w in pool.workers.items()}
+        answers = sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.load_poll\.answers").values())
+        if all(v >= 3 for v in polled.values()) and answers > 0:
+            break
+        assert time.time() < deadline, (polled, answers, envoy.counters(r"dynamicmodulescustom\.prefix_router\.load_poll\..*"))
+        time.sleep(0.2)
+    # One poller for the whole Envoy (the lease), not one per thread: about 10 polls per worker
+    # per second at 100 ms, well under 2x that.
+    t0, p0 = time.time(), sum(w.stats.polls for w in pool.workers.values())
+    time.sleep(2)
+    rate = (sum(w.stats.polls for w in pool.workers.values()) - p0) / (time.time() - t0) / len(names)
+    assert 3 <= rate <= 15, rate
