@@ -127,6 +127,8 @@ pub struct FakeState {
     pub host_calls: u64,
     /// What [`Host::eager_flush`] answers (false: batch, as the Wasm host does).
     pub eager_flush: bool,
+    /// Makes [`Host::can_call`] answer false (a native worker thread).
+    pub cannot_call: bool,
 }
 
 impl FakeState {
@@ -275,5 +277,8 @@ impl Host for FakeHost {
     }
     fn eager_flush(&self) -> bool {
         self.state.borrow().eager_flush
+    }
+    fn can_call(&self) -> bool {
+        !self.state.borrow().cannot_call
     }
 }

@@ -193,6 +193,36 @@ fn an_eager_host_gets_the_batch_at_each_stream_end() {
     }
 }
 
+/// A root that cannot make calls (a native worker thread) never takes the poll lease, so the one
+/// that can (the native main thread) polls; neither counts a failure for it.
+#[test]
+fn a_root_that_cannot_call_leaves_the_polls_to_one_that_can() {
+    let (h, mut worker) = configured(&config(""));
+    h.state.borrow_mut().cannot_call = true;
+    for _ in 0..6 {
+        h.state.borrow_mut().now_nanos += 60_000_000;
+        worker.on_tick(&h);
+    }
+    assert!(
+        h.state.borrow().calls.is_empty(),
+        "a root that cannot call made calls"
+    );
+    assert_eq!(h.metric("prefix_router.load_poll.failures"), Some(0));
+    // Same store (same Envoy), another root that can call: it gets the lease and polls.
+    h.state.borrow_mut().cannot_call = false;
+    let mut main = Root::new();
+    assert!(main.on_configure(&h, config("").len()));
+    for _ in 0..3 {
+        h.state.borrow_mut().now_nanos += 60_000_000;
+        main.on_tick(&h);
+    }
+    let calls = h.state.borrow().calls.len();
+    assert!(
+        calls >= 3,
+        "the root that can call polls every worker ({calls} calls)"
+    );
+}
+
 #[test]
 fn passthrough_takes_the_configured_cluster_and_the_client_never_picks_one() {
     let cfg = config(r#","passthrough_cluster":"info","debug_header":"x-debug""#);
