@@ -5,8 +5,8 @@
 //! why (the V8 boundary is most of the Wasm build's per-request cost) and how every ABI fact
 //! used here was checked against the shipped binary.
 //!
-//! Status: the request path only, for benchmarks (`benches/overhead` kind `prefix_router_dm`)
-//! and the real-Envoy test of this layer. Not a supported deployment yet:
+//! Status: experimental, for benchmarks (`benches/overhead` kind `prefix_router_dm`) and the
+//! real-Envoy tests of this layer. Not a supported deployment yet:
 //! - load polls run on Envoy's main thread (a timer thread of ours commits to the config's
 //!   scheduler; the calls are config-level callouts, which must all start on one thread); no
 //!   peer batches and no body rewrite yet, so configs with peers, a peer listener or
