@@ -74,6 +74,19 @@ pub struct Pair {
     value: Buf,
 }
 
+impl Pair {
+    /// The module's headers as the ABI takes them (pointing into `headers`).
+    fn all(headers: &[(&str, &str)]) -> Vec<Pair> {
+        headers
+            .iter()
+            .map(|(k, v)| Pair {
+                key: Buf::of(k.as_bytes()),
+                value: Buf::of(v.as_bytes()),
+            })
+            .collect()
+    }
+}
+
 type EnvoyFilter = *mut c_void;
 type ModuleFilter = *const c_void;
 
@@ -414,21 +427,23 @@ impl Native<'_> {
         }
     }
 
-    fn set(&self, map: Map, name: &str, value: Buf) {
+    /// Sets (`add` false: replaces every value; a NULL value removes the header) or adds a
+    /// header; a request-header change clears the route cache.
+    fn mutate(&self, map: Map, name: &str, value: Buf, add: bool) {
         let Some(m) = Self::map(map) else {
             return;
         };
         if self.filter.is_null() {
             return;
         }
+        let key = Buf::of(name.as_bytes());
         // SAFETY: a live stream pointer; Envoy copies key and value.
         unsafe {
-            raw::envoy_dynamic_module_callback_http_set_header(
-                self.filter,
-                m,
-                Buf::of(name.as_bytes()),
-                value,
-            );
+            if add {
+                raw::envoy_dynamic_module_callback_http_add_header(self.filter, m, key, value);
+            } else {
+                raw::envoy_dynamic_module_callback_http_set_header(self.filter, m, key, value);
+            }
             if m == REQUEST_HEADERS {
                 // The route may match on this header, and Envoy keeps the route it picked
                 // before the filter ran unless told otherwise.
@@ -514,31 +529,14 @@ impl Host for Native<'_> {
         .unwrap_or_else(|| crate::header_pairs::encode::<&[u8], &[u8]>(&[]))
     }
     fn add_header(&self, map: Map, name: &str, value: &str) {
-        let Some(m) = Self::map(map) else {
-            return;
-        };
-        if self.filter.is_null() {
-            return;
-        }
-        // SAFETY: a live stream pointer; Envoy copies key and value.
-        unsafe {
-            raw::envoy_dynamic_module_callback_http_add_header(
-                self.filter,
-                m,
-                Buf::of(name.as_bytes()),
-                Buf::of(value.as_bytes()),
-            );
-            if m == REQUEST_HEADERS {
-                raw::envoy_dynamic_module_callback_http_clear_route_cache(self.filter);
-            }
-        }
+        self.mutate(map, name, Buf::of(value.as_bytes()), true);
     }
     /// A NULL value removes every value of the header (ABI `set_header`).
     fn remove_header(&self, map: Map, name: &str) {
-        self.set(map, name, Buf::NULL);
+        self.mutate(map, name, Buf::NULL, false);
     }
     fn replace_header(&self, map: Map, name: &str, value: &str) {
-        self.set(map, name, Buf::of(value.as_bytes()));
+        self.mutate(map, name, Buf::of(value.as_bytes()), false);
     }
     fn buffer(&self, which: Buffer, max: usize) -> Vec<u8> {
         match which {
@@ -639,13 +637,7 @@ impl Host for Native<'_> {
         if self.filter.is_null() {
             return;
         }
-        let pairs: Vec<Pair> = headers
-            .iter()
-            .map(|(k, v)| Pair {
-                key: Buf::of(k.as_bytes()),
-                value: Buf::of(v.as_bytes()),
-            })
-            .collect();
+        let pairs = Pair::all(headers);
         // SAFETY: a live stream pointer; every buffer outlives the call (Envoy copies them).
         unsafe {
             raw::envoy_dynamic_module_callback_http_send_response(
@@ -671,13 +663,7 @@ impl Host for Native<'_> {
         if !self.main || self.config.is_null() {
             return Err(CallRefused);
         }
-        let pairs: Vec<Pair> = headers
-            .iter()
-            .map(|(k, v)| Pair {
-                key: Buf::of(k.as_bytes()),
-                value: Buf::of(v.as_bytes()),
-            })
-            .collect();
+        let pairs = Pair::all(headers);
         let mut id = 0u64;
         // SAFETY: Envoy's live config pointer, on the main thread; the buffers outlive the call
         // (Envoy copies them).

@@ -45,20 +45,7 @@ impl Store for ProcessStore {
         let mut i = inner();
         i.next_cas = i.next_cas.wrapping_add(1).max(1);
         let new_cas = i.next_cas;
-        match i.map.get_mut(key) {
-            Some(e) => {
-                if cas != 0 && e.1 != cas {
-                    return Err(CasMismatch);
-                }
-                e.0.clear();
-                e.0.extend_from_slice(value);
-                e.1 = new_cas;
-            }
-            None => {
-                i.map.insert(key.to_string(), (value.to_vec(), new_cas));
-            }
-        }
-        Ok(())
+        crate::store::apply(&mut i.map, key, value, cas, new_cas)
     }
 }
 

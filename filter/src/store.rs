@@ -95,21 +95,33 @@ impl Store for MemStore {
                 return Err(CasMismatch);
             }
         }
-        match i.map.get_mut(key) {
-            Some(e) => {
-                if cas != 0 && e.1 != cas {
-                    return Err(CasMismatch);
-                }
-                e.0.clear();
-                e.0.extend_from_slice(value);
-                e.1 = new_cas;
-            }
-            None => {
-                i.map.insert(key.to_string(), (value.to_vec(), new_cas));
-            }
-        }
-        Ok(())
+        apply(&mut i.map, key, value, cas, new_cas)
     }
+}
+
+/// Shared data's set on an in-memory map (for [`MemStore`] and the native build's process
+/// store): a stale non-zero `cas` fails, anything else writes `value` with token `new_cas`.
+pub(crate) fn apply(
+    map: &mut HashMap<String, (Vec<u8>, u32)>,
+    key: &str,
+    value: &[u8],
+    cas: u32,
+    new_cas: u32,
+) -> Result<(), CasMismatch> {
+    match map.get_mut(key) {
+        Some(e) => {
+            if cas != 0 && e.1 != cas {
+                return Err(CasMismatch);
+            }
+            e.0.clear();
+            e.0.extend_from_slice(value);
+            e.1 = new_cas;
+        }
+        None => {
+            map.insert(key.to_string(), (value.to_vec(), new_cas));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

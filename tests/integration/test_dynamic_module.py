@@ -10,6 +10,7 @@ crash, a wrong body or a wrong worker).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -57,15 +58,11 @@ def dynamic_symbols(path, *flags) -> set:
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
 
-@pytest.fixture(scope="module")
-def floor():
-    so = dm_floor_path()
-    pool = WorkerPool(NAMES)
-    tmp = Path(tempfile.mkdtemp(prefix="prefix-router-dm-"))
-    listen, admin = free_port(), free_port()
-    models = {"llama": [ec.Worker(n, "127.0.0.1", pool.ports[n]) for n in NAMES]}
-    o = ec.profile("bench", models=models, listen=("127.0.0.1", listen), admin=("127.0.0.1", admin),
-                   dynamic_module=so.stem.removeprefix("lib"))
+@contextlib.contextmanager
+def _serve(o: "ec.Options", so: Path, pool: WorkerPool, listen: int, admin: int, tmp_prefix: str):
+    """Envoy on `o` with the module directory `so.parent` on its search path; yields the Envoy,
+    and stops it, the workers and the work directory after."""
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix))
     envoy = Envoy(ec.render(o), listener_port=listen, admin_port=admin, workdir=tmp,
                   env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
     try:
@@ -73,10 +70,24 @@ def floor():
     except Exception:
         pool.close()
         raise
-    yield so, envoy, pool
-    envoy.stop()
-    pool.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield envoy
+    finally:
+        envoy.stop()
+        pool.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def floor():
+    so = dm_floor_path()
+    pool = WorkerPool(NAMES)
+    listen, admin = free_port(), free_port()
+    models = {"llama": [ec.Worker(n, "127.0.0.1", pool.ports[n]) for n in NAMES]}
+    o = ec.profile("bench", models=models, listen=("127.0.0.1", listen), admin=("127.0.0.1", admin),
+                   dynamic_module=so.stem.removeprefix("lib"))
+    with _serve(o, so, pool, listen, admin, "prefix-router-dm-") as envoy:
+        yield so, envoy, pool
 
 
 def test_the_module_imports_only_callbacks_this_envoy_exports():
@@ -138,22 +149,12 @@ def native():
     demo = ec.profile("demo")
     names = [w.cluster for ws in demo.models.values() for w in ws]
     pool = WorkerPool(names)
-    tmp = Path(tempfile.mkdtemp(prefix="prefix-router-native-"))
     listen, admin = free_port(), free_port()
     o = ec.local_demo(pool.ports, listen=listen, admin=admin, wasm="unused",
                       plugin={"unknown_model": "reject", "policy": {"placement_window_ms": 0}})
     o = dataclasses.replace(o, dynamic_module="prefix_router")
-    envoy = Envoy(ec.render(o), listener_port=listen, admin_port=admin, workdir=tmp,
-                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
-    try:
-        envoy.start()
-    except Exception:
-        pool.close()
-        raise
-    yield envoy, pool, names
-    envoy.stop()
-    pool.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+    with _serve(o, so, pool, listen, admin, "prefix-router-native-") as envoy:
+        yield envoy, pool, names
 
 
 def test_native_build_routes_a_shared_prefix_to_one_worker_with_prefix_hits(native):
