@@ -289,31 +289,27 @@ struct ModuleConfig {
     metrics: Vec<Defined>,
 }
 
+/// The config-level metric calls: define (name, no labels, id out) and update (id, no labels,
+/// amount).
+type DefineFn = unsafe extern "C" fn(*mut c_void, Buf, *const Buf, usize, *mut usize) -> u32;
+type UpdateFn = unsafe extern "C" fn(*mut c_void, usize, *const Buf, usize, u64) -> u32;
+
 /// Defines a metric while the config is being created (main thread); 0 when Envoy refused.
 fn define(envoy: *mut c_void, kind: MetricKind, name: &str) -> usize {
+    let f: DefineFn = match kind {
+        MetricKind::Counter => raw::envoy_dynamic_module_callback_http_filter_config_define_counter,
+        MetricKind::Gauge => raw::envoy_dynamic_module_callback_http_filter_config_define_gauge,
+    };
     let mut id = 0usize;
     // SAFETY: Envoy's config pointer during `on_http_filter_config_new`; no labels.
     let rc = unsafe {
-        match kind {
-            MetricKind::Counter => {
-                raw::envoy_dynamic_module_callback_http_filter_config_define_counter(
-                    envoy,
-                    Buf::of(name.as_bytes()),
-                    std::ptr::null(),
-                    0,
-                    &mut id,
-                )
-            }
-            MetricKind::Gauge => {
-                raw::envoy_dynamic_module_callback_http_filter_config_define_gauge(
-                    envoy,
-                    Buf::of(name.as_bytes()),
-                    std::ptr::null(),
-                    0,
-                    &mut id,
-                )
-            }
-        }
+        f(
+            envoy,
+            Buf::of(name.as_bytes()),
+            std::ptr::null(),
+            0,
+            &mut id,
+        )
     };
     if rc == 0 {
         id
@@ -377,6 +373,12 @@ impl<'a> Native<'a> {
             call_headers: &[],
             call_body: &[],
         }
+    }
+
+    /// One config-level metric call on Envoy's metric `envoy_id`.
+    fn update(&self, f: UpdateFn, envoy_id: usize, amount: u64) {
+        // SAFETY: Envoy's live config pointer (checked non-null by `metric`); no labels.
+        unsafe { f(self.config, envoy_id, std::ptr::null(), 0, amount) };
     }
 
     /// Updates metric `id` (position plus one) with `op`, when Envoy defined it.
@@ -581,55 +583,29 @@ impl Host for Native<'_> {
     }
     fn increment_metric(&self, id: u32, by: i64) {
         self.metric(id, |kind, envoy_id| {
-            let n = by.unsigned_abs();
-            // SAFETY: Envoy's live config pointer; no labels.
-            unsafe {
-                match (kind, by >= 0) {
-                    (MetricKind::Counter, true) => {
-                        raw::envoy_dynamic_module_callback_http_filter_config_increment_counter(
-                            self.config,
-                            envoy_id,
-                            std::ptr::null(),
-                            0,
-                            n,
-                        )
-                    }
-                    (MetricKind::Counter, false) => 0, // counters only go up
-                    (MetricKind::Gauge, true) => {
-                        raw::envoy_dynamic_module_callback_http_filter_config_increment_gauge(
-                            self.config,
-                            envoy_id,
-                            std::ptr::null(),
-                            0,
-                            n,
-                        )
-                    }
-                    (MetricKind::Gauge, false) => {
-                        raw::envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
-                            self.config,
-                            envoy_id,
-                            std::ptr::null(),
-                            0,
-                            n,
-                        )
-                    }
-                };
-            }
+            let f: UpdateFn = match (kind, by >= 0) {
+                (MetricKind::Counter, true) => {
+                    raw::envoy_dynamic_module_callback_http_filter_config_increment_counter
+                }
+                (MetricKind::Counter, false) => return, // counters only go up
+                (MetricKind::Gauge, true) => {
+                    raw::envoy_dynamic_module_callback_http_filter_config_increment_gauge
+                }
+                (MetricKind::Gauge, false) => {
+                    raw::envoy_dynamic_module_callback_http_filter_config_decrement_gauge
+                }
+            };
+            self.update(f, envoy_id, by.unsigned_abs());
         });
     }
     fn record_metric(&self, id: u32, value: u64) {
         self.metric(id, |kind, envoy_id| {
             if kind == MetricKind::Gauge {
-                // SAFETY: Envoy's live config pointer; no labels.
-                unsafe {
-                    raw::envoy_dynamic_module_callback_http_filter_config_set_gauge(
-                        self.config,
-                        envoy_id,
-                        std::ptr::null(),
-                        0,
-                        value,
-                    );
-                }
+                self.update(
+                    raw::envoy_dynamic_module_callback_http_filter_config_set_gauge,
+                    envoy_id,
+                    value,
+                );
             }
         });
     }
