@@ -15,20 +15,24 @@
 //! at most `u32::MAX`, ws = space, tab, CR, LF) and returns `None` for anything else (including
 //! `[]`), after which the caller uses serde alone. Never panics: every byte is read with `get`.
 //!
-//! Layout: a fast loop reads one id of 1 to 7 digits (no leading zero) and its separator per
-//! 8-byte load, for `,` and for `, ` (Python's `json.dumps` default, what the OpenAI and
-//! `requests` clients send: the space is in the same word and skipped there). Anything else
-//! (whitespace elsewhere, `0`, 8+ digits, the closing `]`, the last 7 bytes of the body) takes
-//! one general step (whitespace, then one id through the same SWAR word or byte by byte, then
-//! its separator) and goes back to the fast loop.
+//! Layout: in the shipped `.wasm` (Wasm SIMD) a vector step reads two ids of 1 to 8 digits and
+//! their `,` or `, ` separators per 16-byte load (`id_pairs.rs`) while it can. Then a fast loop
+//! reads one id of 1 to 7 digits (no leading zero) and its separator per 8-byte load, for `,`
+//! and for `, ` (Python's `json.dumps` default, what the OpenAI and `requests` clients send: the
+//! space is in the same word and skipped there). Anything else (whitespace elsewhere, `0`, 8+
+//! digits, the closing `]`, the last 7 bytes of the body) takes one general step (whitespace,
+//! then one id through the same SWAR word or byte by byte, then its separator) and goes back to
+//! the vector step. Native builds have no vector step (see `id_pairs::ENABLED`).
 //!
-//! Costs: ~107 Wasm instructions per id in the fast loop, the same with `,` and `, `
-//! (wasmtime fuel, 4096 ids of 1 to 6 digits; the whole `/generate` request costs ~134 per id,
-//! `harness/benches/wasm.rs`, docs/performance.md); other whitespace (` ,`, `,\n  `) costs a
-//! general step per id on top. O(array bytes), no allocation beyond growing the caller's
-//! reusable `out` (the ids are written as little-endian `u32`s, 256 bytes at a time from a
-//! stack block, one `memory.copy` each). [`locate`] walks the body's top-level object only as
+//! Costs: the whole `/generate` request costs ~106 Wasm instructions per id with the vector
+//! step and ~127 with the fast loop alone (~107 of them the loop), the same with `,` and `, `
+//! (wasmtime fuel, 4096 ids of 1 to 6 digits, `harness/benches/wasm.rs`, docs/performance.md);
+//! other whitespace (` ,`, `,\n  `) costs a general step per id on top. O(array bytes), no
+//! allocation beyond growing the caller's reusable `out` (the ids are written as little-endian
+//! `u32`s, 256 bytes at a time from a stack block, one `memory.copy` each). [`locate`] walks the body's top-level object only as
 //! far as the prompt key.
+
+use crate::id_pairs;
 
 /// Whitespace as JSON (and serde_json) defines it.
 fn is_ws(c: u8) -> bool {
@@ -72,6 +76,13 @@ pub fn scan(b: &[u8], at: usize, out: &mut Vec<u8>, cap: usize) -> Option<Scanne
     let mut count = 0usize;
     let mut p = at + 1;
     loop {
+        // Vector step: two ids per 16-byte load (`id_pairs.rs`), where built with Wasm SIMD.
+        if id_pairs::ENABLED {
+            while let Some((two, q)) = id_pairs::pair(b, p) {
+                put2(&mut block, &mut count, out, cap, two);
+                p = q;
+            }
+        }
         // Fast loop: one id of 1 to 7 digits at `p` followed by `,` or `, `, per round.
         while let Some(w) = b.get(p..).and_then(|s| s.first_chunk::<8>()) {
             let w = u64::from_le_bytes(*w);
@@ -156,6 +167,26 @@ fn put(block: &mut [u8; 4 * BLOCK], count: &mut usize, out: &mut Vec<u8>, cap: u
     *count += 1;
     if count.is_multiple_of(BLOCK) && out.len() < cap {
         out.extend_from_slice(block);
+    }
+}
+
+/// Stores two ids (`two`: the first in the low half) like two [`put`]s, with one 8-byte store
+/// when both fit the stack block.
+#[inline(always)]
+fn put2(block: &mut [u8; 4 * BLOCK], count: &mut usize, out: &mut Vec<u8>, cap: usize, two: u64) {
+    let i = (*count % BLOCK) * 4;
+    match block.get_mut(i..i + 8) {
+        Some(slot) => {
+            slot.copy_from_slice(&two.to_le_bytes());
+            *count += 2;
+            if count.is_multiple_of(BLOCK) && out.len() < cap {
+                out.extend_from_slice(block);
+            }
+        }
+        None => {
+            put(block, count, out, cap, two as u32);
+            put(block, count, out, cap, (two >> 32) as u32);
+        }
     }
 }
 
