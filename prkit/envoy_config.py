@@ -969,11 +969,17 @@ def stats_listener(o: Options) -> dict:
 def peers_listener(o: Options, plugin: dict) -> dict:
     assert o.peer_listen is not None
     peer_plugin = {**plugin, "peer_listener": True}
-    wasm = wasm_filter(o, peer_plugin, "Plugin configuration: the client listener's, plus peer_listener.")
-    wasm = {"#": f"The same filter (same vm_config and vm_id: the client listener's prefix index) with\n"
-                 f"peer_listener: it answers POST {PEER_PATH} batches carrying\n"
-                 f"{PEER_SECRET_HEADER} itself (204) and refuses everything else.",
-            **wasm}
+    if o.dynamic_module:
+        wasm = {"#": f"The same native module (its shared data is process-wide: the client listener's\n"
+                     f"prefix index) with peer_listener: it answers POST {PEER_PATH} batches carrying\n"
+                     f"{PEER_SECRET_HEADER} itself (204) and refuses everything else.",
+                **dynamic_module_filter(o.dynamic_module, peer_plugin)}
+    else:
+        wasm = wasm_filter(o, peer_plugin, "Plugin configuration: the client listener's, plus peer_listener.")
+        wasm = {"#": f"The same filter (same vm_config and vm_id: the client listener's prefix index) with\n"
+                     f"peer_listener: it answers POST {PEER_PATH} batches carrying\n"
+                     f"{PEER_SECRET_HEADER} itself (204) and refuses everything else.",
+                **wasm}
     return {
         "#": "Peer listener: other replicas POST the index records they make here (keep this port on a\n"
              "private network; requests without the shared secret are refused). No access log.",

@@ -7,9 +7,10 @@
 //!
 //! Status: experimental, for benchmarks (`benches/overhead` kind `prefix_router_dm`) and the
 //! real-Envoy tests of this layer. Not a supported deployment yet:
-//! - load polls run on Envoy's main thread (a timer thread of ours commits to the config's
-//!   scheduler; the calls are config-level callouts, which must all start on one thread); no
-//!   peer batches and no body rewrite yet, so configs with peers, a peer listener or
+//! - load polls and peer batches go out from Envoy's main thread (a timer thread of ours commits
+//!   to the config's scheduler; the calls are config-level callouts, which must all start on one
+//!   thread): worker threads hand their peer records to it through the process store
+//!   (`peers::Outbox::hand_off`, at each stream end). No body rewrite yet, so configs with
 //!   prefill/decode models are refused (the filter config then fails, naming the field);
 //! - metrics are Envoy stats named `dynamicmodulescustom.<name>` (the Wasm build's names carry no
 //!   prefix), defined while the config is created (the only time Envoy allows it);
@@ -320,9 +321,7 @@ fn define(envoy: *mut c_void, kind: MetricKind, name: &str) -> usize {
 
 /// The reasons a config that `Config::from_json` accepts is refused here, naming the field.
 fn native_refusal(c: &Config) -> Option<&'static str> {
-    if c.peers.is_some() || c.peer_listener {
-        Some("peers: the native build does not send peer batches yet")
-    } else if c.models.iter().any(|m| m.pd.is_some()) {
+    if c.models.iter().any(|m| m.pd.is_some()) {
         Some("models.*.prefill: the native build does not rewrite bodies yet")
     } else {
         None

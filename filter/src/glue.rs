@@ -227,10 +227,16 @@ struct Shared {
 }
 
 impl Shared {
-    /// Sends everything this VM still holds: parked load deltas and batched metric increments.
+    /// Sends everything this VM still holds: parked load deltas, batched metric increments
+    /// and, where this root cannot call, its peer records (to the root that sends them).
     fn flush_all(&self, h: &impl Host) {
         if let Ok(mut r) = self.router.try_borrow_mut() {
             r.flush_pending(h);
+            if !h.can_call() {
+                if let Some(ob) = r.outbox.as_mut() {
+                    ob.hand_off(h);
+                }
+            }
         }
         self.metrics.flush(h);
     }
@@ -315,17 +321,18 @@ impl Root {
         }
     }
 
-    /// Sends this VM's new index records to every peer, every `peers.flush_ms`.
+    /// Sends this VM's new index records to every peer, every `peers.flush_ms`. A root that
+    /// cannot call (a native worker thread) hands its records to the one that can instead
+    /// (`peers::Outbox::hand_off`), which sends them with its own.
     fn flush_peers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
-        let mut guard = s.router.borrow_mut();
+        let Ok(mut guard) = s.router.try_borrow_mut() else {
+            return;
+        };
         let r = &mut *guard;
         let Some(p) = &r.cfg.peers else {
             return;
         };
-        if r.cfg.peer_listener
-            || now_ms < self.last_peer_flush_ms + u64::from(p.flush_ms)
-            || r.outbox.as_ref().is_none_or(|o| o.is_empty())
-        {
+        if r.cfg.peer_listener || now_ms < self.last_peer_flush_ms + u64::from(p.flush_ms) {
             return;
         }
         self.last_peer_flush_ms = now_ms;
@@ -333,10 +340,18 @@ impl Root {
             return;
         };
         let m = &s.metrics;
+        if h.can_call() {
+            ob.take_relayed(h);
+        } else {
+            ob.hand_off(h);
+        }
         m.add(
             m.peer_records_dropped,
             std::mem::take(&mut ob.dropped) as i64,
         );
+        if ob.is_empty() {
+            return;
+        }
         let n = ob.len() as i64;
         for c in &p.clusters {
             if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {

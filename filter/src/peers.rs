@@ -7,7 +7,9 @@
 //! (`dispatch_http_call`, fire-and-forget with `peers.timeout_ms`). The outbox holds at most
 //! `peers.max_batch` records; beyond that records are dropped and counted. Nothing waits on a
 //! peer: a down or slow peer costs freshness (its index misses what it was not told), never a
-//! request.
+//! request. In the native build only Envoy's main thread can start calls: the worker threads
+//! hand their records to it through shared data ([`RELAY_KEY`], bounded by `max_batch` too) and
+//! it sends them with its own batch.
 //!
 //! **Receiving.** Only the filter on the peer listener (`peer_listener: true`) accepts batches, at
 //! `POST /prefix-router/v1/records` with the shared secret in `x-prefix-router-peer-secret`
@@ -34,6 +36,8 @@ pub struct Outbox {
     max: usize,
     /// Records dropped because the outbox was full (metric).
     pub dropped: u64,
+    /// The relay's value, read back ([`Outbox::hand_off`], [`Outbox::take_relayed`]).
+    relay: Vec<u8>,
 }
 
 impl Outbox {
@@ -44,6 +48,7 @@ impl Outbox {
             buf,
             max: max_records,
             dropped: 0,
+            relay: Vec::new(),
         }
     }
 
@@ -74,7 +79,76 @@ impl Outbox {
     pub fn clear(&mut self) {
         self.buf.truncate(MAGIC.len());
     }
+
+    /// Hands this outbox's records to the thread that sends for everyone, through shared data
+    /// ([`RELAY_KEY`]), and empties it. For a thread that cannot start calls (the native build's
+    /// worker threads; Envoy's main thread sends for them). The relay holds at most `max`
+    /// records in all: the rest are dropped and counted in `dropped`, as a full outbox does.
+    pub fn hand_off<S: Store>(&mut self, store: &S) {
+        let buf = &mut self.relay;
+        let mine = self.buf.get(MAGIC.len()..).unwrap_or_default();
+        if mine.is_empty() {
+            return;
+        }
+        for _ in 0..RELAY_TRIES {
+            let cas = match store.get(RELAY_KEY, buf) {
+                Some(c) => c,
+                None => {
+                    // Create it empty first: a set on a missing key ignores its CAS token, so
+                    // two first appends could each overwrite the other; two empty creates can't.
+                    let _ = store.set(RELAY_KEY, &[], 0);
+                    continue;
+                }
+            };
+            let room = (self.max * REC).saturating_sub(buf.len()) / REC * REC;
+            let take = mine.len().min(room);
+            buf.extend_from_slice(mine.get(..take).unwrap_or_default());
+            if store.set(RELAY_KEY, buf, cas).is_ok() {
+                self.dropped += ((mine.len() - take) / REC) as u64;
+                self.clear();
+                return;
+            }
+        }
+        // Lost the race every time: these records are dropped like an overflow.
+        self.dropped += (mine.len() / REC) as u64;
+        self.clear();
+    }
+
+    /// Takes the records other threads handed off ([`Outbox::hand_off`]) into this outbox, up
+    /// to its capacity (the rest dropped and counted), leaving the relay empty.
+    pub fn take_relayed<S: Store>(&mut self, store: &S) {
+        let buf = &mut self.relay;
+        let mut taken = false;
+        for _ in 0..RELAY_TRIES {
+            match store.get(RELAY_KEY, buf) {
+                Some(cas) if !buf.is_empty() => {
+                    if store.set(RELAY_KEY, &[], cas).is_ok() {
+                        taken = true;
+                        break;
+                    }
+                    // Lost to an append: read again.
+                }
+                _ => return,
+            }
+        }
+        if !taken {
+            return; // still in the relay: the next flush takes them
+        }
+        let room = (self.max * REC + MAGIC.len()).saturating_sub(self.buf.len());
+        let whole = buf.len() / REC * REC;
+        let take = whole.min(room);
+        self.buf
+            .extend_from_slice(buf.get(..take).unwrap_or_default());
+        self.dropped += ((whole - take) / REC) as u64;
+    }
 }
+
+/// Shared-data key of the records that threads which cannot call hand to the one that can
+/// (see [`Outbox::hand_off`]): whole 16-byte records, no header. Unused by the Wasm build, where
+/// every VM sends its own batches.
+pub const RELAY_KEY: &str = "pr/peer-relay";
+/// CAS attempts of a relay append or drain before giving up for this flush.
+const RELAY_TRIES: usize = 4;
 
 /// What applying a batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +241,42 @@ mod tests {
                  "peers":{"clusters":["p0"],"secret":"0123456789abcdef","max_batch":4}}"#,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn the_relay_carries_records_once_and_stays_bounded() {
+        let s = MemStore::new();
+        let rec = |o: &mut Outbox, n: u64| (0..n).for_each(|i| o.push(7, 1, i));
+        // Two threads hand off 3 records each; the relay holds at most 4 (max_batch).
+        let (mut a, mut b) = (Outbox::new(4), Outbox::new(4));
+        rec(&mut a, 3);
+        a.hand_off(&s);
+        rec(&mut b, 3);
+        b.hand_off(&s);
+        assert!(a.is_empty() && b.is_empty());
+        assert_eq!(
+            (a.dropped, b.dropped),
+            (0, 2),
+            "the relay's bound drops the excess"
+        );
+        // The sender already holds 1 record of its own: it takes 3 of the relay's 4.
+        let mut main = Outbox::new(4);
+        rec(&mut main, 1);
+        main.take_relayed(&s);
+        assert_eq!((main.len(), main.dropped), (4, 1));
+        let mut v = Vec::new();
+        s.get(RELAY_KEY, &mut v);
+        assert!(v.is_empty(), "drained");
+        main.clear();
+        main.take_relayed(&s);
+        assert!(main.is_empty(), "nothing is taken twice");
+        // A relay that keeps losing its CAS race gives up without taking anything.
+        let busy = MemStore::with_conflicts(1);
+        busy.put(RELAY_KEY, &[0u8; 16]);
+        main.take_relayed(&busy);
+        assert!(main.is_empty());
+        busy.get(RELAY_KEY, &mut v);
+        assert_eq!(v.len(), 16, "still there for the next flush");
     }
 
     #[test]

@@ -408,3 +408,92 @@ fn a_pd_prompt_reuses_its_prefill_worker_after_the_decode_worker_answered_2xx() 
     assert!(!seen[1].contains("matched=0;"), "{seen:?}");
     assert!(seen[1].contains("reason=prefix_hit"), "{seen:?}");
 }
+
+/// A root that cannot make calls (a native worker thread) hands its peer records to the root
+/// that can (the native main thread) through shared data, at its ticks and, on an eager host,
+/// at each stream end; that root sends them to every peer in its own batch, once.
+#[test]
+fn a_root_that_cannot_call_hands_its_peer_records_to_one_that_can() {
+    use prefix_router::config::PEER_PATH;
+    use prefix_router::peers::{MAGIC, RELAY_KEY};
+    let cfg = config(
+        r#","peers":{"clusters":["peer0","peer1"],"secret":"0123456789abcdef","flush_ms":100}"#,
+    );
+    for eager in [false, true] {
+        let (h, mut worker) = configured(&cfg);
+        {
+            let mut s = h.state.borrow_mut();
+            s.cannot_call = true;
+            s.eager_flush = eager;
+        }
+        let prompt = "a system prompt long enough for a few blocks. ".repeat(40);
+        let (mut s, _) = request(
+            &h,
+            &worker,
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat(&prompt),
+        );
+        h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+        s.on_response_headers(&h);
+        s.on_done(&h);
+        let relayed = |h: &FakeHost| {
+            let mut v = Vec::new();
+            h.get(RELAY_KEY, &mut v);
+            v.len()
+        };
+        if eager {
+            assert!(
+                relayed(&h) > 0,
+                "an eager host hands records off at the stream end"
+            );
+        }
+        for _ in 0..3 {
+            h.state.borrow_mut().now_nanos += 60_000_000;
+            worker.on_tick(&h);
+        }
+        let n = relayed(&h);
+        assert!(n > 0 && n % 16 == 0, "eager={eager}: {n} relayed bytes");
+        assert!(
+            h.state.borrow().calls.is_empty(),
+            "a root that cannot call made calls"
+        );
+
+        h.state.borrow_mut().cannot_call = false;
+        let mut main = Root::new();
+        assert!(main.on_configure(&h, cfg.len()));
+        for _ in 0..4 {
+            h.state.borrow_mut().now_nanos += 60_000_000;
+            main.on_tick(&h);
+        }
+        let st = h.state.borrow();
+        let sent: Vec<_> = st
+            .calls
+            .iter()
+            .filter(|c| {
+                c.headers
+                    .iter()
+                    .any(|(k, v)| k == ":path" && v == PEER_PATH)
+            })
+            .collect();
+        let mut peers: Vec<&str> = sent.iter().map(|c| c.upstream.as_str()).collect();
+        peers.sort();
+        assert_eq!(
+            peers,
+            ["peer0", "peer1"],
+            "eager={eager}: one batch per peer"
+        );
+        for c in &sent {
+            let body = c.body.as_deref().unwrap_or_default();
+            assert_eq!(body.get(..4), Some(MAGIC.as_slice()));
+            assert_eq!(
+                body.len() - 4,
+                n,
+                "eager={eager}: every relayed record, once"
+            );
+        }
+        drop(st);
+        assert_eq!(relayed(&h), 0, "the relay is drained");
+    }
+}

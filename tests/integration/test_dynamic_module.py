@@ -294,3 +294,57 @@ def test_native_build_polls_every_worker_from_envoys_main_thread(native):
     time.sleep(2)
     rate = (sum(w.stats.polls for w in pool.workers.values()) - p0) / (time.time() - t0) / len(names)
     assert 3 <= rate <= 15, rate
+
+
+def test_native_replicas_share_placements_through_their_peer_listeners():
+    """Two native replicas, each the other's peer. Records a worker thread makes are handed to
+    Envoy's main thread (a worker thread cannot start callouts), which POSTs them to the peer's
+    listener; there the same module applies them to its process-wide index. So a prefix placed
+    through A is a prefix hit on B's first request for it."""
+    cargo_build("prefix-router", release=True, features=["dynamic-module"])
+    so = target_dir() / "release" / "libprefix_router.so"
+    demo = ec.profile("demo")
+    names = [w.cluster for ws in demo.models.values() for w in ws]
+    pool = WorkerPool(names)
+    ports = {k: (free_port(), free_port(), free_port()) for k in "ab"}  # listen, admin, peers
+    secret = "native-peers-test-secret"
+    envoys, tmps = {}, []
+    try:
+        for k, other in (("a", "b"), ("b", "a")):
+            listen, admin, peer = ports[k]
+            o = ec.local_demo(pool.ports, listen=listen, admin=admin, wasm="unused",
+                              plugin={"policy": {"placement_window_ms": 0}})
+            o = dataclasses.replace(o, dynamic_module="prefix_router", peer_listen=("127.0.0.1", peer),
+                                    peers=[("127.0.0.1", ports[other][2])], peer_secret=secret)
+            tmp = Path(tempfile.mkdtemp(prefix=f"prefix-router-native-peer-{k}-"))
+            tmps.append(tmp)
+            envoys[k] = Envoy(ec.render(o), listener_port=listen, admin_port=admin, workdir=tmp,
+                              env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
+            envoys[k].start()
+        a, b = envoys["a"], envoys["b"]
+        r = wl.rng("native-peers")
+        prefix = wl.text(r, 4096)
+        ca, cb = Client(a.listener_port), Client(b.listener_port)
+        first = ca.post("/v1/completions", {"model": "llama", "prompt": prefix + " Q0"})
+        assert first.status == 200 and first.decision["reason"] == "hash_affinity", first.decision
+        received = r"dynamicmodulescustom\.prefix_router\.peers\.records_received"
+        deadline = time.time() + 30
+        while sum(b.counters(received).values()) == 0:
+            assert time.time() < deadline, (a.counters(r"dynamicmodulescustom\.prefix_router\.peers\..*"),
+                                            b.counters(r"dynamicmodulescustom\.prefix_router\.peers\..*"))
+            time.sleep(0.1)
+        rep = cb.post("/v1/completions", {"model": "llama", "prompt": prefix + " Q1"})
+        assert rep.status == 200, rep.body
+        assert rep.decision["reason"] == "prefix_hit" and rep.worker == first.worker, (first.decision, rep.decision)
+        assert int(rep.decision["matched"]) > 0, rep.decision
+        # Nothing failed on the way, and nothing was refused at the peer listener.
+        assert sum(a.counters(r"dynamicmodulescustom\.prefix_router\.peers\.send_failures").values()) == 0
+        assert sum(b.counters(r"dynamicmodulescustom\.prefix_router\.peers\.requests_rejected").values()) == 0
+        ca.close()
+        cb.close()
+    finally:
+        for e in envoys.values():
+            e.stop()
+        pool.close()
+        for t in tmps:
+            shutil.rmtree(t, ignore_errors=True)
