@@ -5,13 +5,14 @@
 //! why (the V8 boundary is most of the Wasm build's per-request cost) and how every ABI fact
 //! used here was checked against the shipped binary.
 //!
-//! Status: experimental, for benchmarks (`benches/overhead` kind `prefix_router_dm`) and the
-//! real-Envoy tests of this layer. Not a supported deployment yet:
+//! Status: experimental, opt-in (`envoy/gen --native`); the `.wasm` stays the default. It runs
+//! every feature of the Wasm build:
 //! - load polls and peer batches go out from Envoy's main thread (a timer thread of ours commits
 //!   to the config's scheduler; the calls are config-level callouts, which must all start on one
 //!   thread): worker threads hand their peer records to it through the process store
-//!   (`peers::Outbox::hand_off`, at each stream end). No body rewrite yet, so configs with
-//!   prefill/decode models are refused (the filter config then fails, naming the field);
+//!   (`peers::Outbox::hand_off`, at each stream end);
+//! - prefill/decode's body rewrite drains Envoy's request body and appends the new one
+//!   (`drain_body` / `append_body`, on the buffered body when there is one);
 //! - metrics are Envoy stats named `dynamicmodulescustom.<name>` (the Wasm build's names carry no
 //!   prefix), defined while the config is created (the only time Envoy allows it);
 //! - a panic or a crash here takes Envoy down (no Wasm sandbox, no `FAIL_RELOAD`).
@@ -195,6 +196,19 @@ mod raw {
             body: Buf,
             timeout_ms: u64,
         ) -> u32;
+        /// Appends `data` to the body `body` (0 received / 1 buffered request body); false
+        /// when that body does not exist.
+        pub fn envoy_dynamic_module_callback_http_append_body(
+            f: EnvoyFilter,
+            body: u32,
+            data: Buf,
+        ) -> bool;
+        /// Drains up to `n` bytes from the front of the body `body`.
+        pub fn envoy_dynamic_module_callback_http_drain_body(
+            f: EnvoyFilter,
+            body: u32,
+            n: usize,
+        ) -> bool;
         pub fn envoy_dynamic_module_callback_http_send_response(
             f: EnvoyFilter,
             status: u32,
@@ -316,15 +330,6 @@ fn define(envoy: *mut c_void, kind: MetricKind, name: &str) -> usize {
         id
     } else {
         0
-    }
-}
-
-/// The reasons a config that `Config::from_json` accepts is refused here, naming the field.
-fn native_refusal(c: &Config) -> Option<&'static str> {
-    if c.models.iter().any(|m| m.pd.is_some()) {
-        Some("models.*.prefill: the native build does not rewrite bodies yet")
-    } else {
-        None
     }
 }
 
@@ -559,9 +564,36 @@ impl Host for Native<'_> {
             }
         }
     }
-    fn set_buffer(&self, _which: Buffer, _len: usize, _data: &[u8]) {
-        // Only prefill/decode rewrites bodies, and the config refuses those models here.
-        self.log_error("prefix-router: body rewrite is not available in the native build");
+    /// Replaces the request body (prefill/decode's rewrite, at the end of the body): both
+    /// bodies are drained and `data` goes where the body was, the buffered body when earlier
+    /// chunks were buffered, else the chunk just received (as [`Native::body`] reads it).
+    fn set_buffer(&self, which: Buffer, _len: usize, data: &[u8]) {
+        if which != Buffer::RequestBody || self.filter.is_null() {
+            return;
+        }
+        // SAFETY: a live stream pointer in a request-body hook; `data` outlives the calls
+        // (Envoy copies it).
+        unsafe {
+            let buffered = raw::envoy_dynamic_module_callback_http_get_body_chunks_size(
+                self.filter,
+                BUFFERED_REQUEST_BODY,
+            ) > 0;
+            for b in [BUFFERED_REQUEST_BODY, RECEIVED_REQUEST_BODY] {
+                raw::envoy_dynamic_module_callback_http_drain_body(self.filter, b, usize::MAX);
+            }
+            let target = if buffered {
+                BUFFERED_REQUEST_BODY
+            } else {
+                RECEIVED_REQUEST_BODY
+            };
+            if !raw::envoy_dynamic_module_callback_http_append_body(
+                self.filter,
+                target,
+                Buf::of(data),
+            ) {
+                self.log_error("prefix-router: Envoy refused the rewritten request body");
+            }
+        }
     }
     fn now_nanos(&self) -> u64 {
         SystemTime::now()
@@ -767,10 +799,6 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             return std::ptr::null();
         }
     };
-    if let Some(why) = native_refusal(&cfg) {
-        eprintln!("prefix-router: {why}");
-        return std::ptr::null();
-    }
     // The glue defines its metrics when a root is configured; Envoy allows that only now, so a
     // root configured here defines them all, and the worker threads' roots find them by name.
     let defined = RefCell::new(Vec::new());

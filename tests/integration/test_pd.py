@@ -24,9 +24,9 @@ import uuid
 
 import pytest
 
-from prkit.build import sim_binary, wasm_path
+from prkit.build import cargo_build, sim_binary, wasm_path
 from prkit.envoy import Envoy
-from prkit.paths import REPO_ROOT
+from prkit.paths import REPO_ROOT, target_dir
 from prkit.ports import free_port
 from prkit.prom import parse_prometheus
 
@@ -107,18 +107,25 @@ DECODES = [f"{MODEL}_decode_{i}" for i in range(2)]
 
 
 class FakeFleet:
-    def __init__(self, tmp):
+    def __init__(self, tmp, native: bool = False):
+        """`native`: the experimental native build (`envoy/gen --native`, libprefix_router.so)."""
         self.pool = WorkerPool(PREFILLS + DECODES)
         p = self.pool.ports
         listener, admin = free_port(), free_port()
-        text = gen(base_args(listener, admin) + [
+        args = base_args(listener, admin)
+        env = None
+        if native:
+            cargo_build("prefix-router", release=True, features=["dynamic-module"])
+            args = [a for i, a in enumerate(args) if a != "--wasm" and args[i - 1] != "--wasm"] + ["--native"]
+            env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(target_dir() / "release")}
+        text = gen(args + [
             "--pd-model", MODEL,
             "--prefill", ",".join(f"127.0.0.1:{p[n]}@{BOOTSTRAP_PORT}" for n in PREFILLS),
             "--decode", ",".join(f"127.0.0.1:{p[n]}" for n in DECODES),
         ])
         for n in PREFILLS + DECODES:
             assert f"- name: {n}\n" in text, n
-        self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp)
+        self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp, env=env)
         self.client = Client(listener)
 
     def start(self):
@@ -162,6 +169,20 @@ def fake(tmp_path_factory):
     f.close()
 
 
+@pytest.fixture(scope="module")
+def fake_native(tmp_path_factory):
+    f = FakeFleet(tmp_path_factory.mktemp("pd-fake-native"), native=True)
+    try:
+        f.start()
+    except Exception:
+        f.close()
+        raise
+    it_conftest._ACTIVE_STACKS.append(f)
+    yield f
+    it_conftest._ACTIVE_STACKS.remove(f)
+    f.close()
+
+
 @pytest.fixture
 def ff(fake):
     fake.pool.reset()
@@ -180,12 +201,29 @@ def posts_by_worker(f: FakeFleet, n_expected: int, tag: str) -> dict:
     return wait_for(seen, f"{n_expected} worker requests")
 
 
-@pytest.mark.parametrize("path,body", [
+PD_BODIES = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/completions", {"model": MODEL, "prompt": "once upon a time"}),
     ("/generate", {"text": "once upon a time", "sampling_params": {"max_new_tokens": 4}}),
-])
+]
+
+
+@pytest.mark.parametrize("path,body", PD_BODIES)
 def test_prefill_gets_the_same_body_and_room_as_decode(ff, path, body):
+    check_prefill_and_decode_bodies(ff, path, body)
+
+
+@pytest.mark.parametrize("path,body", PD_BODIES)
+def test_native_build_rewrites_the_body_for_prefill_and_decode(fake_native, path, body):
+    """The same through the native build: its body rewrite drains Envoy's request body and
+    appends the new one (`drain_body` / `append_body`), which the mirror carries too; a body in
+    several chunks (the buffered body) and one in a single chunk alike."""
+    fake_native.pool.reset()
+    check_prefill_and_decode_bodies(fake_native, path, body)
+    check_prefill_and_decode_bodies(fake_native, path, dict(body, padding="x" * 300_000))
+
+
+def check_prefill_and_decode_bodies(ff, path, body):
     tag = uuid.uuid4().hex
     body = dict(body, user=tag, bootstrap_room=7, bootstrap_host="attacker.example")
     r = ff.client.post(path, body, headers={PREFILL_HEADER: DECODES[0], "x-prefix-router-cluster": PREFILLS[0]})
