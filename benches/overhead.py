@@ -366,7 +366,7 @@ def run_rss(args, tmp: Path, upstream: int):
 
 STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ floor on the SDK (all exports)"),
                 ("wasm_floor", "+ floor, lean exports"), ("dm_floor", "+ floor, dynamic module"),
-                ("prefix_router", "+ prefix-router")]
+                ("prefix_router", "+ prefix-router"), ("prefix_router_dm", "+ prefix-router, dynamic module")]
 
 
 def cpu_seconds(pid: int) -> float:
