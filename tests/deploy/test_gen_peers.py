@@ -135,3 +135,27 @@ def test_secret_file_too_short(tmp_path):
     f.write_text("short\n")
     err = gen_fail("--model", "m=10.0.0.1:8000", "--peers", PEERS, "--peer-secret-file", str(f))
     assert f"--peer-secret-file {f}" in err and "too short (5 characters" in err
+
+
+def test_native_renders_the_dynamic_module_on_both_listeners(composecheck, tmp_path):
+    """`--native`: the dynamic-module filter in place of the Wasm one, on the client listener and
+    the peers listener (same module: its shared data is process-wide), the peers listener's with
+    `peer_listener`; no .wasm anywhere; `--wasm` with it is an error naming `--native`."""
+    args = ["--model", "m=10.0.0.1:8000,w1.llm.svc:8000", "--peers", PEERS,
+            "--peer-listen", "127.0.0.1:0", "--peer-secret", SECRET, "--native"]
+    text = run_gen(*args)
+    assert "envoy.filters.http.wasm" not in text and ".wasm" not in text
+    assert "ENVOY_DYNAMIC_MODULES_SEARCH_PATH" in text  # the header says how to start it
+    doc = as_json(composecheck, text, tmp_path)
+    listeners = {li["name"]: li for li in doc["static_resources"]["listeners"]}
+    plugins = {}
+    for name in ("ingress", "peers"):
+        (f,) = [f for f in hcm(listeners[name])["http_filters"]
+                if f["name"] == "envoy.filters.http.dynamic_modules"]
+        tc = f["typed_config"]
+        assert tc["dynamic_module_config"] == {"name": "prefix_router", "do_not_close": True}
+        assert tc["filter_name"] == "prefix_router"
+        plugins[name] = json.loads(tc["filter_config"]["value"])
+    assert plugins["peers"] == {**plugins["ingress"], "peer_listener": True}
+    assert plugins["ingress"]["peers"]["secret"] == SECRET
+    assert "--native" in gen_fail(*args, "--wasm", "/x/prefix_router.wasm")
