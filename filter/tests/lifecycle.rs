@@ -64,6 +64,16 @@ fn request(
     (st, a)
 }
 
+/// `n` chat streams decided and left open (users "0", "1", ...).
+fn open_chats(h: &FakeHost, root: &Root, n: usize) -> Vec<Stream> {
+    (0..n)
+        .map(|i| {
+            let chat = chat(&i.to_string());
+            request(h, root, "POST", "/v1/chat/completions", &[], &chat).0
+        })
+        .collect()
+}
+
 fn chat(user: &str) -> String {
     format!(r#"{{"model":"llama","messages":[{{"role":"user","content":"{user}"}}]}}"#)
 }
@@ -131,18 +141,7 @@ fn decisions(h: &FakeHost) -> i64 {
 #[test]
 fn metrics_are_batched_per_100ms_and_flushed_by_the_tick() {
     let (h, mut root) = configured(&config(""));
-    let mut streams = Vec::new();
-    for i in 0..5 {
-        let (s, _) = request(
-            &h,
-            &root,
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            &chat(&i.to_string()),
-        );
-        streams.push(s);
-    }
+    let streams = open_chats(&h, &root, 5);
     let decided = decisions(&h);
     // The first decision flushes (a new 100 ms unit); the next four in the same unit wait.
     assert!(decided < 5, "every decision was sent at once ({decided})");
@@ -168,18 +167,7 @@ fn an_eager_host_gets_the_batch_at_each_stream_end() {
     for eager in [false, true] {
         let (h, root) = configured(&config(""));
         h.state.borrow_mut().eager_flush = eager;
-        let mut streams = Vec::new();
-        for i in 0..3 {
-            let (s, _) = request(
-                &h,
-                &root,
-                "POST",
-                "/v1/chat/completions",
-                &[],
-                &chat(&i.to_string()),
-            );
-            streams.push(s);
-        }
+        let streams = open_chats(&h, &root, 3);
         for mut s in streams {
             s.on_done(&h);
         }

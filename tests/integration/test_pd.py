@@ -155,9 +155,8 @@ class FakeFleet:
             return [r for r in w.stats.requests if r["method"] == "POST"]
 
 
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    f = FakeFleet(tmp_path_factory.mktemp("pd-fake"))
+def _running(f: FakeFleet):
+    """Starts `f` (closed again if that fails), yields it, closes it."""
     try:
         f.start()
     except Exception:
@@ -167,20 +166,16 @@ def fake(tmp_path_factory):
     yield f
     it_conftest._ACTIVE_STACKS.remove(f)
     f.close()
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    yield from _running(FakeFleet(tmp_path_factory.mktemp("pd-fake")))
 
 
 @pytest.fixture(scope="module")
 def fake_native(tmp_path_factory):
-    f = FakeFleet(tmp_path_factory.mktemp("pd-fake-native"), native=True)
-    try:
-        f.start()
-    except Exception:
-        f.close()
-        raise
-    it_conftest._ACTIVE_STACKS.append(f)
-    yield f
-    it_conftest._ACTIVE_STACKS.remove(f)
-    f.close()
+    yield from _running(FakeFleet(tmp_path_factory.mktemp("pd-fake-native"), native=True))
 
 
 @pytest.fixture
