@@ -24,13 +24,13 @@
 //! then one id through the same SWAR word or byte by byte, then its separator) and goes back to
 //! the vector step. Native builds have no vector step (see `id_pairs::ENABLED`).
 //!
-//! Costs: the whole `/generate` request costs ~106 Wasm instructions per id with the vector
+//! Costs: the whole `/generate` request costs ~104 Wasm instructions per id with the vector
 //! step and ~127 with the fast loop alone (~107 of them the loop), the same with `,` and `, `
 //! (wasmtime fuel, 4096 ids of 1 to 6 digits, `harness/benches/wasm.rs`, docs/performance.md);
 //! other whitespace (` ,`, `,\n  `) costs a general step per id on top. O(array bytes), no
 //! allocation beyond growing the caller's reusable `out` (the ids are written as little-endian
-//! `u32`s, 256 bytes at a time from a stack block, one `memory.copy` each). [`locate`] walks the body's top-level object only as
-//! far as the prompt key.
+//! `u32`s, 256 bytes at a time from a stack block, one `memory.copy` each). [`locate`] walks
+//! the body's top-level object only as far as the prompt key.
 
 use crate::id_pairs;
 

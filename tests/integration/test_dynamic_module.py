@@ -217,12 +217,20 @@ def test_native_build_counts_decisions_and_in_flight_load_in_envoy_stats(native)
     gauges = r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*"
     assert set(envoy.counters(gauges)) == {f"dynamicmodulescustom.prefix_router.inflight_requests.{n}"
                                           for n in names}
-    while sum(envoy.counters(gauges).values()) != 0:
-        assert time.time() < deadline, envoy.counters(gauges)
+    _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0, deadline,
+                 lambda: envoy.counters(gauges))
+
+
+def _drive_until(envoy, done, deadline: float, what):
+    """Waits until `done()`, sending a non-inference request on a fresh connection between checks:
+    a native worker thread's tick (and its flush) only runs when a stream starts on it, and a
+    fresh connection may land on either thread. Fails with `what()` after `deadline`."""
+    while not done():
+        assert time.time() < deadline, what()
         fresh = Client(envoy.listener_port)
         fresh.get("/health")
         fresh.close()
-        time.sleep(0.15)
+        time.sleep(0.1)
 
 
 def _abort_after_first_event(port: int, body: bytes) -> bool:
@@ -258,18 +266,15 @@ def test_native_build_releases_every_charge_after_client_aborts(native):
     assert sum(pool.counts().values()) >= 8
     gauges = r"dynamicmodulescustom\.prefix_router\.(inflight_requests\..*|load\.requests)"
     deadline = time.time() + 30
-    while True:
-        # A stream's end sends its thread's batch at once here (no timer runs on an idle thread);
-        # the shared-load gauge is sampled at a thread's tick, which runs lazily when a stream
-        # starts: non-inference requests on fresh connections (either thread) drive it.
+    # A stream's end sends its thread's batch at once here (no timer runs on an idle thread);
+    # the shared-load gauge is sampled at a thread's tick, which runs lazily when a stream
+    # starts: non-inference requests on fresh connections (either thread) drive it.
+
+    def settled():
         values = envoy.counters(gauges)
-        if sum(values.values()) == 0 and any(k.endswith("load.requests") for k in values):
-            break
-        assert time.time() < deadline, {k.rsplit(".", 1)[-1]: v for k, v in values.items() if v}
-        fresh = Client(envoy.listener_port)
-        fresh.get("/health")
-        fresh.close()
-        time.sleep(0.1)
+        return sum(values.values()) == 0 and any(k.endswith("load.requests") for k in values)
+    _drive_until(envoy, settled, deadline,
+                 lambda: {k.rsplit(".", 1)[-1]: v for k, v in envoy.counters(gauges).items() if v})
     # Nothing left to flush: the in-flight gauges were 0 as soon as the streams ended.
     assert sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*").values()) == 0
 
@@ -406,10 +411,5 @@ def test_native_build_survives_malformed_bodies_and_answers_each(native):
     c.close()
     assert sum(pool.counts().values()) > len(bodies) // 2
     gauges = r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*"
-    deadline = time.time() + 30
-    while sum(envoy.counters(gauges).values()) != 0:
-        assert time.time() < deadline, envoy.counters(gauges)
-        fresh = Client(envoy.listener_port)
-        fresh.get("/health")
-        fresh.close()
-        time.sleep(0.1)
+    _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0, time.time() + 30,
+                 lambda: envoy.counters(gauges))
