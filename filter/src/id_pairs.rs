@@ -21,7 +21,7 @@
 //! there than the model.
 //!
 //! Costs (wasm, wasmtime fuel of `cargo bench -p proxy-wasm-host --bench wasm -- generate`):
-//! a `/generate` request costs ~104 Wasm instructions per token with this step against ~127
+//! a `/generate` request costs ~102 Wasm instructions per token with this step against ~127
 //! with the SWAR loop alone, in both `,` and `, ` bodies; hashing and the index take ~27 of
 //! them. Variants that shortened the chain from one load to the next position (four ids per
 //! 32 bytes; two interleaved cursors) gained no time: cranelift's code is throughput-bound.

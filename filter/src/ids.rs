@@ -24,7 +24,7 @@
 //! then one id through the same SWAR word or byte by byte, then its separator) and goes back to
 //! the vector step. Native builds have no vector step (see `id_pairs::ENABLED`).
 //!
-//! Costs: the whole `/generate` request costs ~104 Wasm instructions per id with the vector
+//! Costs: the whole `/generate` request costs ~102 Wasm instructions per id with the vector
 //! step and ~127 with the fast loop alone (~107 of them the loop), the same with `,` and `, `
 //! (wasmtime fuel, 4096 ids of 1 to 6 digits, `harness/benches/wasm.rs`, docs/performance.md);
 //! other whitespace (` ,`, `,\n  `) costs a general step per id on top. O(array bytes), no
@@ -78,7 +78,36 @@ pub fn scan(b: &[u8], at: usize, out: &mut Vec<u8>, cap: usize) -> Option<Scanne
     loop {
         // Vector step: two ids per 16-byte load (`id_pairs.rs`), where built with Wasm SIMD.
         if id_pairs::ENABLED {
-            while let Some((two, q)) = id_pairs::pair(b, p) {
+            loop {
+                // Pairs straight into the stack block while 8 bytes are left in it: no block
+                // bookkeeping per pair.
+                let (i0, mut i) = ((count % BLOCK) * 4, (count % BLOCK) * 4);
+                let stopped = loop {
+                    let Some(slot) = block.get_mut(i..).and_then(|s| s.first_chunk_mut::<8>())
+                    else {
+                        break false;
+                    };
+                    let Some((two, q)) = id_pairs::pair(b, p) else {
+                        break true;
+                    };
+                    *slot = two.to_le_bytes();
+                    i += 8;
+                    p = q;
+                };
+                count += (i - i0) / 4;
+                if stopped {
+                    break;
+                }
+                if i == 4 * BLOCK {
+                    if out.len() < cap {
+                        out.extend_from_slice(&block);
+                    }
+                    continue;
+                }
+                // One id slot left: this pair straddles two blocks.
+                let Some((two, q)) = id_pairs::pair(b, p) else {
+                    break;
+                };
                 put2(&mut block, &mut count, out, cap, two);
                 p = q;
             }
