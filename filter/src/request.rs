@@ -1271,16 +1271,25 @@ mod tests {
             2 => 60 + r.below(140), // crosses the scanner's 64-id blocks
             _ => r.below(40),
         };
+        // Mostly one clean separator throughout (`,` or `, `, what clients send: long runs for
+        // the scanner's vector step), else random whitespace around every comma.
+        let style = r.below(3);
         let mut s = format!("[{}", ws(r));
         for i in 0..n {
             if i > 0 {
-                s += ws(r);
+                if style == 0 {
+                    s += ws(r);
+                }
                 s += if r.below(200) == 0 {
-                    r.pick(&["", ",,", ";", " "])
+                    r.pick(&["", ",,", ";", " ", ",  ", ", ,", ",\t"])
                 } else {
                     ","
                 };
-                s += ws(r);
+                match style {
+                    0 => s += ws(r),
+                    1 => s += " ",
+                    _ => {}
+                }
             }
             s += &id_text(r);
         }
