@@ -39,8 +39,66 @@ pub fn xxh3_64_with_seed(data: &[u8], seed: u64) -> u64 {
     }
 }
 
+/// [`block64`] with Wasm SIMD: each 16-byte window is one load and one XOR with its secret
+/// words (seed added to the first, subtracted from the second), and two windows' 128-bit
+/// products are folded at once ([`fold2`]).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline]
+fn block64(data: &[u8; 64], seed: u64) -> u64 {
+    use core::arch::wasm32::*;
+    let s = u64x2(seed, seed.wrapping_neg());
+    let window = |at: usize, k: usize| {
+        // SAFETY: `at <= 48`, so `data[at..at + 16]` is readable; no alignment is required.
+        let w = unsafe { v128_load(data.as_ptr().add(at).cast()) };
+        let key = u64x2(SECRET[k], SECRET[k + 1]);
+        v128_xor(w, i64x2_add(key, s))
+    };
+    let r = i64x2_add(
+        fold2(window(0, 0), window(48, 2)),
+        fold2(window(16, 4), window(32, 6)),
+    );
+    let acc = 64u64
+        .wrapping_mul(PRIME64_1)
+        .wrapping_add(u64x2_extract_lane::<0>(r))
+        .wrapping_add(u64x2_extract_lane::<1>(r));
+    avalanche(acc)
+}
+
+/// Two windows' [`fold`]s at once: `w0 = [a0, b0]`, `w1 = [a1, b1]` give
+/// `[fold(a0, b0), fold(a1, b1)]`. The four 32x32→64 partial products of both windows are
+/// four `extmul`s (Wasm has no 64x64→128 multiply); the carries of the two additions come from
+/// unsigned compares (a signed compare with the sign bits flipped).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn fold2(w0: core::arch::wasm32::v128, w1: core::arch::wasm32::v128) -> core::arch::wasm32::v128 {
+    use core::arch::wasm32::*;
+    // As u32 lanes: w0 = [a0l, a0h, b0l, b0h], w1 = [a1l, a1h, b1l, b1h].
+    let x = i32x4_shuffle::<0, 4, 1, 5>(w0, w1); // [a0l, a1l, a0h, a1h]
+    let y = i32x4_shuffle::<2, 6, 3, 7>(w0, w1); // [b0l, b1l, b0h, b1h]
+    let z = i32x4_shuffle::<3, 7, 2, 6>(w0, w1); // [b0h, b1h, b0l, b1l]
+    let ll = u64x2_extmul_low_u32x4(x, y); // al * bl
+    let hh = u64x2_extmul_high_u32x4(x, y); // ah * bh
+    let lh = u64x2_extmul_low_u32x4(x, z); // al * bh
+    let hl = u64x2_extmul_high_u32x4(x, z); // ah * bl
+    let flip = u64x2_splat(1 << 63);
+    let below = |a: v128, b: v128| i64x2_lt(v128_xor(a, flip), v128_xor(b, flip)); // a < b, unsigned
+    let mid = i64x2_add(lh, hl);
+    let c1 = below(mid, lh); // all ones when the sum wrapped: worth 2^96
+    let low = i64x2_add(ll, i64x2_shl(mid, 32));
+    let c2 = below(low, ll); // worth 2^64
+    let high = i64x2_sub(
+        i64x2_add(
+            i64x2_add(hh, u64x2_shr(mid, 32)),
+            v128_and(c1, u64x2_splat(1 << 32)),
+        ),
+        c2,
+    );
+    v128_xor(low, high)
+}
+
 /// xxh3's 17-to-128-byte path at 64 bytes: the windows at 0 and 48 with secret words 0-3, the
 /// windows at 16 and 32 with words 4-7, summed, then avalanched.
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 #[inline]
 fn block64(data: &[u8; 64], seed: u64) -> u64 {
     let (w, _) = data.as_chunks::<8>();
@@ -75,7 +133,7 @@ fn fold(a: u64, b: u64) -> u64 {
     p as u64 ^ (p >> 64) as u64
 }
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", not(target_feature = "simd128")))]
 #[inline(always)]
 fn fold(a: u64, b: u64) -> u64 {
     fold_halves(a, b)
@@ -84,7 +142,7 @@ fn fold(a: u64, b: u64) -> u64 {
 /// [`fold`] from four 32x32→64 multiplies (what Wasm has). Written with explicit carries: LLVM
 /// recognises the textbook form (high part from the shifted cross sums) as a 128-bit multiply
 /// and turns it back into the `__multi3` call this module exists to avoid.
-#[cfg(any(test, target_arch = "wasm32"))]
+#[cfg(any(test, all(target_arch = "wasm32", not(target_feature = "simd128"))))]
 #[inline(always)]
 fn fold_halves(a: u64, b: u64) -> u64 {
     const LOW: u64 = 0xFFFF_FFFF;
@@ -140,6 +198,82 @@ mod tests {
             x ^= x << 17;
             let (a, b) = (x, x.rotate_left(29) ^ 0xDEAD_BEEF);
             assert_eq!(fold_halves(a, b), fold(a, b));
+        }
+    }
+
+    /// [`fold2`]'s lane operations on plain arrays, step for step (its shuffles, `extmul`s,
+    /// unsigned compares and masks), checked against the 128-bit product: the arithmetic of the
+    /// Wasm SIMD path. That the intrinsics do what these steps model is checked in the real
+    /// `.wasm` (`harness/tests/hashes.rs`: its hashes equal the native build's).
+    fn fold2_model(w0: [u64; 2], w1: [u64; 2]) -> [u64; 2] {
+        let lanes = |w: [u64; 2]| {
+            [
+                w[0] as u32,
+                (w[0] >> 32) as u32,
+                w[1] as u32,
+                (w[1] >> 32) as u32,
+            ]
+        };
+        let (p, q) = (lanes(w0), lanes(w1));
+        let cat = [p[0], p[1], p[2], p[3], q[0], q[1], q[2], q[3]];
+        let shuf = |i: [usize; 4]| i.map(|k| cat[k]);
+        let (x, y, z) = (shuf([0, 4, 1, 5]), shuf([2, 6, 3, 7]), shuf([3, 7, 2, 6]));
+        let lo = |a: [u32; 4], b: [u32; 4]| {
+            [
+                u64::from(a[0]) * u64::from(b[0]),
+                u64::from(a[1]) * u64::from(b[1]),
+            ]
+        };
+        let hi = |a: [u32; 4], b: [u32; 4]| {
+            [
+                u64::from(a[2]) * u64::from(b[2]),
+                u64::from(a[3]) * u64::from(b[3]),
+            ]
+        };
+        let (ll, hh, lh, hl) = (lo(x, y), hi(x, y), lo(x, z), hi(x, z));
+        let below = |a: u64, b: u64| {
+            if ((a ^ 1 << 63) as i64) < ((b ^ 1 << 63) as i64) {
+                u64::MAX
+            } else {
+                0
+            }
+        };
+        core::array::from_fn(|i| {
+            let mid = lh[i].wrapping_add(hl[i]);
+            let c1 = below(mid, lh[i]);
+            let low = ll[i].wrapping_add(mid << 32);
+            let c2 = below(low, ll[i]);
+            let high = hh[i]
+                .wrapping_add(mid >> 32)
+                .wrapping_add(c1 & 1 << 32)
+                .wrapping_sub(c2);
+            low ^ high
+        })
+    }
+
+    #[test]
+    fn two_windows_fold_like_the_wide_product() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let edges = [0, 1, 0xFFFF_FFFF, 1 << 32, u64::MAX, u64::MAX - 1, 1 << 63];
+        for &a in &edges {
+            for &b in &edges {
+                let (c, d) = (next(), next());
+                assert_eq!(
+                    fold2_model([a, b], [c, d]),
+                    [fold(a, b), fold(c, d)],
+                    "{a} {b}"
+                );
+            }
+        }
+        for _ in 0..100_000 {
+            let (a, b, c, d) = (next(), next(), next(), next());
+            assert_eq!(fold2_model([a, b], [c, d]), [fold(a, b), fold(c, d)]);
         }
     }
 
