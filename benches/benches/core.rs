@@ -11,7 +11,7 @@
 //! written by a config with one more worker in front: every position hint misses).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use prefix_router::blocks::{chain_seed, hash_blocks};
+use prefix_router::blocks::{chain_seed, hash_blocks, hash_token_blocks};
 use prefix_router::config::worker_id;
 use prefix_router::index::{Index, Matches, Scratch};
 use prefix_router::policy::{self, Inputs};
@@ -43,7 +43,7 @@ fn hashing(c: &mut Criterion) {
         let data = token_bytes(tokens, 2);
         g.throughput(Throughput::Elements(tokens as u64));
         g.bench_with_input(BenchmarkId::from_parameter(tokens), &data, |b, d| {
-            b.iter(|| hash_blocks(seed, black_box(d), 4 * 16, 16384, &mut out))
+            b.iter(|| hash_token_blocks(seed, black_box(d), 16, 16384, &mut out))
         });
     }
     g.finish();

@@ -35,13 +35,14 @@ pub fn text(chars: usize, seed: u64) -> String {
     s
 }
 
-/// Token ids as little-endian u32 bytes (what `request.rs` writes for token prompts).
+/// Token ids in their canonical form (each id's digits and `,`: what `request.rs` writes for
+/// token prompts).
 pub fn token_bytes(tokens: usize, seed: u64) -> Vec<u8> {
     let mut st = seed;
-    let mut out = Vec::with_capacity(tokens * 4);
+    let mut out = Vec::with_capacity(tokens * 7);
     for _ in 0..tokens {
         let t = (splitmix(&mut st) % 128_000) as u32;
-        out.extend_from_slice(&t.to_le_bytes());
+        out.extend_from_slice(format!("{t},").as_bytes());
     }
     out
 }

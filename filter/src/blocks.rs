@@ -7,8 +7,10 @@
 //! longer prompt has at that position (different bytes), so it does not break the prefix property
 //! and it lets short prompts be indexed.
 //!
-//! Token-id prompts reach this module as little-endian `u32` bytes, so a block of `k` tokens is
-//! simply a block of `4k` bytes and one code path serves both kinds.
+//! Token-id prompts reach this module in their canonical text form (`ids.rs`: each id's
+//! decimal digits followed by `,`), and a block is exactly `k` ids: it ends after every `k`-th
+//! comma ([`hash_token_blocks`]). So the same ids make the same blocks whatever the JSON
+//! spacing, and a block covers whole tokens as the engine's cache does.
 
 use crate::xxh3::xxh3_64_with_seed;
 use xxhash_rust::xxh3::xxh3_64;
@@ -61,6 +63,129 @@ pub fn hash_blocks(
         out.push(prev);
     }
     data.len().div_ceil(block_bytes) > max_blocks
+}
+
+/// Hashes canonical token ids (`ids.rs`: digits, each id ended by `,`) in blocks of `ids` ids
+/// into `out` (cleared first), at most `max_blocks`, like [`hash_blocks`]: chained, the final
+/// partial block hashed too. Returns `true` when the prompt was longer than `max_blocks` blocks.
+///
+/// Cost: the commas are found 64 bytes at a time ([`commas64`]); a block's last comma is then
+/// picked out of that mask.
+pub fn hash_token_blocks(
+    seed: u64,
+    data: &[u8],
+    ids: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) -> bool {
+    out.clear();
+    if ids == 0 {
+        return false;
+    }
+    let (mut prev, mut start, mut need, mut i) = (seed, 0usize, ids, 0usize);
+    loop {
+        // The end of the current block's `need`-th comma, searched from `i`.
+        let end = match commas64(data, i) {
+            Some(mut m) => {
+                let n = m.count_ones() as usize;
+                if n < need {
+                    need -= n;
+                    i += 64;
+                    continue;
+                }
+                for _ in 1..need {
+                    m &= m - 1;
+                }
+                i + m.trailing_zeros() as usize + 1
+            }
+            None => match data.get(i..).and_then(|t| {
+                t.iter()
+                    .enumerate()
+                    .filter(|&(_, &c)| c == b',')
+                    .nth(need - 1)
+            }) {
+                Some((k, _)) => i + k + 1,
+                None => break,
+            },
+        };
+        if out.len() >= max_blocks {
+            return true;
+        }
+        prev = xxh3_64_with_seed(data.get(start..end).unwrap_or_default(), prev);
+        out.push(prev);
+        (start, need, i) = (end, ids, end);
+    }
+    if start < data.len() {
+        if out.len() >= max_blocks {
+            return true;
+        }
+        prev = xxh3_64_with_seed(data.get(start..).unwrap_or_default(), prev);
+        out.push(prev);
+    }
+    false
+}
+
+/// [`hash_token_blocks`] with the block ends already known (`ends`: increasing offsets into
+/// `data`, as the id scanner records them; those past `data`, cut at the limit, are ignored):
+/// the same hashes, without the search.
+pub fn hash_blocks_at(
+    seed: u64,
+    data: &[u8],
+    ends: &[usize],
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) -> bool {
+    out.clear();
+    let (mut prev, mut start) = (seed, 0usize);
+    for &end in ends {
+        if end > data.len() || end <= start {
+            break;
+        }
+        if out.len() >= max_blocks {
+            return true;
+        }
+        prev = xxh3_64_with_seed(data.get(start..end).unwrap_or_default(), prev);
+        out.push(prev);
+        start = end;
+    }
+    if start < data.len() {
+        if out.len() >= max_blocks {
+            return true;
+        }
+        prev = xxh3_64_with_seed(data.get(start..).unwrap_or_default(), prev);
+        out.push(prev);
+    }
+    false
+}
+
+/// The commas of canonical id bytes `data[i..i + 64]` as a mask (bit `j` for byte `i + j`);
+/// `None` when fewer than 64 bytes are left. In canonical bytes a comma (0x2C) is the only byte
+/// with bit 4 clear (the digits are 0x30-0x39).
+#[inline(always)]
+fn commas64(data: &[u8], i: usize) -> Option<u64> {
+    let c = data.get(i..)?.first_chunk::<64>()?;
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        use core::arch::wasm32::*;
+        let mut digits = 0u64;
+        for k in 0..4 {
+            // SAFETY: `k < 4`, so `c[16k..16k + 16]` is readable; no alignment is required.
+            let v = unsafe { v128_load(c.as_ptr().add(16 * k).cast()) };
+            digits |= u64::from(u8x16_bitmask(u8x16_shl(v, 3))) << (16 * k);
+        }
+        Some(!digits)
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        let (words, _) = c.as_chunks::<8>();
+        let mut m = 0u64;
+        for (j, w) in words.iter().enumerate() {
+            // Bit 0 of each byte: a comma; gathered into the top byte by one multiply.
+            let x = (!u64::from_le_bytes(*w) >> 4) & 0x0101_0101_0101_0101;
+            m |= (x.wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * j);
+        }
+        Some(m)
+    }
 }
 
 /// A 64-bit digest of arbitrary bytes (used for the round-robin-free hashes of short keys).
@@ -164,6 +289,60 @@ mod tests {
             assert!(h.iter().zip(&base).all(|(x, y)| x != y), "{key} {tenant:?}");
         }
         assert_eq!(keyed_seed(0, b"m", None, b""), chain_seed(b"m", None));
+    }
+
+    /// Canonical ids `0,1,2,...` of `n` ids.
+    fn canon(n: u32) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| format!("{},", i * 7919).into_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn token_blocks_end_after_every_kth_id() {
+        let seed = chain_seed(b"m", None);
+        for n in [0u32, 1, 15, 16, 17, 31, 32, 33, 100, 1000] {
+            for k in [1usize, 3, 16, 64] {
+                let data = canon(n);
+                let mut got = Vec::new();
+                let cut = hash_token_blocks(seed, &data, k, 10_000, &mut got);
+                // Model: split after every k-th comma, hash the chain.
+                let (mut want, mut prev, mut start, mut seen) = (Vec::new(), seed, 0, 0);
+                for (i, &c) in data.iter().enumerate() {
+                    if c == b',' {
+                        seen += 1;
+                        if seen % k == 0 {
+                            prev = xxh3_64_with_seed(&data[start..=i], prev);
+                            want.push(prev);
+                            start = i + 1;
+                        }
+                    }
+                }
+                if start < data.len() {
+                    want.push(xxh3_64_with_seed(&data[start..], prev));
+                }
+                assert_eq!((got, cut), (want, false), "{n} ids, {k} per block");
+            }
+        }
+    }
+
+    #[test]
+    fn token_blocks_are_bounded_and_report_truncation() {
+        let data = canon(64);
+        let mut out = Vec::new();
+        assert!(!hash_token_blocks(1, &data, 16, 4, &mut out));
+        assert_eq!(out.len(), 4);
+        assert!(hash_token_blocks(1, &data, 16, 3, &mut out));
+        assert_eq!(out.len(), 3);
+        let mut cut = data.clone();
+        cut.extend_from_slice(b"12");
+        assert!(
+            hash_token_blocks(1, &cut, 16, 4, &mut out),
+            "a partial 5th block"
+        );
+        assert!(!hash_token_blocks(1, &[], 16, 4, &mut out));
+        assert!(out.is_empty());
+        assert!(!hash_token_blocks(1, &data, 0, 4, &mut out));
     }
 
     #[test]

@@ -1,11 +1,13 @@
-//! A hand-written scanner for flat JSON arrays of token ids (`[1, 22, 333]`), the bulk of
-//! `/generate` `input_ids` and `/v1/completions` integer `prompt` bodies.
+//! Token ids: their canonical bytes, and a scanner that writes them straight from a flat JSON
+//! array (`[1, 22, 333]`), the bulk of `/generate` `input_ids` and `/v1/completions` integer
+//! `prompt` bodies.
 //!
-//! Why: through serde (`request.rs`) every id costs ~500 Wasm instructions (the generic
-//! `SeqAccess` / `deserialize_u32` machinery: whitespace peeks, a comma state machine, a checked
-//! multiply-add per digit with bounds checks on every byte, then a 4-byte `Vec` push). Here a
-//! number of up to 7 digits is read with one 8-byte load: a SWAR test finds where the digits end
-//! and three multiplies turn them into the value, whatever the digit count.
+//! Canonical form: each id's decimal digits (no sign, no leading zero: JSON's own digits)
+//! followed by `,`, so `[1, 22,333]` is `1,22,333,` whatever the spacing ([`decimal`] writes one
+//! id for the serde path). A block of `k` ids ends after every `k`-th comma
+//! (`blocks::hash_token_blocks`). Why text and not the ids' values: a compact array already *is*
+//! its canonical bytes, so the scanner copies them instead of computing every id's value
+//! (which needs each id's digits aligned and multiplied out, ~80 Wasm instructions per id).
 //!
 //! This module only *reads bytes*; it never decides a request on its own. `request.rs` splices
 //! what [`scan`] produced into a serde parse of the rest of the body (see `parse_fast` there),
@@ -15,24 +17,44 @@
 //! at most `u32::MAX`, ws = space, tab, CR, LF) and returns `None` for anything else (including
 //! `[]`), after which the caller uses serde alone. Never panics: every byte is read with `get`.
 //!
-//! Layout: in the shipped `.wasm` (Wasm SIMD) a vector step reads two ids of 1 to 8 digits and
-//! their `,` or `, ` separators per 16-byte load (`id_pairs.rs`) while it can. Then a fast loop
-//! reads one id of 1 to 7 digits (no leading zero) and its separator per 8-byte load, for `,`
-//! and for `, ` (Python's `json.dumps` default, what the OpenAI and `requests` clients send: the
-//! space is in the same word and skipped there). Anything else (whitespace elsewhere, `0`, 8+
-//! digits, the closing `]`, the last 7 bytes of the body) takes one general step (whitespace,
-//! then one id through the same SWAR word or byte by byte, then its separator) and goes back to
-//! the vector step. Native builds have no vector step (see `id_pairs::ENABLED`).
+//! Layout: a chunk step (`id_chunks.rs`) reads 64 bytes at a time while they are ids of up to
+//! 9 digits separated by `,` or `, ` (Python's `json.dumps` default, what the OpenAI and
+//! `requests` clients send), validating them with byte-class masks and copying them out with
+//! the spaces dropped. Anything else (other whitespace, ids of 10 digits, the closing `]`, the
+//! last 64 bytes of the body) takes one general step: whitespace, one id byte by byte, its
+//! separator; then back to the chunk step. On the way the scan records where every block of
+//! ids ends, so the hasher need not search for the commas again.
 //!
-//! Costs: the whole `/generate` request costs ~102 Wasm instructions per id with the vector
-//! step and ~127 with the fast loop alone (~107 of them the loop), the same with `,` and `, `
-//! (wasmtime fuel, 4096 ids of 1 to 6 digits, `harness/benches/wasm.rs`, docs/performance.md);
-//! other whitespace (` ,`, `,\n  `) costs a general step per id on top. O(array bytes), no
-//! allocation beyond growing the caller's reusable `out` (the ids are written as little-endian
-//! `u32`s, 256 bytes at a time from a stack block, one `memory.copy` each). [`locate`] walks
-//! the body's top-level object only as far as the prompt key.
+//! Costs (Wasm, fuel of `cargo bench -p proxy-wasm-host --bench wasm`, docs/performance.md):
+//! ~20 instructions per id with `,`, ~50 with `, `. O(array bytes), no allocation beyond growing
+//! the caller's reusable `out` and `ends` (written 512 bytes at a time from a stack block, one
+//! `memory.copy` each).
+//! [`locate`] walks the body's top-level object only as far as the prompt key.
 
-use crate::id_pairs;
+use crate::id_chunks;
+
+/// The most canonical bytes one id takes: 10 digits (`u32::MAX`) and its comma.
+pub const MAX_ID_BYTES: usize = 11;
+
+/// The canonical bytes of id `t` (its decimal digits and `,`), written at the end of `buf`.
+pub fn decimal(t: u32, buf: &mut [u8; MAX_ID_BYTES]) -> &[u8] {
+    let mut at = MAX_ID_BYTES - 1;
+    if let Some(c) = buf.get_mut(at) {
+        *c = b',';
+    }
+    let mut v = t;
+    loop {
+        at -= 1;
+        if let Some(c) = buf.get_mut(at) {
+            *c = b'0' + (v % 10) as u8;
+        }
+        v /= 10;
+        if v == 0 || at == 0 {
+            break;
+        }
+    }
+    buf.get(at..).unwrap_or_default()
+}
 
 /// Whitespace as JSON (and serde_json) defines it.
 fn is_ws(c: u8) -> bool {
@@ -53,169 +75,149 @@ pub struct Scanned {
     pub end: usize,
     /// Number of ids in the array (all of them, also those past `cap`).
     pub count: usize,
+    /// Whether the canonical bytes were cut at `cap`.
+    pub cut: bool,
 }
 
-/// Ids per stack block before it is appended to `out`.
-const BLOCK: usize = 64;
-
-/// Per-byte constants of the SWAR digit test.
-const ZEROS: u64 = 0x3030_3030_3030_3030;
-const ADD46: u64 = 0x4646_4646_4646_4646;
-const HIGH: u64 = 0x8080_8080_8080_8080;
-
-/// Reads the flat array of `u32` ids that starts at `b[at] == b'['`, appending each id to `out`
-/// as 4 little-endian bytes while `out` is shorter than `cap` bytes (the count goes on: the
-/// caller's canonical prompt is cut at its limit anyway, but the whole array must be valid).
-/// `None` (with `out` in any state) when the array is not exactly what serde reads as a
-/// non-empty list of `u32`s: the caller then parses with serde alone.
-pub fn scan(b: &[u8], at: usize, out: &mut Vec<u8>, cap: usize) -> Option<Scanned> {
+/// Reads the flat array of `u32` ids that starts at `b[at] == b'['`, appending its canonical
+/// bytes to `out` up to `cap` bytes in all (the count goes on: the whole array must be valid),
+/// and to `ends` (cleared first) the canonical length after every `block`-th id while it is
+/// at most `cap`: where blocks of `block` ids end (none when `block` is 0). `None` (with `out`
+/// and `ends` in any state) when the array is not exactly what serde reads as a non-empty list
+/// of `u32`s: the caller then parses with serde alone.
+pub fn scan(
+    b: &[u8],
+    at: usize,
+    out: &mut Vec<u8>,
+    cap: usize,
+    block: usize,
+    ends: &mut Vec<usize>,
+) -> Option<Scanned> {
     if b.get(at) != Some(&b'[') {
         return None;
     }
-    let mut block = [0u8; 4 * BLOCK];
+    ends.clear();
+    let mut w = Writer::new(out, cap);
     let mut count = 0usize;
+    // The id count at which the next block ends.
+    let mut next = if block == 0 { usize::MAX } else { block };
     let mut p = at + 1;
     loop {
-        // Vector step: two ids per 16-byte load (`id_pairs.rs`), where built with Wasm SIMD.
-        if id_pairs::ENABLED {
-            loop {
-                // Pairs straight into the stack block while 8 bytes are left in it: no block
-                // bookkeeping per pair.
-                let (i0, mut i) = ((count % BLOCK) * 4, (count % BLOCK) * 4);
-                let stopped = loop {
-                    let Some(slot) = block.get_mut(i..).and_then(|s| s.first_chunk_mut::<8>())
-                    else {
-                        break false;
-                    };
-                    let Some((two, q)) = id_pairs::pair(b, p) else {
-                        break true;
-                    };
-                    *slot = two.to_le_bytes();
-                    i += 8;
-                    p = q;
-                };
-                count += (i - i0) / 4;
-                if stopped {
-                    break;
+        while let Some(c) = w.room().and_then(|d| id_chunks::step(b, p, d)) {
+            while next <= count + c.ids {
+                let end = w.total() + c.through(next - count);
+                if end <= cap {
+                    ends.push(end);
                 }
-                if i == 4 * BLOCK {
-                    if out.len() < cap {
-                        out.extend_from_slice(&block);
-                    }
-                    continue;
-                }
-                // One id slot left: this pair straddles two blocks.
-                let Some((two, q)) = id_pairs::pair(b, p) else {
-                    break;
-                };
-                put2(&mut block, &mut count, out, cap, two);
-                p = q;
+                next = next.saturating_add(block);
             }
+            w.wrote(c.len);
+            count += c.ids;
+            p += c.used;
         }
-        // Fast loop: one id of 1 to 7 digits at `p` followed by `,` or `, `, per round.
-        while let Some(w) = b.get(p..).and_then(|s| s.first_chunk::<8>()) {
-            let w = u64::from_le_bytes(*w);
-            let Some((d, z)) = digits(w) else {
-                break; // whitespace, `0` (alone or leading), 8+ digits, `]`, or a refusal
-            };
-            // The bytes after the digits are in `w` too: `,` is the common case, and `, `
-            // (Python's `json.dumps` default, what the OpenAI and `requests` clients send)
-            // skips its space here instead of going round through the general step. (For 7
-            // digits only the separator is in `w`.)
-            let sep = (w >> (z - 7)) as u16;
-            if sep as u8 != b',' {
-                break; // `]` or whitespace next: the general step reads this id again
-            }
-            put(&mut block, &mut count, out, cap, value(d, z));
-            p += (z >> 3) as usize + 1 + usize::from(sep >> 8 == u16::from(b' '));
-        }
-        // General step: whitespace (then back to the fast loop), else one id and what follows
-        // it up to its separator.
+        // General step: whitespace, one id, whitespace, then `,` or the closing `]`.
         let q = skip_ws(b, p);
-        if q != p {
-            p = q;
-            continue;
+        let (_, e) = number(b, q)?;
+        w.put(b.get(q..e)?);
+        w.put(b",");
+        count += 1;
+        if count == next {
+            if w.total() <= cap {
+                ends.push(w.total());
+            }
+            next = next.saturating_add(block);
         }
-        let word = b.get(p..p + 8).and_then(|s| s.first_chunk::<8>());
-        let (v, q) = match word.map(|w| u64::from_le_bytes(*w)).and_then(digits) {
-            Some((d, z)) => (value(d, z), p + (z >> 3) as usize),
-            None => number(b, p)?, // `0`, 8+ digits, the last bytes of the body
-        };
-        put(&mut block, &mut count, out, cap, v);
-        let q = skip_ws(b, q);
-        match b.get(q) {
-            Some(b',') => p = q + 1,
+        let r = skip_ws(b, e);
+        match b.get(r) {
+            // The chunk step starts at an id: the whitespace after the comma is skipped here.
+            Some(b',') => p = skip_ws(b, r + 1),
             Some(b']') => {
-                if out.len() < cap {
-                    out.extend_from_slice(block.get(..4 * (count % BLOCK))?);
-                }
-                return Some(Scanned { end: q + 1, count });
+                let cut = w.finish();
+                return Some(Scanned {
+                    end: r + 1,
+                    count,
+                    cut,
+                });
             }
             _ => return None,
         }
     }
 }
 
-/// How many digits a word starts with, when 1 to 7 without a leading zero: `(d, z)` with `d`
-/// the word minus `'0'` per byte and `z = 8n + 7` for `n` digits.
-#[inline(always)]
-fn digits(w: u64) -> Option<(u64, u32)> {
-    // Per byte: `c - '0'` (high bit set when c < '0' or c >= 0xB0) or `c + 0x46` (high bit set
-    // when '9' < c < 0xBA): the high bit flags a non-digit. Borrows and carries only move
-    // upwards, out of digit bytes never, so the lowest flag is exactly the first non-digit.
-    let d = w.wrapping_sub(ZEROS);
-    if d & 0xFF == 0 {
-        return None; // a leading `0`: `0` alone is read byte by byte, `01` refused
-    }
-    let t = (w.wrapping_add(ADD46) | d) & HIGH;
-    let z = t.trailing_zeros(); // 8n + 7 for n leading digits; 64 when all 8 are
-    (z.wrapping_sub(15) <= 48).then_some((d, z))
+/// Canonical bytes on their way to `out`: a stack block the chunk step writes whole 64-byte
+/// chunks into (only the first `len` bytes of each count), appended to `out` when full and
+/// cut at `cap`.
+struct Writer<'o> {
+    block: [u8; WRITE_BLOCK],
+    at: usize,
+    /// Bytes flushed so far (also those cut at `cap`).
+    flushed: usize,
+    out: &'o mut Vec<u8>,
+    cap: usize,
+    cut: bool,
 }
 
-/// The value of the `n` leading digits of a word, given `d` (the word minus `'0'` per byte)
-/// and `z = 8n + 7` (n from 1 to 7).
-#[inline(always)]
-fn value(d: u64, z: u32) -> u32 {
-    // Left-align the n digits (zeros below are leading zeros), then combine pairs, quads and
-    // octets: the value of up to 8 digits in 3 multiplies.
-    let x = d << (71 - z); // 64 - 8n
-    let x = x.wrapping_mul(10).wrapping_add(x >> 8);
-    (((x & 0x0000_00FF_0000_00FF).wrapping_mul(0x000F_4240_0000_0064))
-        .wrapping_add(((x >> 16) & 0x0000_00FF_0000_00FF).wrapping_mul(0x0000_2710_0000_0001))
-        >> 32) as u32
-}
+const WRITE_BLOCK: usize = 512;
 
-/// Stores id number `count` in the stack block, appending the block to `out` when it is full
-/// (while `out` is shorter than `cap`).
-#[inline(always)]
-fn put(block: &mut [u8; 4 * BLOCK], count: &mut usize, out: &mut Vec<u8>, cap: usize, v: u32) {
-    let i = (*count % BLOCK) * 4;
-    if let Some(slot) = block.get_mut(i..i + 4) {
-        slot.copy_from_slice(&v.to_le_bytes());
-    }
-    *count += 1;
-    if count.is_multiple_of(BLOCK) && out.len() < cap {
-        out.extend_from_slice(block);
-    }
-}
-
-/// Stores two ids (`two`: the first in the low half) like two [`put`]s, with one 8-byte store
-/// when both fit the stack block.
-#[inline(always)]
-fn put2(block: &mut [u8; 4 * BLOCK], count: &mut usize, out: &mut Vec<u8>, cap: usize, two: u64) {
-    let i = (*count % BLOCK) * 4;
-    match block.get_mut(i..i + 8) {
-        Some(slot) => {
-            slot.copy_from_slice(&two.to_le_bytes());
-            *count += 2;
-            if count.is_multiple_of(BLOCK) && out.len() < cap {
-                out.extend_from_slice(block);
-            }
+impl<'o> Writer<'o> {
+    fn new(out: &'o mut Vec<u8>, cap: usize) -> Self {
+        Writer {
+            block: [0; WRITE_BLOCK],
+            at: 0,
+            flushed: 0,
+            out,
+            cap,
+            cut: false,
         }
-        None => {
-            put(block, count, out, cap, two as u32);
-            put(block, count, out, cap, (two >> 32) as u32);
+    }
+
+    /// Room for one chunk (flushing first when the block is nearly full). Always `Some`.
+    #[inline(always)]
+    fn room(&mut self) -> Option<&mut [u8; id_chunks::CHUNK]> {
+        if self.at > WRITE_BLOCK - id_chunks::CHUNK {
+            self.flush();
         }
+        self.block
+            .get_mut(self.at..)
+            .and_then(|s| s.first_chunk_mut())
+    }
+
+    /// Canonical bytes written so far.
+    #[inline(always)]
+    fn total(&self) -> usize {
+        self.flushed + self.at
+    }
+
+    /// The chunk just written into [`Self::room`] holds `len` canonical bytes.
+    #[inline(always)]
+    fn wrote(&mut self, len: usize) {
+        self.at += len;
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        if self.at + bytes.len() > WRITE_BLOCK {
+            self.flush();
+        }
+        if let Some(d) = self.block.get_mut(self.at..self.at + bytes.len()) {
+            d.copy_from_slice(bytes);
+            self.at += bytes.len();
+        }
+    }
+
+    fn flush(&mut self) {
+        let room = self.cap.saturating_sub(self.out.len());
+        let n = self.at.min(room);
+        self.cut |= n < self.at;
+        self.out
+            .extend_from_slice(self.block.get(..n).unwrap_or_default());
+        self.flushed += self.at;
+        self.at = 0;
+    }
+
+    /// Flushes what is left; whether anything was cut at `cap`.
+    fn finish(&mut self) -> bool {
+        self.flush();
+        self.cut
     }
 }
 
@@ -330,10 +332,12 @@ mod tests {
 
     fn ids(s: &str) -> Option<(Vec<u32>, Scanned)> {
         let mut out = Vec::new();
-        let r = scan(s.as_bytes(), 0, &mut out, usize::MAX)?;
-        let v = out
-            .chunks(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        let r = scan(s.as_bytes(), 0, &mut out, usize::MAX, 0, &mut Vec::new())?;
+        let text = std::str::from_utf8(&out).unwrap();
+        assert!(text.ends_with(','), "{text}");
+        let v = text[..text.len() - 1]
+            .split(',')
+            .map(|t| t.parse().unwrap())
             .collect();
         Some((v, r))
     }
@@ -363,8 +367,8 @@ mod tests {
         assert_eq!(r.end, body.len());
     }
 
-    /// Every separator form, every digit count (the fast loop, the general step's word read
-    /// and the byte-by-byte tail), against serde.
+    /// Every separator form, every digit count (the chunk step, the general step and the
+    /// tail), against serde.
     #[test]
     fn separators_and_digit_counts_match_serde() {
         let vals: Vec<u32> = (0..400u32)
@@ -421,11 +425,32 @@ mod tests {
 
     #[test]
     fn cap_bounds_the_output_not_the_count() {
-        let body = format!("[{}]", vec!["7"; 300].join(","));
-        let mut out = Vec::new();
-        let r = scan(body.as_bytes(), 0, &mut out, 8).unwrap();
-        assert_eq!(r.count, 300);
-        assert!(out.len() >= 8 && out.len() <= 8 + 4 * BLOCK);
+        let body = format!("[{}]", vec!["17"; 3000].join(", "));
+        for cap in [0, 8, 9, 511, 512, 513, 4000, 9000, 9001] {
+            let mut out = Vec::new();
+            let r = scan(body.as_bytes(), 0, &mut out, cap, 0, &mut Vec::new()).unwrap();
+            assert_eq!(r.count, 3000);
+            assert_eq!(out, "17,".repeat(3000).as_bytes()[..cap.min(9000)], "{cap}");
+            assert_eq!(r.cut, cap < 9000, "{cap}");
+        }
+    }
+
+    #[test]
+    fn decimal_is_the_canonical_form() {
+        let mut buf = [0u8; MAX_ID_BYTES];
+        for t in [
+            0u32,
+            7,
+            10,
+            99,
+            100,
+            151_643,
+            999_999_999,
+            1_000_000_000,
+            u32::MAX,
+        ] {
+            assert_eq!(decimal(t, &mut buf), format!("{t},").as_bytes());
+        }
     }
 
     #[test]

@@ -14,7 +14,7 @@ pub mod footprint;
 pub mod glue;
 pub mod header_pairs;
 pub mod host;
-pub mod id_pairs;
+pub mod id_chunks;
 pub mod ids;
 pub mod index;
 pub mod load;

@@ -22,7 +22,8 @@
 //! calls, tools), each non-text part is counted once (`media_parts`, charged a fixed amount by
 //! the router) and raw JSON sizes (names, URLs, unknown parts) never are.
 //!
-//! Token prompts (`input_ids`, integer `prompt`) are written as little-endian `u32`s. Batched
+//! Token prompts (`input_ids`, integer `prompt`) are written in the canonical form of `ids.rs`
+//! (each id's decimal digits and `,`), at most [`ids::MAX_ID_BYTES`] bytes per id. Batched
 //! prompts (a list of strings or of token lists) are routed by their first element.
 //!
 //! [`parse_fast`] (what the router calls) reads a token prompt's id array with the hand-written
@@ -187,11 +188,35 @@ pub fn parse_with_bounds<'a>(
 }
 
 /// Reusable buffers of [`parse_fast`] (grown to the largest request seen, never shrunk): the
-/// scanned ids and the body with the id array replaced by [`PLACEHOLDER`].
+/// scanned ids, where their blocks end, and the body with the id array replaced by
+/// [`PLACEHOLDER`].
 #[derive(Debug, Default)]
 pub struct Scratch {
     ids: Vec<u8>,
     body: Vec<u8>,
+    /// Ids per block whose ends the scan records (0: none); see [`Scratch::block_ends`].
+    block: usize,
+    ends: Vec<usize>,
+    /// Whether `ends` belong to the last [`parse_fast`] result.
+    ends_valid: bool,
+}
+
+impl Scratch {
+    /// Buffers whose scans also record where blocks of `block` ids end (0: never).
+    pub fn for_blocks(block: usize) -> Scratch {
+        Scratch {
+            block,
+            ..Scratch::default()
+        }
+    }
+
+    /// Where the canonical token prompt of the last [`parse_fast`] call ends its blocks of
+    /// `block` ids (offsets into its canonical bytes, possibly past a truncated end): `Some`
+    /// only when the scan read the prompt and recorded ends for that block size. Saves the
+    /// hasher its own search for every `block`-th comma (`blocks::hash_token_blocks`).
+    pub fn block_ends(&self, block: usize) -> Option<&[usize]> {
+        (self.ends_valid && block == self.block && block > 0).then_some(&self.ends)
+    }
 }
 
 /// The id that stands for the scanned array in the serde pass, and its JSON array.
@@ -214,8 +239,8 @@ const PLACEHOLDER: &[u8] = b"[4294967295]";
 /// the same sink calls. Anything else (no array found, the scanner refused, the copy failed, the
 /// marker ended up elsewhere) parses the original body with serde alone.
 ///
-/// Costs: the scan (~80 Wasm instructions per id with Wasm SIMD, ~107 without, instead of ~500;
-/// `ids.rs`), then serde over the body minus the array; one copy of the body minus the array; no
+/// Costs: the scan (a check and a copy per 64-byte chunk with Wasm SIMD, `id_chunks.rs`,
+/// instead of ~500 Wasm instructions per id through serde), then serde over the body minus the array; one copy of the body minus the array; no
 /// allocation once `scratch` has grown.
 pub fn parse_fast<'a>(
     endpoint: Endpoint,
@@ -244,9 +269,17 @@ fn fast<'a>(
         Endpoint::Completions => &[b"prompt"],
         Endpoint::Chat => return None,
     };
+    scratch.ends_valid = false;
     let at = ids::locate(body, keys)?;
     scratch.ids.clear();
-    let scanned = ids::scan(body, at, &mut scratch.ids, limit)?;
+    let scanned = ids::scan(
+        body,
+        at,
+        &mut scratch.ids,
+        limit,
+        scratch.block,
+        &mut scratch.ends,
+    )?;
     let (head, tail) = (body.get(..at)?, body.get(scanned.end..)?);
     let has_marker = |s: &[u8]| s.windows(MARKER_DIGITS.len()).any(|w| w == MARKER_DIGITS);
     if has_marker(head) || has_marker(tail) {
@@ -259,11 +292,12 @@ fn fast<'a>(
     let splice = Splice {
         bytes: &scratch.ids,
         count: scanned.count,
+        cut: scanned.cut,
     };
-    let (p, spliced) = run(endpoint, &scratch.body, canon, bounds, limit, Some(splice)).ok()?;
-    if !spliced {
-        return None;
-    }
+    let (p, spliced_at) = run(endpoint, &scratch.body, canon, bounds, limit, Some(splice)).ok()?;
+    // The scanned ends count from the splice: valid as canonical offsets when it opens `canon`
+    // (a token prompt is the only prompt field, so it always does).
+    scratch.ends_valid = spliced_at? == 0;
     // `model` / `lora` borrow from the copy: point them at the same bytes of `body`.
     let from = &scratch.body;
     Some(Parsed {
@@ -307,7 +341,7 @@ fn rebase<'a>(
 }
 
 /// The serde parse; `splice` (the fast path) stands for the id array [`MARKER`] replaced. Also
-/// says whether the splice was written.
+/// says where in `canon` the splice was written, if it was.
 fn run<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
@@ -315,15 +349,15 @@ fn run<'a>(
     bounds: &mut Vec<usize>,
     limit: usize,
     splice: Option<Splice<'_>>,
-) -> Result<(Parsed<'a>, bool), ParseError> {
+) -> Result<(Parsed<'a>, Option<usize>), ParseError> {
     canon.clear();
     bounds.clear();
-    let fast = splice.is_some();
     let mut de = serde_json::Deserializer::from_slice(body);
     let mut sink = Sink {
         out: canon,
         bounds,
         splice,
+        spliced_at: None,
         limit,
         truncated: false,
         tokens: 0,
@@ -342,13 +376,15 @@ fn run<'a>(
     parsed.tokens = sink.tokens;
     parsed.text_bytes = sink.text_bytes;
     parsed.media_parts = sink.media_parts;
-    Ok((parsed, fast && sink.splice.is_none()))
+    Ok((parsed, sink.spliced_at))
 }
 
-/// Ids already scanned (little-endian, possibly cut at the limit) and how many there were.
+/// Ids already scanned (canonical bytes, possibly cut at the limit), how many there were, and
+/// whether the bytes were cut.
 struct Splice<'i> {
     bytes: &'i [u8],
     count: usize,
+    cut: bool,
 }
 
 /// Most message boundaries kept per request: the first two (rendezvous key) and the deepest
@@ -362,6 +398,8 @@ struct Sink<'o> {
     bounds: &'o mut Vec<usize>,
     /// Fast path only: written in place of the [`MARKER`] id (then `None`).
     splice: Option<Splice<'o>>,
+    /// Where in `out` the splice was written.
+    spliced_at: Option<usize>,
     limit: usize,
     truncated: bool,
     tokens: usize,
@@ -389,15 +427,17 @@ impl Sink<'_> {
     fn token(&mut self, t: u32) {
         if t == MARKER {
             if let Some(s) = self.splice.take() {
+                self.spliced_at = Some(self.out.len());
                 self.tokens += s.count;
                 self.put(s.bytes);
-                // The scan stops storing past the limit: the ids it dropped were cut here too.
-                self.truncated |= s.bytes.len() < 4 * s.count;
+                // The scan stops storing at the limit: what it dropped was cut here too.
+                self.truncated |= s.cut;
                 return;
             }
         }
         self.tokens += 1;
-        self.put(&t.to_le_bytes());
+        let mut buf = [0u8; ids::MAX_ID_BYTES];
+        self.put(ids::decimal(t, &mut buf));
     }
     /// Ends a chat message: records its boundary, keeping the list bounded (see [`MAX_BOUNDS`]).
     fn bound(&mut self) {
@@ -836,7 +876,9 @@ mod tests {
     }
 
     fn tokens(v: &[u32]) -> Vec<u8> {
-        v.iter().flat_map(|t| t.to_le_bytes()).collect()
+        v.iter()
+            .flat_map(|t| format!("{t},").into_bytes())
+            .collect()
     }
 
     #[test]
@@ -1271,8 +1313,8 @@ mod tests {
             2 => 60 + r.below(140), // crosses the scanner's 64-id blocks
             _ => r.below(40),
         };
-        // Mostly one clean separator throughout (`,` or `, `, what clients send: long runs for
-        // the scanner's vector step), else random whitespace around every comma.
+        // Mostly one clean separator throughout (`,` or `, `, what clients send: the chunk
+        // step's 64-byte runs), else random whitespace around every comma.
         let style = r.below(3);
         let mut s = format!("[{}", ws(r));
         for i in 0..n {
@@ -1378,8 +1420,9 @@ mod tests {
     fn fast_path_equals_serde() {
         let mut r = Rng(0x9E37_79B9_7F4A_7C15);
         let (mut fast_hits, mut oks, mut errs) = (0, 0, 0);
-        let mut scratch = Scratch::default();
+        let mut scratch = Scratch::for_blocks(3);
         let (mut ca, mut cb, mut ba, mut bb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut ha, mut hb, mut ended) = (Vec::new(), Vec::new(), 0);
         for case in 0..60_000 {
             let (ep, key) = match r.below(4) {
                 0 => (Endpoint::Generate, "input_ids"),
@@ -1413,6 +1456,13 @@ mod tests {
                     assert_eq!(w.truncated, g.truncated, "{}", ctx());
                     assert_eq!(ca, cb, "{}", ctx());
                     assert_eq!(ba, bb, "{}", ctx());
+                    // The block ends the scan recorded give the hasher's own blocks.
+                    if let Some(ends) = scratch.block_ends(3) {
+                        let cut = crate::blocks::hash_token_blocks(1, &ca, 3, 50, &mut ha);
+                        let at = crate::blocks::hash_blocks_at(1, &cb, ends, 50, &mut hb);
+                        assert_eq!((ha.as_slice(), cut), (hb.as_slice(), at), "{}", ctx());
+                        ended += 1;
+                    }
                     oks += 1;
                 }
                 (Err(w), Err(g)) => {
@@ -1426,8 +1476,8 @@ mod tests {
         }
         // The comparison means something only if both paths and both outcomes are common.
         assert!(
-            fast_hits > 10_000 && oks > 25_000 && errs > 10_000,
-            "{fast_hits} {oks} {errs}"
+            fast_hits > 10_000 && oks > 25_000 && errs > 10_000 && ended > 10_000,
+            "{fast_hits} {oks} {errs} {ended}"
         );
     }
 

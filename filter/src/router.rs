@@ -14,10 +14,11 @@
 //! fleet instead of all landing on one worker. Other prompts use their first
 //! `policy.affinity_blocks` blocks.
 
-use crate::blocks::{hash_blocks, keyed_seed};
+use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
 use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
 use crate::footprint::Footprint;
+use crate::ids;
 use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
 use crate::load::Ledger;
 use crate::peers::Outbox;
@@ -120,7 +121,13 @@ impl Router {
         Router {
             canon: Vec::with_capacity(64 * 1024),
             bounds: Vec::with_capacity(64),
-            tok: request::Scratch::default(),
+            // Scans record block ends at the default model's block size: the model a body
+            // names is only known once it is parsed (another size searches, `blocks.rs`).
+            tok: request::Scratch::for_blocks(
+                cfg.models
+                    .get(cfg.default_model)
+                    .map_or(0, |m| m.token_block_size),
+            ),
             ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
             sc: Scratch::default(),
@@ -213,7 +220,10 @@ impl Router {
         let limit = cfg
             .models
             .iter()
-            .map(|m| m.text_block_bytes.max(4 * m.token_block_size))
+            .map(|m| {
+                m.text_block_bytes
+                    .max(ids::MAX_ID_BYTES.saturating_mul(m.token_block_size))
+            })
             .max()
             .unwrap_or(64)
             .saturating_mul(cfg.max_prompt_blocks);
@@ -255,7 +265,7 @@ impl Router {
                 model.text_block_bytes,
                 (parsed.text_bytes / cpt).saturating_add(media),
             ),
-            PromptKind::Tokens => (4 * model.token_block_size, parsed.tokens),
+            PromptKind::Tokens => (model.token_block_size, parsed.tokens),
             PromptKind::None => (0, media),
         };
         let prompt_tokens = prompt_tokens
@@ -276,14 +286,33 @@ impl Router {
             parsed.lora.as_deref().map(str::as_bytes),
             tenant,
         );
+        // Text blocks are `block_bytes` bytes; token blocks `block_bytes` ids (`ids.rs`).
         let truncated = parsed.truncated
-            | hash_blocks(
-                seed,
-                &self.canon,
-                block_bytes,
-                cfg.max_prompt_blocks,
-                &mut self.hashes,
-            );
+            | match parsed.kind {
+                PromptKind::Tokens => match self.tok.block_ends(block_bytes) {
+                    Some(ends) => hash_blocks_at(
+                        seed,
+                        &self.canon,
+                        ends,
+                        cfg.max_prompt_blocks,
+                        &mut self.hashes,
+                    ),
+                    None => hash_token_blocks(
+                        seed,
+                        &self.canon,
+                        block_bytes,
+                        cfg.max_prompt_blocks,
+                        &mut self.hashes,
+                    ),
+                },
+                _ => hash_blocks(
+                    seed,
+                    &self.canon,
+                    block_bytes,
+                    cfg.max_prompt_blocks,
+                    &mut self.hashes,
+                ),
+            };
         // Message boundaries as block counts (full blocks only), for whole-turn matches.
         self.ends.clear();
         if parsed.kind == PromptKind::Text {

@@ -1,12 +1,11 @@
-//! xxh3-64 with a seed, as `xxhash_rust::xxh3::xxh3_64_with_seed` computes it, with 64-byte
-//! inputs (every full block at the default sizes: 64-byte text blocks, 16-token id blocks)
-//! hashed here.
+//! xxh3-64 with a seed, as `xxhash_rust::xxh3::xxh3_64_with_seed` computes it, with inputs of
+//! 17 to 128 bytes (every full block at the default sizes: 64-byte text blocks, 16-token id
+//! blocks of ~100 canonical bytes) hashed here.
 //!
-//! Why: xxh3 mixes a 64-byte input as four 16-byte windows, each through a 64x64→128-bit
+//! Why: xxh3 mixes such an input as two to eight 16-byte windows, each through a 64x64→128-bit
 //! multiply. Wasm has no such instruction, so LLVM calls the `__multi3` libcall (a full
-//! 128x128 product returned through linear memory) four times per block. Here the length is
-//! fixed, so the windows are read without bounds checks and multiplied inline from 32-bit
-//! halves.
+//! 128x128 product returned through linear memory) once per window. Here the windows are
+//! multiplied inline from 32-bit halves.
 //!
 //! Invariant: the output equals `xxhash_rust`'s for every input and seed (the index, the peers
 //! and the rendezvous keys of every replica must agree whatever build computed a hash; tested
@@ -15,9 +14,9 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed as reference;
 
-/// The first 64 bytes of xxh3's default secret (`kSecret` in the xxHash specification), as
-/// little-endian 64-bit words: the part a 64-byte input reads.
-const SECRET: [u64; 8] = [
+/// The first 128 bytes of xxh3's default secret (`kSecret` in the xxHash specification), as
+/// little-endian 64-bit words: the part an input of up to 128 bytes reads.
+const SECRET: [u64; 16] = [
     0xBE4B_A423_396C_FEB8,
     0x1CAD_21F7_2C81_017C,
     0xDB97_9083_E96D_D4DE,
@@ -26,6 +25,14 @@ const SECRET: [u64; 8] = [
     0x2172_FFCC_7DD0_5A82,
     0x8E24_43F7_7446_08B8,
     0x4C26_3A81_E690_35E0,
+    0xCB00_C391_BB52_283C,
+    0xA32E_531B_8B65_D088,
+    0x4EF9_0DA2_9748_6471,
+    0xD8AC_DEA9_46EF_1938,
+    0x3F34_9CE3_3F76_FAA8,
+    0x1D4F_0BC7_C7BB_DCF9,
+    0x3159_B4CD_4BE0_518A,
+    0x6473_78D9_C97E_9FC8,
 ];
 
 const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
@@ -35,6 +42,7 @@ const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
 pub fn xxh3_64_with_seed(data: &[u8], seed: u64) -> u64 {
     match <&[u8; 64]>::try_from(data) {
         Ok(block) => block64(block, seed),
+        Err(_) if (17..=128).contains(&data.len()) => mid(data, seed),
         Err(_) => reference(data, seed),
     }
 }
@@ -58,6 +66,41 @@ fn block64(data: &[u8; 64], seed: u64) -> u64 {
         fold2(window(16, 4), window(32, 6)),
     );
     let acc = 64u64
+        .wrapping_mul(PRIME64_1)
+        .wrapping_add(u64x2_extract_lane::<0>(r))
+        .wrapping_add(u64x2_extract_lane::<1>(r));
+    avalanche(acc)
+}
+
+/// [`mid`] with Wasm SIMD, as [`block64`]: the windows in pairs through [`fold2`].
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline]
+fn mid(data: &[u8], seed: u64) -> u64 {
+    use core::arch::wasm32::*;
+    let len = data.len();
+    if !(17..=128).contains(&len) {
+        return reference(data, seed);
+    }
+    let s = u64x2(seed, seed.wrapping_neg());
+    let window = |at: usize, k: usize| {
+        debug_assert!(at + 16 <= len);
+        // SAFETY: every window below starts at most at `len - 16` (`len >= 17`), so
+        // `data[at..at + 16]` is readable; no alignment is required.
+        let w = unsafe { v128_load(data.as_ptr().add(at).cast()) };
+        let key = u64x2(SECRET[k], SECRET[k + 1]);
+        v128_xor(w, i64x2_add(key, s))
+    };
+    let mut r = fold2(window(0, 0), window(len - 16, 2));
+    if len > 32 {
+        r = i64x2_add(r, fold2(window(16, 4), window(len - 32, 6)));
+        if len > 64 {
+            r = i64x2_add(r, fold2(window(32, 8), window(len - 48, 10)));
+            if len > 96 {
+                r = i64x2_add(r, fold2(window(48, 12), window(len - 64, 14)));
+            }
+        }
+    }
+    let acc = (len as u64)
         .wrapping_mul(PRIME64_1)
         .wrapping_add(u64x2_extract_lane::<0>(r))
         .wrapping_add(u64x2_extract_lane::<1>(r));
@@ -103,7 +146,7 @@ fn fold2(w0: core::arch::wasm32::v128, w1: core::arch::wasm32::v128) -> core::ar
 fn block64(data: &[u8; 64], seed: u64) -> u64 {
     let (w, _) = data.as_chunks::<8>();
     let word = |i: usize| w.get(i).map_or(0, |c| u64::from_le_bytes(*c));
-    let [s0, s1, s2, s3, s4, s5, s6, s7] = SECRET;
+    let [s0, s1, s2, s3, s4, s5, s6, s7, ..] = SECRET;
     let mix = |at: usize, k0: u64, k1: u64| {
         fold(
             word(at) ^ k0.wrapping_add(seed),
@@ -116,6 +159,44 @@ fn block64(data: &[u8; 64], seed: u64) -> u64 {
         .wrapping_add(mix(6, s2, s3))
         .wrapping_add(mix(2, s4, s5))
         .wrapping_add(mix(4, s6, s7));
+    avalanche(acc)
+}
+
+/// xxh3's 17-to-128-byte path: pairs of 16-byte windows from both ends (as many pairs as the
+/// length needs), each window with its two secret words, summed, then avalanched.
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+#[inline]
+fn mid(data: &[u8], seed: u64) -> u64 {
+    let len = data.len();
+    if !(17..=128).contains(&len) {
+        return reference(data, seed);
+    }
+    let word = |i: usize| {
+        debug_assert!(i + 8 <= len);
+        // SAFETY: every window below starts at most at `len - 16` and reads 16 bytes, so
+        // `i + 8 <= len` for each of its two words (`len >= 17` checked above).
+        u64::from_le(unsafe { data.as_ptr().add(i).cast::<u64>().read_unaligned() })
+    };
+    let key = |k: usize| SECRET.get(k).copied().unwrap_or(0);
+    let mix = |at: usize, k: usize| {
+        fold(
+            word(at) ^ key(k).wrapping_add(seed),
+            word(at + 8) ^ key(k + 1).wrapping_sub(seed),
+        )
+    };
+    let mut acc = (len as u64).wrapping_mul(PRIME64_1);
+    if len > 32 {
+        if len > 64 {
+            if len > 96 {
+                acc = acc
+                    .wrapping_add(mix(48, 12))
+                    .wrapping_add(mix(len - 64, 14));
+            }
+            acc = acc.wrapping_add(mix(32, 8)).wrapping_add(mix(len - 48, 10));
+        }
+        acc = acc.wrapping_add(mix(16, 4)).wrapping_add(mix(len - 32, 6));
+    }
+    acc = acc.wrapping_add(mix(0, 0)).wrapping_add(mix(len - 16, 2));
     avalanche(acc)
 }
 

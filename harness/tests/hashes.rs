@@ -1,12 +1,13 @@
 //! The real `.wasm` hashes prompts exactly as the native build does. The `.wasm` computes xxh3
 //! with its own Wasm SIMD code (`filter/src/xxh3.rs`: two windows' 128-bit products folded at
-//! once), the native build with 128-bit multiplies; replicas, peers and the native module must
+//! once, for 64-byte text blocks and the 17-to-128-byte token-id blocks), the native build with
+//! 128-bit multiplies; replicas, peers and the native module must
 //! all agree on every block hash, so a hash the `.wasm` computes differently would split the
 //! fleet's index without failing any single-build test. Here the `.wasm` reports the hashes it
 //! writes through its peer batches (16-byte records: model key, worker, block hash), and each
 //! must be one of the block hashes the native crate computes for the same prompt.
 
-use prefix_router::blocks::{chain_seed, hash_blocks};
+use prefix_router::blocks::{chain_seed, hash_blocks, hash_token_blocks};
 use prefix_router::request::{self, Endpoint};
 use proxy_wasm_host::{Host, Options};
 use std::collections::HashSet;
@@ -27,13 +28,16 @@ fn words(n: usize, seed: u64) -> String {
     s
 }
 
-/// The block hashes the native crate computes for `body`: 64-byte blocks of the canonical
-/// prompt (text, or token ids as 4 little-endian bytes each), chained from the model's seed.
+/// The block hashes the native crate computes for `body`, chained from the model's seed: text
+/// in 64-byte blocks, token ids (canonical text, ~110 bytes per block) in blocks of 16 ids.
 fn native(ep: Endpoint, body: &[u8]) -> HashSet<u64> {
     let mut canon = Vec::new();
     request::parse(ep, body, &mut canon, 1 << 20).expect("parse");
-    let mut out = Vec::new();
-    hash_blocks(chain_seed(b"llama", None), &canon, 64, 1 << 16, &mut out);
+    let (seed, mut out) = (chain_seed(b"llama", None), Vec::new());
+    match ep {
+        Endpoint::Chat => hash_blocks(seed, &canon, 64, 1 << 16, &mut out),
+        _ => hash_token_blocks(seed, &canon, 16, 1 << 16, &mut out),
+    };
     out.into_iter().collect()
 }
 

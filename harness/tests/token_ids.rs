@@ -1,9 +1,9 @@
-//! Token-id prompts through the real `.wasm`, whose scanner reads two ids per Wasm SIMD vector
-//! (`filter/src/id_pairs.rs`) where the separators allow it and falls back to scalar steps
-//! elsewhere. The same ids must make the same prompt blocks whatever the separators: a body
-//! whose separators keep the scanner on its scalar steps (`",\n  "`) is recorded first, then
-//! the same ids in the formats the vector step reads (`,` and `, `) and a mixed one must match
-//! every block of it. One changed id must cut the match at its block.
+//! Token-id prompts through the real `.wasm`, whose scanner checks and copies 64 bytes of ids
+//! per Wasm SIMD step (`filter/src/id_chunks.rs`) where the separators allow it and falls back
+//! to a scalar step elsewhere. The same ids must make the same prompt blocks whatever the
+//! separators: a body whose separators keep the scanner on its scalar step (`",\n  "`) is
+//! recorded first, then the same ids in the formats the vector step reads (`,` and `, `) and a
+//! mixed one must match every block of it. One changed id must cut the match at its block.
 
 use proxy_wasm_host::{Host, Options, Vm};
 
