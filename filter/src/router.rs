@@ -260,7 +260,7 @@ impl Router {
         let media = parsed
             .media_parts
             .saturating_mul(cfg.policy.media_part_tokens as usize);
-        let (block_bytes, prompt_tokens) = match parsed.kind {
+        let (block, prompt_tokens) = match parsed.kind {
             PromptKind::Text => (
                 model.text_block_bytes,
                 (parsed.text_bytes / cpt).saturating_add(media),
@@ -286,10 +286,10 @@ impl Router {
             parsed.lora.as_deref().map(str::as_bytes),
             tenant,
         );
-        // Text blocks are `block_bytes` bytes; token blocks `block_bytes` ids (`ids.rs`).
+        // A block: `block` bytes of text, or `block` token ids (`ids.rs`).
         let truncated = parsed.truncated
             | match parsed.kind {
-                PromptKind::Tokens => match self.tok.block_ends(block_bytes) {
+                PromptKind::Tokens => match self.tok.block_ends(block) {
                     Some(ends) => hash_blocks_at(
                         seed,
                         &self.canon,
@@ -300,7 +300,7 @@ impl Router {
                     None => hash_token_blocks(
                         seed,
                         &self.canon,
-                        block_bytes,
+                        block,
                         cfg.max_prompt_blocks,
                         &mut self.hashes,
                     ),
@@ -308,7 +308,7 @@ impl Router {
                 _ => hash_blocks(
                     seed,
                     &self.canon,
-                    block_bytes,
+                    block,
                     cfg.max_prompt_blocks,
                     &mut self.hashes,
                 ),
@@ -317,19 +317,17 @@ impl Router {
         self.ends.clear();
         if parsed.kind == PromptKind::Text {
             for &b in &self.bounds {
-                let c = b / block_bytes;
+                let c = b / block;
                 if c >= 1 && c <= self.hashes.len() && self.ends.last() != Some(&c) {
                     self.ends.push(c);
                 }
             }
         }
-        let affinity = self.affinity_key(seed, block_bytes, parsed.kind);
+        let affinity = self.affinity_key(seed, block, parsed.kind);
         // The opening message's end (full blocks), when another message follows it: a fleet
         // prefix candidate (policy/cache_aware.rs).
         let head_blocks = match (parsed.kind, self.bounds.len() >= 2, self.bounds.first()) {
-            (PromptKind::Text, true, Some(&end)) => {
-                (end / block_bytes.max(1)).min(self.hashes.len())
-            }
+            (PromptKind::Text, true, Some(&end)) => (end / block.max(1)).min(self.hashes.len()),
             _ => 0,
         } as u32;
         let k = self.cfg.policy.affinity_blocks.min(self.hashes.len());
@@ -360,13 +358,13 @@ impl Router {
 
     /// The rendezvous key (module docs): through the second chat message, else the first
     /// `affinity_blocks` blocks.
-    fn affinity_key(&self, seed: u64, block_bytes: usize, kind: PromptKind) -> u64 {
+    fn affinity_key(&self, seed: u64, block: usize, kind: PromptKind) -> u64 {
         if kind == PromptKind::Text && self.cfg.policy.conversation_key {
             if let Some(&end) = self.bounds.get(1) {
                 let end = end.min(self.canon.len());
                 // Continue the chain from the last full block before `end`: one short hash.
-                let full = (end / block_bytes.max(1)).min(self.hashes.len());
-                let start = full * block_bytes;
+                let full = (end / block.max(1)).min(self.hashes.len());
+                let start = full * block;
                 let prev = full
                     .checked_sub(1)
                     .and_then(|i| self.hashes.get(i))
