@@ -163,13 +163,27 @@ pub struct Parsed<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseError(pub String);
 
+/// The most canonical bytes kept per prompt: for text, and for token ids (whose canonical text
+/// takes up to [`ids::MAX_ID_BYTES`] bytes per id). A plain `usize` is the same for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    pub text: usize,
+    pub tokens: usize,
+}
+
+impl From<usize> for Limit {
+    fn from(n: usize) -> Limit {
+        Limit { text: n, tokens: n }
+    }
+}
+
 /// Parses `body` for `endpoint`, writing the canonical prompt into `canon` (cleared first, at
 /// most `limit` bytes). Never panics; any malformed input is a `ParseError`.
 pub fn parse<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
     canon: &mut Vec<u8>,
-    limit: usize,
+    limit: impl Into<Limit>,
 ) -> Result<Parsed<'a>, ParseError> {
     parse_with_bounds(endpoint, body, canon, &mut Vec::new(), limit)
 }
@@ -182,9 +196,9 @@ pub fn parse_with_bounds<'a>(
     body: &'a [u8],
     canon: &mut Vec<u8>,
     bounds: &mut Vec<usize>,
-    limit: usize,
+    limit: impl Into<Limit>,
 ) -> Result<Parsed<'a>, ParseError> {
-    run(endpoint, body, canon, bounds, limit, None).map(|(p, _)| p)
+    run(endpoint, body, canon, bounds, limit.into(), None).map(|(p, _)| p)
 }
 
 /// Reusable buffers of [`parse_fast`] (grown to the largest request seen, never shrunk): the
@@ -248,8 +262,9 @@ pub fn parse_fast<'a>(
     canon: &mut Vec<u8>,
     bounds: &mut Vec<usize>,
     scratch: &mut Scratch,
-    limit: usize,
+    limit: impl Into<Limit>,
 ) -> Result<Parsed<'a>, ParseError> {
+    let limit = limit.into();
     if let Some(p) = fast(endpoint, body, canon, bounds, scratch, limit) {
         return Ok(p);
     }
@@ -262,7 +277,7 @@ fn fast<'a>(
     canon: &mut Vec<u8>,
     bounds: &mut Vec<usize>,
     scratch: &mut Scratch,
-    limit: usize,
+    limit: Limit,
 ) -> Option<Parsed<'a>> {
     let keys: &[&[u8]] = match endpoint {
         Endpoint::Generate => &[b"input_ids", b"text"],
@@ -276,7 +291,7 @@ fn fast<'a>(
         body,
         at,
         &mut scratch.ids,
-        limit,
+        limit.tokens,
         scratch.block,
         &mut scratch.ends,
     )?;
@@ -347,7 +362,7 @@ fn run<'a>(
     body: &'a [u8],
     canon: &mut Vec<u8>,
     bounds: &mut Vec<usize>,
-    limit: usize,
+    limit: Limit,
     splice: Option<Splice<'_>>,
 ) -> Result<(Parsed<'a>, Option<usize>), ParseError> {
     canon.clear();
@@ -358,7 +373,8 @@ fn run<'a>(
         bounds,
         splice,
         spliced_at: None,
-        limit,
+        limit: limit.text,
+        token_limit: limit.tokens,
         truncated: false,
         tokens: 0,
         text_bytes: 0,
@@ -392,7 +408,7 @@ struct Splice<'i> {
 /// millions of `{}` messages must not grow the VM's reusable buffer for the VM's life.
 pub const MAX_BOUNDS: usize = 256;
 
-/// The canonical-bytes writer, bounded by `limit`.
+/// The canonical-bytes writer, bounded by `limit` (text) and `token_limit` (token ids).
 struct Sink<'o> {
     out: &'o mut Vec<u8>,
     bounds: &'o mut Vec<usize>,
@@ -401,6 +417,7 @@ struct Sink<'o> {
     /// Where in `out` the splice was written.
     spliced_at: Option<usize>,
     limit: usize,
+    token_limit: usize,
     truncated: bool,
     tokens: usize,
     text_bytes: usize,
@@ -411,7 +428,10 @@ struct Sink<'o> {
 
 impl Sink<'_> {
     fn put(&mut self, bytes: &[u8]) {
-        let room = self.limit.saturating_sub(self.out.len());
+        self.put_within(bytes, self.limit);
+    }
+    fn put_within(&mut self, bytes: &[u8], limit: usize) {
+        let room = limit.saturating_sub(self.out.len());
         if bytes.len() > room {
             self.truncated = true;
             self.out.extend_from_slice(&bytes[..room]);
@@ -429,7 +449,7 @@ impl Sink<'_> {
             if let Some(s) = self.splice.take() {
                 self.spliced_at = Some(self.out.len());
                 self.tokens += s.count;
-                self.put(s.bytes);
+                self.put_within(s.bytes, self.token_limit);
                 // The scan stops storing at the limit: what it dropped was cut here too.
                 self.truncated |= s.cut;
                 return;
@@ -437,7 +457,7 @@ impl Sink<'_> {
         }
         self.tokens += 1;
         let mut buf = [0u8; ids::MAX_ID_BYTES];
-        self.put(ids::decimal(t, &mut buf));
+        self.put_within(ids::decimal(t, &mut buf), self.token_limit);
     }
     /// Ends a chat message: records its boundary, keeping the list bounded (see [`MAX_BOUNDS`]).
     fn bound(&mut self) {
@@ -1117,6 +1137,31 @@ mod tests {
         let body = format!("{{\"prompt\":\"{}\"}}", "a".repeat(100_000));
         let p = parse(Endpoint::Completions, body.as_bytes(), &mut buf, 1000).unwrap();
         assert!(p.truncated && buf.len() == 1000);
+        // Text and token ids have their own limits, on both paths.
+        let limit = Limit {
+            text: 100,
+            tokens: 1000,
+        };
+        let ids = format!("{{\"prompt\":[{}]}}", vec!["12345"; 150].join(", "));
+        let text = format!("{{\"prompt\":\"{}\"}}", "a".repeat(500));
+        let (mut bounds, mut scratch) = (Vec::new(), Scratch::for_blocks(16));
+        for (body, want) in [(&ids, 900), (&text, 100)] {
+            let p = parse(Endpoint::Completions, body.as_bytes(), &mut buf, limit).unwrap();
+            assert_eq!((buf.len(), p.truncated), (want, want == 100), "{body:.40}");
+            let f = parse_fast(
+                Endpoint::Completions,
+                body.as_bytes(),
+                &mut buf,
+                &mut bounds,
+                &mut scratch,
+                limit,
+            );
+            assert_eq!(
+                (buf.len(), f.unwrap().truncated),
+                (want, want == 100),
+                "{body:.40}"
+            );
+        }
     }
 
     #[test]
@@ -1472,7 +1517,8 @@ mod tests {
                 _ => panic!("{}: serde {want:?}, fast {got:?}", ctx()),
             }
             let (mut c, mut bd) = (Vec::new(), Vec::new());
-            fast_hits += usize::from(fast(ep, &b, &mut c, &mut bd, &mut scratch, limit).is_some());
+            fast_hits +=
+                usize::from(fast(ep, &b, &mut c, &mut bd, &mut scratch, limit.into()).is_some());
         }
         // The comparison means something only if both paths and both outcomes are common.
         assert!(

@@ -217,16 +217,16 @@ impl Router {
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
-        let limit = cfg
-            .models
-            .iter()
-            .map(|m| {
-                m.text_block_bytes
-                    .max(ids::MAX_ID_BYTES.saturating_mul(m.token_block_size))
-            })
-            .max()
-            .unwrap_or(64)
-            .saturating_mul(cfg.max_prompt_blocks);
+        // Canonical bytes kept: enough for `max_prompt_blocks` blocks of any model, text or
+        // token ids (up to `MAX_ID_BYTES` canonical bytes per id).
+        let most = |size: fn(&crate::config::Model) -> usize| {
+            let per_block = cfg.models.iter().map(size).max().unwrap_or(64);
+            per_block.saturating_mul(cfg.max_prompt_blocks)
+        };
+        let limit = request::Limit {
+            text: most(|m| m.text_block_bytes),
+            tokens: most(|m| m.token_block_size.saturating_mul(ids::MAX_ID_BYTES)),
+        };
         let parsed = match request::parse_fast(
             endpoint,
             body,
