@@ -78,51 +78,12 @@ pub fn hash_token_blocks(
     max_blocks: usize,
     out: &mut Vec<u64>,
 ) -> bool {
-    out.clear();
     if ids == 0 {
+        out.clear();
         return false;
     }
-    let (mut prev, mut start, mut need, mut i) = (seed, 0usize, ids, 0usize);
-    loop {
-        // The end of the current block's `need`-th comma, searched from `i`.
-        let end = match commas64(data, i) {
-            Some(mut m) => {
-                let n = m.count_ones() as usize;
-                if n < need {
-                    need -= n;
-                    i += 64;
-                    continue;
-                }
-                for _ in 1..need {
-                    m &= m - 1;
-                }
-                i + m.trailing_zeros() as usize + 1
-            }
-            None => match data.get(i..).and_then(|t| {
-                t.iter()
-                    .enumerate()
-                    .filter(|&(_, &c)| c == b',')
-                    .nth(need - 1)
-            }) {
-                Some((k, _)) => i + k + 1,
-                None => break,
-            },
-        };
-        if out.len() >= max_blocks {
-            return true;
-        }
-        prev = xxh3_64_with_seed(data.get(start..end).unwrap_or_default(), prev);
-        out.push(prev);
-        (start, need, i) = (end, ids, end);
-    }
-    if start < data.len() {
-        if out.len() >= max_blocks {
-            return true;
-        }
-        prev = xxh3_64_with_seed(data.get(start..).unwrap_or_default(), prev);
-        out.push(prev);
-    }
-    false
+    let ends = BlockEnds { data, ids, at: 0 };
+    hash_blocks_at(seed, data, ends, max_blocks, out)
 }
 
 /// [`hash_token_blocks`] with the block ends already known (`ends`: increasing offsets into
@@ -131,13 +92,13 @@ pub fn hash_token_blocks(
 pub fn hash_blocks_at(
     seed: u64,
     data: &[u8],
-    ends: &[usize],
+    ends: impl IntoIterator<Item = usize>,
     max_blocks: usize,
     out: &mut Vec<u64>,
 ) -> bool {
     out.clear();
     let (mut prev, mut start) = (seed, 0usize);
-    for &end in ends {
+    for end in ends {
         if end > data.len() || end <= start {
             break;
         }
@@ -152,10 +113,52 @@ pub fn hash_blocks_at(
         if out.len() >= max_blocks {
             return true;
         }
-        prev = xxh3_64_with_seed(data.get(start..).unwrap_or_default(), prev);
-        out.push(prev);
+        out.push(xxh3_64_with_seed(
+            data.get(start..).unwrap_or_default(),
+            prev,
+        ));
     }
     false
+}
+
+/// Where blocks of `ids` canonical ids end: just past every `ids`-th comma of `data` from `at`.
+struct BlockEnds<'d> {
+    data: &'d [u8],
+    ids: usize,
+    at: usize,
+}
+
+impl Iterator for BlockEnds<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let mut need = self.ids; // commas still to pass, the last one ending the block
+        loop {
+            let Some(mut m) = commas64(self.data, self.at) else {
+                // The last bytes: one at a time.
+                let (k, _) = self
+                    .data
+                    .get(self.at..)?
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &c)| c == b',')
+                    .nth(need.checked_sub(1)?)?;
+                self.at += k + 1;
+                return Some(self.at);
+            };
+            let n = m.count_ones() as usize;
+            if n < need {
+                need -= n;
+                self.at += 64;
+                continue;
+            }
+            for _ in 1..need {
+                m &= m - 1;
+            }
+            self.at += m.trailing_zeros() as usize + 1;
+            return Some(self.at);
+        }
+    }
 }
 
 /// The commas of canonical id bytes `data[i..i + 64]` as a mask (bit `j` for byte `i + j`);

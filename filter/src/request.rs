@@ -1504,7 +1504,13 @@ mod tests {
                     // The block ends the scan recorded give the hasher's own blocks.
                     if let Some(ends) = scratch.block_ends(3) {
                         let cut = crate::blocks::hash_token_blocks(1, &ca, 3, 50, &mut ha);
-                        let at = crate::blocks::hash_blocks_at(1, &cb, ends, 50, &mut hb);
+                        let at = crate::blocks::hash_blocks_at(
+                            1,
+                            &cb,
+                            ends.iter().copied(),
+                            50,
+                            &mut hb,
+                        );
                         assert_eq!((ha.as_slice(), cut), (hb.as_slice(), at), "{}", ctx());
                         ended += 1;
                     }

@@ -293,7 +293,7 @@ impl Router {
                     Some(ends) => hash_blocks_at(
                         seed,
                         &self.canon,
-                        ends,
+                        ends.iter().copied(),
                         cfg.max_prompt_blocks,
                         &mut self.hashes,
                     ),
