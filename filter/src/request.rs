@@ -254,8 +254,8 @@ const PLACEHOLDER: &[u8] = b"[4294967295]";
 /// marker ended up elsewhere) parses the original body with serde alone.
 ///
 /// Costs: the scan (a check and a copy per 64-byte chunk with Wasm SIMD, `id_chunks.rs`,
-/// instead of ~500 Wasm instructions per id through serde), then serde over the body minus the array; one copy of the body minus the array; no
-/// allocation once `scratch` has grown.
+/// instead of ~500 Wasm instructions per id through serde), then serde over the body minus
+/// the array; one copy of the body minus the array; no allocation once `scratch` has grown.
 pub fn parse_fast<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
