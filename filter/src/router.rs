@@ -77,6 +77,9 @@ pub struct Router {
     bounds: Vec<usize>,
     /// The token-id fast path's buffers (`request::parse_fast`).
     tok: request::Scratch,
+    /// Canonical bytes kept per prompt: enough for `max_prompt_blocks` blocks of any model, text
+    /// or token ids (up to `MAX_ID_BYTES` canonical bytes per id). Derived from `cfg` once.
+    limit: request::Limit,
     ends: Vec<usize>,
     hashes: Vec<u64>,
     pub sc: Scratch,
@@ -107,6 +110,14 @@ pub struct Router {
 
 impl Router {
     pub fn new(cfg: Config, seed: u64) -> Router {
+        let most = |size: fn(&crate::config::Model) -> usize| {
+            let per_block = cfg.models.iter().map(size).max().unwrap_or(64);
+            per_block.saturating_mul(cfg.max_prompt_blocks)
+        };
+        let limit = request::Limit {
+            text: most(|m| m.text_block_bytes),
+            tokens: most(|m| m.token_block_size.saturating_mul(ids::MAX_ID_BYTES)),
+        };
         let ids = cfg
             .models
             .iter()
@@ -123,6 +134,7 @@ impl Router {
             bounds: Vec::with_capacity(64),
             // Scans record block ends at the default model's block size: the model a body
             // names is only known once it is parsed (another size searches, `blocks.rs`).
+            limit,
             tok: request::Scratch::for_blocks(
                 cfg.models
                     .get(cfg.default_model)
@@ -217,23 +229,13 @@ impl Router {
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
-        // Canonical bytes kept: enough for `max_prompt_blocks` blocks of any model, text or
-        // token ids (up to `MAX_ID_BYTES` canonical bytes per id).
-        let most = |size: fn(&crate::config::Model) -> usize| {
-            let per_block = cfg.models.iter().map(size).max().unwrap_or(64);
-            per_block.saturating_mul(cfg.max_prompt_blocks)
-        };
-        let limit = request::Limit {
-            text: most(|m| m.text_block_bytes),
-            tokens: most(|m| m.token_block_size.saturating_mul(ids::MAX_ID_BYTES)),
-        };
         let parsed = match request::parse_fast(
             endpoint,
             body,
             &mut self.canon,
             &mut self.bounds,
             &mut self.tok,
-            limit,
+            self.limit,
         ) {
             Ok(p) => p,
             Err(_) => {
