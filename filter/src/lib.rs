@@ -18,6 +18,7 @@ pub mod id_chunks;
 pub mod ids;
 pub mod index;
 pub mod load;
+pub mod load_answer;
 pub mod pd;
 pub mod peers;
 pub mod placements;

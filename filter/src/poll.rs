@@ -166,40 +166,10 @@ fn own_plus_polled(own: u32, polled: u32, own_at_poll: u32) -> u32 {
 }
 
 /// A worker's answer: in-flight requests (running + waiting) and queued prompt tokens, summed
-/// over data-parallel ranks. Accepts `/v1/loads` (`{"loads":[rank...]}`, or a bare list of
-/// ranks) and `/get_load` (`[{"num_reqs","num_waiting_reqs","num_tokens"}...]`). `None` for
-/// anything else, so a wrong endpoint counts as a failed poll, never as an idle worker.
+/// over data-parallel ranks; `None` for anything that is not a load answer (read in one pass
+/// without a JSON tree: [`crate::load_answer`]).
 pub fn parse_load(body: &[u8]) -> Option<(u32, u32)> {
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let ranks = match &v {
-        serde_json::Value::Array(a) => a.as_slice(),
-        serde_json::Value::Object(o) => match o.get("loads") {
-            Some(serde_json::Value::Array(a)) => a.as_slice(),
-            _ => std::slice::from_ref(&v),
-        },
-        _ => return None,
-    };
-    let num = |r: &serde_json::Value, k: &str| r.get(k).and_then(serde_json::Value::as_u64);
-    let (mut reqs, mut tokens, mut any) = (0u64, 0u64, false);
-    for r in ranks {
-        if let Some(running) = num(r, "num_running_reqs") {
-            // /v1/loads: running and waiting are separate.
-            reqs += running + num(r, "num_waiting_reqs").unwrap_or(0);
-            tokens += num(r, "num_waiting_uncached_tokens").unwrap_or(0);
-            any = true;
-        } else if let Some(n) = num(r, "num_reqs") {
-            // /get_load: num_reqs already includes the waiting ones.
-            reqs += n;
-            tokens += num(r, "num_tokens").unwrap_or(0);
-            any = true;
-        }
-    }
-    any.then(|| {
-        (
-            reqs.min(u64::from(u32::MAX)) as u32,
-            tokens.min(u64::from(u32::MAX)) as u32,
-        )
-    })
+    crate::load_answer::parse(body)
 }
 
 /// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
