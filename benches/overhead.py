@@ -15,6 +15,7 @@ every request after the first is a prefix hit, the steady state).
   benches/overhead --stream --tokens 256 1024 --secs 6 --rounds 5   # more rounds: medians, paired ratios
   benches/overhead --callgrind --sizes 4 --rounds 2                  # Envoy instructions per request
   benches/overhead --callgrind --stream --streams 4 --step-ms 10 --tokens 256 1024 --rounds 2
+  benches/overhead --callgrind --stream --idle 5 --rounds 0   # per-second cost without traffic
 
 --callgrind runs every Envoy under valgrind's callgrind and reports the instructions Envoy executed
 (all its threads) per request or streamed response instead of CPU time: a count that does not move
@@ -160,7 +161,8 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
     """`upstream`: one port (every cluster's endpoint) or one per worker (plain Envoy: one cluster
     over all of them, round robin; Wasm modes: cluster w<i> on port i). From prkit.envoy_config:
     the Wasm modes are the `bench` profile (one endpoint per worker cluster, no access log, no rate
-    limit, no load polls); plain and buffer are its filter-less baseline."""
+    limit; load polls at the filter's default, every 100 ms per worker, except in the `_nopoll`
+    modes); plain and buffer are its filter-less baseline."""
     ups = upstream if isinstance(upstream, list) else [upstream] * WORKERS
     listen, admin_addr = ("127.0.0.1", port), ("127.0.0.1", admin)
     if mode in ("plain", "buffer"):
@@ -168,7 +170,12 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
         pools = {"up": [("127.0.0.1", u) for u in sorted(set(ups))]}
         return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
     wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
-            "dm_floor": WASM, "prefix_router_dm": WASM}[mode]
+            "dm_floor": WASM, "prefix_router_dm": WASM, "prefix_router_nopoll": WASM,
+            "prefix_router_dm_nopoll": WASM}[mode]
+    if mode.endswith("_nopoll"):
+        # The same filter without its load polls (a per-second cost, not a per-request one).
+        plugin = {**(plugin or {}), "load_poll": {"interval_ms": 0}}
+        mode = mode.removesuffix("_nopoll")
     module = {"dm_floor": DM_FLOOR, "prefix_router_dm": DM_ROUTER}.get(mode)
     # One nginx for all clusters (table mode): worker i dials it on loopback address 127.0.0.<i+1>
     # (nginx listens on all four), so the generator sees four distinct workers.
@@ -237,7 +244,8 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool
     else:
         mode = {"envoy": "plain", "envoy_buffer": "buffer", "prefix_router": "prefix_router",
                 "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk", "dm_floor": "dm_floor",
-                "prefix_router_dm": "prefix_router_dm"}[kind]
+                "prefix_router_dm": "prefix_router_dm", "prefix_router_nopoll": "prefix_router_nopoll",
+                "prefix_router_dm_nopoll": "prefix_router_dm_nopoll"}[kind]
         cfg = tmp / f"envoy-{kind}.yaml"
         cfg.write_text(envoy_yaml(mode, port, admin, upstream))
         cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
@@ -249,7 +257,7 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool
                    "--smc-check=all-non-file", "--dump-instr=no", envoy_binary(), *cmd[1:]]
         p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode.startswith("dm_")
-                 or mode.endswith("_dm") else None)
+                 or "_dm" in mode else None)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         wait_http(url, 900 if callgrind else 60, "POST", body_of_size(1))
@@ -264,7 +272,11 @@ KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buf
          ("prefix_router", "(iii) Envoy + prefix-router"), ("smg", "(iv) smg 1.13 cache_aware"),
          ("wasm_floor", "(v) Envoy + no-op body-reading Wasm"),
          ("dm_floor", "(vi) Envoy + no-op body-reading dynamic module"),
-         ("prefix_router_dm", "(vii) Envoy + prefix-router, dynamic module")]
+         ("prefix_router_dm", "(vii) Envoy + prefix-router, dynamic module"),
+         ("prefix_router_nopoll", "(iii) without load polls"),
+         ("prefix_router_dm_nopoll", "(vii) without load polls")]
+# Measured only when named in --kinds: the filter without its per-second load polls.
+OPTIONAL = ("prefix_router_nopoll", "prefix_router_dm_nopoll")
 # The ratio columns of the table, (numerator, denominator), where both kinds ran.
 RATIOS = [("prefix_router", "envoy_buffer"), ("wasm_floor", "envoy_buffer"), ("dm_floor", "envoy_buffer"),
           ("prefix_router_dm", "envoy_buffer"), ("prefix_router", "wasm_floor"), ("prefix_router_dm", "dm_floor"),
@@ -419,7 +431,9 @@ def run_rss(args, tmp: Path, upstream: int):
 
 STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ floor on the SDK (all exports)"),
                 ("wasm_floor", "+ floor, lean exports"), ("dm_floor", "+ floor, dynamic module"),
-                ("prefix_router", "+ prefix-router"), ("prefix_router_dm", "+ prefix-router, dynamic module")]
+                ("prefix_router", "+ prefix-router"), ("prefix_router_dm", "+ prefix-router, dynamic module"),
+                ("prefix_router_nopoll", "+ prefix-router, no load polls"),
+                ("prefix_router_dm_nopoll", "+ prefix-router, dynamic module, no load polls")]
 
 
 def envoy_binary() -> str:
@@ -560,6 +574,14 @@ def run_stream(args, tmp: Path):
         unit, scale = ("instructions", 1) if args.callgrind else ("us", 1e6)
         with all_proxies(kinds, tmp, ports, args.callgrind) as proxies:
             meters = {k: meter(p, k, tmp, args.callgrind) for k, (p, _) in proxies.items()}
+            idle = {}
+            for k in kinds if args.idle else []:
+                # No traffic: what the proxy spends per second on timers and load polls.
+                start, stop = meters[k]
+                start()
+                time.sleep(args.idle)
+                idle[k] = stop() * scale / args.idle
+                print(f"idle {labels[k]:36s} Envoy {idle[k]:12,.0f} {unit}/s", flush=True)
             for r in range(args.rounds):
                 for n in args.tokens:
                     body = json.dumps({"model": "llama", "prompt": "Stream me the answer, token by token. " * 8,
@@ -582,30 +604,37 @@ def run_stream(args, tmp: Path):
         med = statistics.median
         results = {key: med(v[0] for v in vs) for key, vs in runs.items()}
         per_chunk = {key: (med(v[1] for v in vs), med(v[2] for v in vs)) for key, vs in runs.items()}
-        print()
-        print(f"Medians over {args.rounds} round(s); (x) = median of each round's ratio to plain Envoy "
-              "in the same round, [min-max] of those ratios:")
-        print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
-        print("|---|" + "---|" * len(kinds))
-        for n in args.tokens:
-            base = runs.get(("envoy", n))
-            cells = []
-            for k in kinds:
-                v = results[(k, n)]
-                if k == "envoy" or not base:
-                    cells.append(f"{v:,.0f} {unit}")
-                    continue
-                ratios = [a[0] / b[0] for a, b in zip(runs[(k, n)], base)]
-                cells.append(f"{v:,.0f} {unit} ({med(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}])")
-            print(f"| {n} tokens | " + " | ".join(cells) + " |")
-        print()
-        print(f"Envoy {unit} per HTTP chunk the client read (chunks per response: SSE events coalesce when a "
-              "proxy or worker falls behind, which changes the work per response):")
-        print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
-        print("|---|" + "---|" * len(kinds))
-        for n in args.tokens:
-            print(f"| {n} tokens | " + " | ".join(f"{per_chunk[(k, n)][0]:,.1f} {unit} ({per_chunk[(k, n)][1]:.0f} chunks)"
-                                                  for k in kinds) + " |")
+        if runs:
+            print()
+            print(f"Medians over {args.rounds} round(s); (x) = median of each round's ratio to plain Envoy "
+                  "in the same round, [min-max] of those ratios:")
+            print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
+            print("|---|" + "---|" * len(kinds))
+            for n in args.tokens:
+                base = runs.get(("envoy", n))
+                cells = []
+                for k in kinds:
+                    v = results[(k, n)]
+                    if k == "envoy" or not base:
+                        cells.append(f"{v:,.0f} {unit}")
+                        continue
+                    ratios = [a[0] / b[0] for a, b in zip(runs[(k, n)], base)]
+                    cells.append(f"{v:,.0f} {unit} ({med(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}])")
+                print(f"| {n} tokens | " + " | ".join(cells) + " |")
+            print()
+            print(f"Envoy {unit} per HTTP chunk the client read (chunks per response: SSE events coalesce when a "
+                  "proxy or worker falls behind, which changes the work per response):")
+            print("| response | " + " | ".join(labels[k] for k in kinds) + " |")
+            print("|---|" + "---|" * len(kinds))
+            for n in args.tokens:
+                print(f"| {n} tokens | " + " | ".join(f"{per_chunk[(k, n)][0]:,.1f} {unit} ({per_chunk[(k, n)][1]:.0f} chunks)"
+                                                      for k in kinds) + " |")
+        if idle:
+            print()
+            print(f"Idle (no traffic, {args.idle} s): Envoy {unit} per second")
+            print("| " + " | ".join(labels[k] for k in kinds) + " |")
+            print("|" + "---|" * len(kinds))
+            print("| " + " | ".join(f"{idle[k]:,.0f}" for k in kinds) + " |")
         if args.json:
             Path(args.json).write_text(json.dumps({f"{k}/{n}": vs for (k, n), vs in runs.items()}, indent=1))
     finally:
@@ -619,7 +648,7 @@ def main():
     ap.add_argument("--secs", type=int, default=5, help="seconds per wrk run")
     ap.add_argument("--conns", type=int, default=16, help="connections for the throughput run")
     ap.add_argument("--rss", type=int, default=0, metavar="N", help="RSS mode: index N distinct prefixes")
-    ap.add_argument("--kinds", nargs="+", default=[k for k, _ in KINDS], help="which proxies")
+    ap.add_argument("--kinds", nargs="+", default=[k for k, _ in KINDS if k not in OPTIONAL], help="which proxies")
     ap.add_argument("--json", help="also write raw results here")
     ap.add_argument("--stream", action="store_true", help="streamed responses: Envoy CPU per response")
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 1024], help="--stream: tokens per response")
@@ -629,12 +658,14 @@ def main():
     ap.add_argument("--callgrind", action="store_true",
                     help="count Envoy's instructions under valgrind's callgrind instead of its CPU time")
     ap.add_argument("--requests", type=int, default=400, help="--callgrind table: requests per measurement")
+    ap.add_argument("--idle", type=float, default=0, metavar="SECS",
+                    help="--stream: first measure each proxy for SECS seconds without traffic (timers, load polls)")
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores (proxy on core 0, load on core 1)")
     ensure_tools()
-    if args.stream and args.kinds == [k for k, _ in KINDS]:
-        args.kinds = [k for k, _ in STREAM_KINDS]
+    if args.stream and args.kinds == [k for k, _ in KINDS if k not in OPTIONAL]:
+        args.kinds = [k for k, _ in STREAM_KINDS if k not in OPTIONAL]
     if args.callgrind:
         if not shutil.which("valgrind"):
             sys.exit("--callgrind needs valgrind (apt-get install valgrind)")

@@ -108,7 +108,7 @@ def test_api_errors_are_config_errors():
         ec.profile("nope")
 
 
-@pytest.mark.parametrize("mode", ["plain", "buffer", "prefix_router"])
+@pytest.mark.parametrize("mode", ["plain", "buffer", "prefix_router", "prefix_router_nopoll"])
 @pytest.mark.parametrize("upstream", [18020, [18020, 18021, 18022, 18023]])
 def test_overhead_bench_configs_validate(mode, upstream, tmp_path):
     """benches/overhead's proxies come from this module too (no hand-written YAML): each mode, with
@@ -117,6 +117,8 @@ def test_overhead_bench_configs_validate(mode, upstream, tmp_path):
     from benches import overhead
 
     text = overhead.envoy_yaml(mode, 18000, 18001, upstream)
-    if mode == "prefix_router":
+    if mode.startswith("prefix_router"):
         text = text.replace(str(overhead.WASM), str(wasm_path()))
+        # The filter's default load polls, or none in the `_nopoll` mode.
+        assert ('"interval_ms":0' in text.replace(" ", "")) == mode.endswith("_nopoll"), text
     envoy_validate(text, tmp_path, f"overhead-{mode}.yaml")
