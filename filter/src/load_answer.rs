@@ -119,6 +119,46 @@ impl<'de> de::Deserialize<'de> for Key {
     }
 }
 
+/// The scalar `visit_*` methods of a visitor to which every scalar is `$v` (skipped); with
+/// `integers`, integers too.
+macro_rules! scalars_are {
+    ($v:expr) => {
+        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+            Ok($v)
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+            Ok($v)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+            Ok($v)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok($v)
+        }
+    };
+    ($v:expr, integers) => {
+        scalars_are!($v);
+        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+            Ok($v)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+            Ok($v)
+        }
+    };
+}
+
+/// Reads a list to its end, keeping nothing.
+fn skip_seq<'de, A: SeqAccess<'de>>(mut s: A) -> Result<(), A::Error> {
+    while s.next_element::<IgnoredAny>()?.is_some() {}
+    Ok(())
+}
+
+/// Reads an object to its end, keeping nothing.
+fn skip_map<'de, A: MapAccess<'de>>(mut m: A) -> Result<(), A::Error> {
+    while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+    Ok(())
+}
+
 /// A count: `Some` for a non-negative integer, `None` for any other JSON value (skipped).
 struct Count;
 
@@ -140,25 +180,12 @@ impl<'de> Visitor<'de> for Count {
     fn visit_i64<E>(self, v: i64) -> Result<Option<u64>, E> {
         Ok(u64::try_from(v).ok())
     }
-    fn visit_f64<E>(self, _: f64) -> Result<Option<u64>, E> {
-        Ok(None)
+    scalars_are!(None);
+    fn visit_seq<A: SeqAccess<'de>>(self, s: A) -> Result<Option<u64>, A::Error> {
+        skip_seq(s).map(|_| None)
     }
-    fn visit_bool<E>(self, _: bool) -> Result<Option<u64>, E> {
-        Ok(None)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<Option<u64>, E> {
-        Ok(None)
-    }
-    fn visit_unit<E>(self) -> Result<Option<u64>, E> {
-        Ok(None)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Option<u64>, A::Error> {
-        while s.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Option<u64>, A::Error> {
-        while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(None)
+    fn visit_map<A: MapAccess<'de>>(self, m: A) -> Result<Option<u64>, A::Error> {
+        skip_map(m).map(|_| None)
     }
 }
 
@@ -177,27 +204,9 @@ impl<'de> Visitor<'de> for RankOrSkip {
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("any JSON value")
     }
-    fn visit_u64<E>(self, _: u64) -> Result<Option<Rank>, E> {
-        Ok(None)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<Option<Rank>, E> {
-        Ok(None)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<Option<Rank>, E> {
-        Ok(None)
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<Option<Rank>, E> {
-        Ok(None)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<Option<Rank>, E> {
-        Ok(None)
-    }
-    fn visit_unit<E>(self) -> Result<Option<Rank>, E> {
-        Ok(None)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Option<Rank>, A::Error> {
-        while s.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(None)
+    scalars_are!(None, integers);
+    fn visit_seq<A: SeqAccess<'de>>(self, s: A) -> Result<Option<Rank>, A::Error> {
+        skip_seq(s).map(|_| None)
     }
     fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Option<Rank>, A::Error> {
         let mut r = Rank::default();
@@ -223,24 +232,7 @@ impl<'de> Visitor<'de> for RankList {
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("any JSON value")
     }
-    fn visit_u64<E>(self, _: u64) -> Result<Option<Sums>, E> {
-        Ok(None)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<Option<Sums>, E> {
-        Ok(None)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<Option<Sums>, E> {
-        Ok(None)
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<Option<Sums>, E> {
-        Ok(None)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<Option<Sums>, E> {
-        Ok(None)
-    }
-    fn visit_unit<E>(self) -> Result<Option<Sums>, E> {
-        Ok(None)
-    }
+    scalars_are!(None, integers);
     fn visit_seq<A: SeqAccess<'de>>(self, mut s: A) -> Result<Option<Sums>, A::Error> {
         let mut sums = Sums::default();
         while let Some(r) = s.next_element_seed(RankOrSkip)? {
@@ -250,9 +242,8 @@ impl<'de> Visitor<'de> for RankList {
         }
         Ok(Some(sums))
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Option<Sums>, A::Error> {
-        while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(None)
+    fn visit_map<A: MapAccess<'de>>(self, m: A) -> Result<Option<Sums>, A::Error> {
+        skip_map(m).map(|_| None)
     }
 }
 
@@ -293,24 +284,7 @@ impl<'de> Visitor<'de> for Answer {
         }))
     }
     // Scalars are not answers: `any` stays false.
-    fn visit_u64<E>(self, _: u64) -> Result<Sums, E> {
-        Ok(Sums::default())
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<Sums, E> {
-        Ok(Sums::default())
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<Sums, E> {
-        Ok(Sums::default())
-    }
-    fn visit_bool<E>(self, _: bool) -> Result<Sums, E> {
-        Ok(Sums::default())
-    }
-    fn visit_str<E>(self, _: &str) -> Result<Sums, E> {
-        Ok(Sums::default())
-    }
-    fn visit_unit<E>(self) -> Result<Sums, E> {
-        Ok(Sums::default())
-    }
+    scalars_are!(Sums::default(), integers);
 }
 
 #[cfg(test)]
