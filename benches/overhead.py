@@ -636,6 +636,17 @@ def run_stream(args, tmp: Path):
             s.stop()
 
 
+@contextlib.contextmanager
+def workdir(keep: str | None, prefix: str):
+    """A fresh temporary directory, or `keep` (created, never removed)."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield Path(keep).resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as t:
+        yield Path(t)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="prompt sizes in KB")
@@ -654,6 +665,8 @@ def main():
     ap.add_argument("--requests", type=int, default=400, help="--callgrind table: requests per measurement")
     ap.add_argument("--idle", type=float, default=0, metavar="SECS",
                     help="--stream: first measure each proxy for SECS seconds without traffic (timers, load polls)")
+    ap.add_argument("--keep", metavar="DIR",
+                    help="work in DIR and keep it: Envoy configs and logs, callgrind dumps for callgrind_annotate")
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores (proxy on core 0, load on core 1)")
@@ -665,12 +678,11 @@ def main():
             sys.exit("--callgrind needs valgrind (apt-get install valgrind)")
         args.kinds = [k for k in args.kinds if k != "smg"]  # not Envoy: nothing to count
     if args.stream:
-        with tempfile.TemporaryDirectory(prefix="pr-stream-") as t:
-            run_stream(args, Path(t))
+        with workdir(args.keep, "pr-stream-") as tmp:
+            run_stream(args, tmp)
         return
-    with tempfile.TemporaryDirectory(prefix="pr-overhead-") as t:
-        tmp = Path(t)
-        (tmp / "nginx-body").mkdir()
+    with workdir(args.keep, "pr-overhead-") as tmp:
+        (tmp / "nginx-body").mkdir(exist_ok=True)
         up = free_port()
         nginx = Proc(["/usr/sbin/nginx", "-c", str(nginx_conf(up, tmp)), "-p", str(tmp)], LOAD_CPU, tmp / "nginx.log")
         try:

@@ -67,6 +67,10 @@ pub struct LoadPollConfig {
     /// Poll period per worker; 0 disables polling (each Envoy sees only its own requests).
     #[serde(default = "default_poll_interval_ms")]
     pub interval_ms: u32,
+    /// Poll period of a model without traffic (no request in flight and none since its last
+    /// round); below `interval_ms` it is `interval_ms`. See `poll::Poller`.
+    #[serde(default = "default_poll_no_traffic_interval_ms")]
+    pub no_traffic_interval_ms: u32,
     #[serde(default = "default_poll_path")]
     pub path: String,
     /// Tried for a worker whose `path` answered 404 (older SGLang).
@@ -88,6 +92,7 @@ impl Default for LoadPollConfig {
     fn default() -> Self {
         LoadPollConfig {
             interval_ms: default_poll_interval_ms(),
+            no_traffic_interval_ms: default_poll_no_traffic_interval_ms(),
             path: default_poll_path(),
             fallback_path: default_poll_fallback_path(),
             timeout_ms: default_poll_timeout_ms(),
@@ -125,6 +130,9 @@ pub const MIN_SECRET_LEN: usize = 16;
 
 fn default_poll_interval_ms() -> u32 {
     100
+}
+fn default_poll_no_traffic_interval_ms() -> u32 {
+    500
 }
 fn default_poll_path() -> String {
     "/v1/loads".into()
@@ -751,6 +759,12 @@ impl Config {
         let lp = &raw.load_poll;
         if lp.interval_ms > 60_000 {
             return Err(err("load_poll.interval_ms", "must be between 0 and 60000"));
+        }
+        if lp.no_traffic_interval_ms > 60_000 {
+            return Err(err(
+                "load_poll.no_traffic_interval_ms",
+                "must be between 0 and 60000",
+            ));
         }
         for (f, v) in [("path", &lp.path), ("fallback_path", &lp.fallback_path)] {
             if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {

@@ -279,7 +279,10 @@ impl Root {
 
     /// The lease holder asks every worker for its load when a round is due.
     fn poll_workers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
-        let r = s.router.borrow();
+        let Ok(mut guard) = s.router.try_borrow_mut() else {
+            return;
+        };
+        let r = &mut *guard;
         let lp = &r.cfg.load_poll;
         if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
             return; // a root that cannot call never takes the lease from one that can
@@ -289,10 +292,19 @@ impl Root {
         if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
         }
-        if !self.poller.due(now_ms, lp.interval_ms) {
-            return;
+        let mut targets: Vec<poll::Target> = Vec::new();
+        for mi in 0..r.cfg.models.len() {
+            let activity = || r.ledger.activity(h, &r.cfg, mi);
+            if self.poller.due(
+                mi,
+                now_ms,
+                lp.interval_ms,
+                lp.no_traffic_interval_ms,
+                activity,
+            ) {
+                targets.extend(self.poller.round(mi));
+            }
         }
-        let targets: Vec<poll::Target> = self.poller.round().collect();
         for t in targets {
             let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
                 let i = usize::from(t.worker);

@@ -550,6 +550,27 @@ impl Ledger {
             .collect()
     }
 
+    /// Model `mi`'s traffic for the poller's schedule: its value's stamp, and whether a request
+    /// is in flight (this VM's own totals, or any live lease: a lease exists only with load).
+    pub fn activity<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize) -> poll::Activity {
+        let Some(model) = cfg.models.get(mi) else {
+            return poll::Activity {
+                stamp: None,
+                busy: false,
+            };
+        };
+        let stamp = store.get(&model.load_key, &mut self.buf);
+        let own = self
+            .own
+            .get(mi)
+            .is_some_and(|o| o.iter().any(|c| *c != (0, 0)));
+        let clock = self.now;
+        let busy = own
+            || Leases::new(&self.buf)
+                .any(|l| l.end > l.start + HDR && (clock == 0 || alive(l.beat, clock)));
+        poll::Activity { stamp, busy }
+    }
+
     /// This Envoy's in-flight counts of worker `w` of model `mi`, for a poll snapshot.
     pub fn own_of<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize, w: usize) -> (u32, u32) {
         self.read(store, cfg, mi, 0, false);

@@ -19,9 +19,11 @@
 //! new work (an unreachable load endpoint must not look idle) nor excluded (it may well serve).
 //! When no worker is known, the decision uses the own counts alone (polling off, or all down).
 //!
-//! Costs: the poller makes one HTTP call per worker per interval and one CAS per answer; every VM
-//! re-reads each model's published value once per tick (50 ms), so a decision pays no host call
-//! for polled load. Staleness: at most interval + tick + the worker's answer time.
+//! Costs: the poller makes one HTTP call per worker per interval (per `no_traffic_interval_ms`
+//! for a model without traffic, see [`Poller`]) and one CAS per answer; every VM re-reads each
+//! model's published value once per tick (50 ms), so a decision pays no host call for polled
+//! load. Staleness: at most interval + tick + the worker's answer time (the no-traffic interval
+//! instead of the interval for a model's first request after a quiet spell).
 
 use crate::records::{find, rd, wr, ById};
 use crate::store::Store;
@@ -208,10 +210,29 @@ pub struct Target {
     pub fallback: bool,
 }
 
+/// What a model's load value (`load.rs`) says about its traffic, read by the poller: its
+/// stamp (the CAS token, which every decision and every written release changes; `None` when
+/// the value is missing) and whether a request is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Activity {
+    pub stamp: Option<u32>,
+    pub busy: bool,
+}
+
 /// The poller's schedule and in-flight calls (kept by the lease holder's VM).
+///
+/// **Schedule.** Each model is polled every `interval_ms` while it has traffic: a request in
+/// flight, or a decision or release since its last round (its load value's stamp moved). A
+/// model without traffic is polled every `no_traffic_ms` instead (as Envoy's health checks use
+/// `no_traffic_interval`): its view stays fresh for the next request (answers younger than
+/// `stale_ms` when `no_traffic_ms + timeout_ms < stale_ms`) while an idle Envoy stops costing
+/// its own CPU and every worker's load endpoint ten calls a second. Cost: one shared-data get
+/// per model per tick between the two periods.
 #[derive(Default)]
 pub struct Poller {
-    next_due_ms: u64,
+    /// Per model: when its last round started (ms), and its load value's stamp then.
+    last_round_ms: Vec<Option<u64>>,
+    stamp: Vec<Option<u32>>,
     /// Per model, per worker: the worker answered 404 on the primary path (use the fallback).
     use_fallback: Vec<Vec<bool>>,
     /// `(token, target)` of calls awaiting an answer.
@@ -222,30 +243,53 @@ pub struct Poller {
 
 impl Poller {
     pub fn new(workers_per_model: impl Iterator<Item = usize>) -> Poller {
+        let use_fallback: Vec<Vec<bool>> = workers_per_model.map(|n| vec![false; n]).collect();
         Poller {
-            use_fallback: workers_per_model.map(|n| vec![false; n]).collect(),
+            last_round_ms: vec![None; use_fallback.len()],
+            stamp: vec![None; use_fallback.len()],
+            use_fallback,
             ..Poller::default()
         }
     }
 
-    /// Whether a round is due at `now_ms`; schedules the next one.
-    pub fn due(&mut self, now_ms: u64, interval_ms: u32) -> bool {
-        if interval_ms == 0 || now_ms < self.next_due_ms {
+    /// Whether model `mi`'s round is due at `now_ms` (the schedule in the type's docs);
+    /// `activity` is read only once `interval_ms` has passed. Starts the round when due.
+    pub fn due(
+        &mut self,
+        mi: usize,
+        now_ms: u64,
+        interval_ms: u32,
+        no_traffic_ms: u32,
+        activity: impl FnOnce() -> Activity,
+    ) -> bool {
+        let (Some(last), Some(stamp)) = (self.last_round_ms.get_mut(mi), self.stamp.get_mut(mi))
+        else {
+            return false;
+        };
+        let since = last.map(|l| now_ms.saturating_sub(l));
+        if interval_ms == 0 || since.is_some_and(|s| s < u64::from(interval_ms)) {
             return false;
         }
-        self.next_due_ms = now_ms + u64::from(interval_ms);
+        let a = activity();
+        let traffic = a.busy || a.stamp.is_none() || a.stamp != *stamp;
+        let quiet_due = since.is_none_or(|s| s >= u64::from(no_traffic_ms.max(interval_ms)));
+        if !traffic && !quiet_due {
+            return false;
+        }
+        *last = Some(now_ms);
+        *stamp = a.stamp;
         true
     }
 
-    /// Targets of a round, skipping workers whose previous call is still in flight (a slow
-    /// worker is asked at most once at a time; the call's timeout bounds it).
-    pub fn round(&self) -> impl Iterator<Item = Target> + '_ {
+    /// Targets of model `mi`'s round, skipping workers whose previous call is still in flight
+    /// (a slow worker is asked at most once at a time; the call's timeout bounds it).
+    pub fn round(&self, mi: usize) -> impl Iterator<Item = Target> + '_ {
         self.use_fallback
-            .iter()
-            .enumerate()
-            .flat_map(|(m, ws)| {
+            .get(mi)
+            .into_iter()
+            .flat_map(move |ws| {
                 ws.iter().enumerate().map(move |(w, &fb)| Target {
-                    model: m as u16,
+                    model: mi as u16,
                     worker: w as u16,
                     fallback: fb,
                 })
@@ -430,15 +474,63 @@ mod tests {
     }
 
     #[test]
+    fn a_model_without_traffic_is_polled_at_the_no_traffic_interval() {
+        // Two models; model 0 has traffic throughout, model 1 none after its first round.
+        let mut p = Poller::new([1usize, 1].into_iter());
+        let at = |stamp, busy| move || Activity { stamp, busy };
+        let quiet = at(Some(7), false);
+        let mut rounds = [Vec::new(), Vec::new()];
+        for now in (0..=2000).step_by(50) {
+            if p.due(0, now, 100, 500, at(Some(now as u32), false)) {
+                rounds[0].push(now);
+            }
+            if p.due(1, now, 100, 500, quiet) {
+                rounds[1].push(now);
+            }
+        }
+        assert_eq!(rounds[0], (0..=2000).step_by(100).collect::<Vec<u64>>());
+        assert_eq!(rounds[1], vec![0, 500, 1000, 1500, 2000]);
+        // Traffic again: the stamp moves (a decision) or a request is in flight.
+        assert!(
+            !p.due(1, 2050, 100, 500, at(Some(8), false)),
+            "interval not yet passed"
+        );
+        assert!(
+            p.due(1, 2100, 100, 500, at(Some(8), false)),
+            "a decision since the round"
+        );
+        assert!(
+            p.due(1, 2200, 100, 500, at(Some(8), true)),
+            "a request in flight"
+        );
+        assert!(!p.due(1, 2300, 100, 500, at(Some(8), false)), "quiet again");
+        assert!(
+            p.due(1, 2300 + 400, 100, 500, at(None, false)),
+            "no value: as traffic"
+        );
+        // Off, a no-traffic interval below the interval, an unknown model.
+        assert!(!p.due(0, 9000, 0, 500, quiet));
+        let mut q = Poller::new([1usize].into_iter());
+        assert!(q.due(0, 0, 300, 100, quiet) && !q.due(0, 200, 300, 100, quiet));
+        assert!(q.due(0, 300, 300, 100, quiet));
+        assert!(!q.due(5, 0, 100, 500, quiet));
+        assert_eq!(q.round(5).count(), 0);
+    }
+
+    #[test]
     fn poller_falls_back_on_404_and_never_stacks_calls() {
         let mut p = Poller::new([2usize].into_iter());
-        assert!(p.due(0, 100));
-        assert!(!p.due(50, 100));
-        let ts: Vec<Target> = p.round().collect();
+        let busy = || Activity {
+            stamp: Some(1),
+            busy: true,
+        };
+        assert!(p.due(0, 0, 100, 500, busy));
+        assert!(!p.due(0, 50, 100, 500, busy));
+        let ts: Vec<Target> = p.round(0).collect();
         assert_eq!(ts.len(), 2);
         p.sent(7, ts[0]);
         p.sent(8, ts[1]);
-        assert_eq!(p.round().count(), 0, "both still in flight");
+        assert_eq!(p.round(0).count(), 0, "both still in flight");
         assert!(
             p.answer(7, Some(404), b"").is_none(),
             "switches, not a failure"
@@ -448,7 +540,7 @@ mod tests {
             .unwrap();
         assert_eq!(l, Some((3, 1)));
         assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
-        let next: Vec<Target> = p.round().collect();
+        let next: Vec<Target> = p.round(0).collect();
         assert!(next[0].fallback && !next[1].fallback);
         assert_eq!((p.answers, p.failures), (1, 0));
         p.sent(9, next[1]);

@@ -211,6 +211,59 @@ fn a_root_that_cannot_call_leaves_the_polls_to_one_that_can() {
     );
 }
 
+/// Load polls follow traffic: every `interval_ms` while a model has requests, every
+/// `no_traffic_interval_ms` without; a new request brings the short period back at the next tick.
+#[test]
+fn a_model_without_traffic_is_polled_at_the_no_traffic_interval_and_traffic_brings_the_interval_back(
+) {
+    let (h, mut root) = configured(&config(""));
+    let rounds_in = |root: &mut Root, ms: u64| {
+        let before = h.state.borrow().calls.len();
+        for _ in 0..ms / 50 {
+            h.state.borrow_mut().now_nanos += 50_000_000;
+            let seen = h.state.borrow().calls.len();
+            root.on_tick(&h);
+            // Each worker answers at once (a call still awaiting its answer is not re-sent).
+            let tokens: Vec<u32> = h.state.borrow().calls[seen..]
+                .iter()
+                .map(|c| c.token)
+                .collect();
+            for t in tokens {
+                let body = br#"{"loads":[{"num_running_reqs":1,"num_waiting_reqs":0}]}"#;
+                {
+                    let mut s = h.state.borrow_mut();
+                    s.call_headers = vec![(":status".into(), "200".into())];
+                    s.call_body = body.to_vec();
+                }
+                root.on_http_call_response(&h, t, body.len());
+            }
+        }
+        (h.state.borrow().calls.len() - before) / WORKERS.len()
+    };
+    rounds_in(&mut root, 1000); // the first round, and the value settles
+    assert_eq!(rounds_in(&mut root, 2000), 4, "idle: every 500 ms");
+    let (mut st, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("x"));
+    assert_eq!(
+        rounds_in(&mut root, 1000),
+        10,
+        "a request in flight: every 100 ms"
+    );
+    st.on_done(&h);
+    let after = rounds_in(&mut root, 2000);
+    assert!(
+        (4..=5).contains(&after),
+        "idle again: {after} rounds in 2 s"
+    );
+    // Traffic that ends between two rounds still counts (the value's stamp moved).
+    request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("y"))
+        .0
+        .on_done(&h);
+    assert!(
+        rounds_in(&mut root, 200) >= 1,
+        "a round within 200 ms of a finished request"
+    );
+}
+
 #[test]
 fn passthrough_takes_the_configured_cluster_and_the_client_never_picks_one() {
     let cfg = config(r#","passthrough_cluster":"info","debug_header":"x-debug""#);

@@ -293,12 +293,12 @@ def test_native_build_polls_every_worker_from_envoys_main_thread(native):
             break
         assert time.time() < deadline, (polled, answers, envoy.counters(r"dynamicmodulescustom\.prefix_router\.load_poll\..*"))
         time.sleep(0.2)
-    # One poller for the whole Envoy (the lease), not one per thread: about 10 polls per worker
-    # per second at 100 ms, well under 2x that.
+    # One poller for the whole Envoy (the lease), not one per thread: with no traffic about 2
+    # polls per worker per second (load_poll.no_traffic_interval_ms 500), well under 2x that.
     t0, p0 = time.time(), sum(w.stats.polls for w in pool.workers.values())
-    time.sleep(2)
+    time.sleep(3)
     rate = (sum(w.stats.polls for w in pool.workers.values()) - p0) / (time.time() - t0) / len(names)
-    assert 3 <= rate <= 15, rate
+    assert 1 <= rate <= 3, rate
 
 
 def test_native_replicas_share_placements_through_their_peer_listeners():
