@@ -440,6 +440,9 @@ impl Root {
         };
         let mut buf = Vec::new();
         poll::publish(h, &model.poll_key, model.workers[w].id, w, &p, &mut buf);
+        if !self.poller.settled(t.model) {
+            return; // the gauges once per round, at its last answer
+        }
         // Gauges: the oldest answer's age and the workers without a fresh one.
         let mut all = Vec::new();
         if let Some(ids) = r.ledger.ids(mi) {

@@ -306,6 +306,11 @@ impl Poller {
         self.inflight.push((token, t));
     }
 
+    /// Whether no call to a worker of model `mi` awaits an answer (its round is complete).
+    pub fn settled(&self, mi: u16) -> bool {
+        !self.inflight.iter().any(|(_, t)| t.model == mi)
+    }
+
     /// A dispatch that failed at once (unknown cluster, ...).
     pub fn not_sent(&mut self) {
         self.failures += 1;
@@ -531,6 +536,7 @@ mod tests {
         p.sent(7, ts[0]);
         p.sent(8, ts[1]);
         assert_eq!(p.round(0).count(), 0, "both still in flight");
+        assert!(!p.settled(0) && p.settled(1));
         assert!(
             p.answer(7, Some(404), b"").is_none(),
             "switches, not a failure"
@@ -540,6 +546,7 @@ mod tests {
             .unwrap();
         assert_eq!(l, Some((3, 1)));
         assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
+        assert!(p.settled(0), "both answered");
         let next: Vec<Target> = p.round(0).collect();
         assert!(next[0].fallback && !next[1].fallback);
         assert_eq!((p.answers, p.failures), (1, 0));
