@@ -503,6 +503,10 @@ impl Store for Native<'_> {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch> {
         ProcessStore.set(key, value, cas)
     }
+    /// False: worker threads have no timer to beat with, and need none (see the store).
+    fn leases_expire(&self) -> bool {
+        ProcessStore.leases_expire()
+    }
 }
 
 impl Host for Native<'_> {

@@ -169,6 +169,9 @@ impl Store for FakeHost {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch> {
         self.store.set(key, value, cas)
     }
+    fn leases_expire(&self) -> bool {
+        self.store.leases_expire()
+    }
 }
 
 impl Host for FakeHost {

@@ -16,7 +16,11 @@
 //! leaves dead leases out; each VM's timer also checks every 200 ms, see [`Ledger::tick`]).
 //! Failure modes: a live thread stalled for more than 2 s, a plugin whose root is gone while its
 //! streams drain, or a forward clock step of more than 2 s makes a live lease look dead until
-//! its next write (its load is under-counted meanwhile, never leaked).
+//! its next write (its load is under-counted meanwhile, never leaked). In a store whose writers
+//! cannot vanish ([`Store::leases_expire`] false: the native build, where every stream ends
+//! through Envoy's hooks and a panic aborts Envoy) leases carry the beat [`PINNED`] and never
+//! expire: a native worker thread has no timer and ticks only at stream starts, so a long stream
+//! on a quiet thread would otherwise drop out of every view after 2 s.
 //!
 //! **Costs.** A decision: one get and one CAS (as before), plus a walk over the leases (O(m log n)
 //! for m non-zero records, n workers). A release: one get and one CAS on a quiet VM, none on a
@@ -41,8 +45,15 @@ const SAMPLE_EVERY: u32 = 4;
 /// Shared-data key of the lease-id counter.
 pub const LEASE_IDS_KEY: &str = "pr/lease-ids";
 
+/// The heartbeat of a lease that never expires (a store whose writers cannot vanish:
+/// [`Store::leases_expire`] false, the native build).
+pub const PINNED: u32 = u32::MAX;
+
 /// Whether a heartbeat `beat` is alive at `now` (module docs).
 pub fn alive(beat: u32, now: u32) -> bool {
+    if beat == PINNED {
+        return true;
+    }
     if beat <= now {
         now - beat <= STALE
     } else {
@@ -310,7 +321,8 @@ impl Ledger {
         }
         let n = own.iter().filter(|c| **c != (0, 0)).count();
         if n > 0 {
-            for v in [self.me, now, n as u32] {
+            let beat = if store.leases_expire() { now } else { PINNED };
+            for v in [self.me, beat, n as u32] {
                 self.out.extend_from_slice(&v.to_le_bytes());
             }
             for (w, c) in model.workers.iter().zip(own) {
@@ -453,6 +465,7 @@ impl Ledger {
         self.now = now;
         for mi in 0..cfg.models.len() {
             let due = self.listed.get(mi).copied().unwrap_or(false)
+                && store.leases_expire()
                 && !self
                     .beat
                     .get(mi)
@@ -701,6 +714,33 @@ mod tests {
         assert!(leases(&s).is_empty());
         live.tick(&s, &c, 50, now + HEARTBEAT);
         assert_eq!(leases(&s)[0].2, vec![(c.models[0].workers[1].id, 1, 5)]);
+    }
+
+    #[test]
+    fn in_a_store_whose_writers_cannot_vanish_a_lease_outlives_its_heartbeat() {
+        // The native build: a worker thread with a long stream and no new one never ticks.
+        let c = cfg(&["a", "b"], "");
+        let s = MemStore::with_lasting_leases();
+        let mut quiet = ledger(&s, &c, 1);
+        let mut busy = ledger(&s, &c, 2);
+        quiet.decide(&s, &c, 0, 100, |_, _| (0, 10, ()));
+        let now = 100 + 10 * STALE;
+        busy.tick(&s, &c, 50, now);
+        assert_eq!(busy.own(&s, &c, 0), vec![(1, 10), (0, 0)], "still counted");
+        busy.decide(&s, &c, 0, now, |_, _| (1, 5, ()));
+        let ls = leases(&s);
+        assert_eq!(ls.len(), 2, "a writer keeps the other lease: {ls:?}");
+        assert!(ls.iter().all(|l| l.1 == PINNED));
+        // Released as usual: the lease goes with its load.
+        quiet.release(&s, &c, 0, 0, 1, 10);
+        assert_eq!(busy.own(&s, &c, 0), vec![(0, 0), (1, 5)]);
+        assert_eq!(leases(&s).len(), 1);
+        // No heartbeat writes for a lease that cannot expire.
+        let sets = s.calls().1;
+        for k in 1..=20 {
+            busy.tick(&s, &c, 50, now + k);
+        }
+        assert_eq!(s.calls().1, sets, "ticks wrote a pinned lease");
     }
 
     #[test]

@@ -17,6 +17,12 @@ pub trait Store {
     fn get(&self, key: &str, out: &mut Vec<u8>) -> Option<u32>;
     /// Stores `value` if `cas` is 0 or still current.
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch>;
+    /// Whether a writer can vanish without undoing what it wrote, so the load leases in this
+    /// store must expire when their heartbeat stops (`load.rs`): true in Envoy's shared data (a
+    /// Wasm VM can trap and be replaced, without its streams' end callbacks).
+    fn leases_expire(&self) -> bool {
+        true
+    }
 }
 
 /// In-memory store with Envoy's semantics, for native tests and benches.
@@ -34,6 +40,8 @@ struct MemInner {
     next_cas: u32,
     conflict_every: u32,
     conditional_sets: u32,
+    /// `leases_expire` answers false (a native process store).
+    lasting_leases: bool,
     pub gets: u64,
     pub sets: u64,
 }
@@ -45,6 +53,12 @@ impl MemStore {
     pub fn with_conflicts(every: u32) -> Self {
         let s = Self::default();
         s.inner.borrow_mut().conflict_every = every;
+        s
+    }
+    /// A store whose writers cannot vanish, as the native build's: load leases never expire.
+    pub fn with_lasting_leases() -> Self {
+        let s = Self::default();
+        s.inner.borrow_mut().lasting_leases = true;
         s
     }
     pub fn len(&self) -> usize {
@@ -96,6 +110,10 @@ impl Store for MemStore {
             }
         }
         apply(&mut i.map, key, value, cas, new_cas)
+    }
+
+    fn leases_expire(&self) -> bool {
+        !self.inner.borrow().lasting_leases
     }
 }
 

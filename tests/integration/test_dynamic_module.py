@@ -244,6 +244,37 @@ def _abort_after_first_event(port: int, body: bytes) -> bool:
         s.close()
 
 
+def test_native_build_keeps_a_long_stream_on_a_quiet_thread_in_the_shared_load(native):
+    """A native worker thread ticks only when a stream starts on it, so during a long stream its
+    load lease gets no heartbeat. Natively leases never expire (every stream ends through
+    Envoy's hooks; a panic aborts Envoy), so the stream stays in the shared load past the 2 s
+    after which a silent Wasm VM's lease stops counting."""
+    envoy, pool, names = native
+    pool.reset()
+    gauge = r"dynamicmodulescustom\.prefix_router\.load\.requests"
+    load = lambda: sum(envoy.counters(gauge).values())  # noqa: E731 (the main thread samples it)
+    _drive_until(envoy, lambda: load() == 0, time.time() + 30, lambda: f"shared load {load()} before the stream")
+    body = {"model": "llama", "stream": True, "x_events": 100, "x_interval": 0.1,
+            "messages": [{"role": "user", "content": wl.text(wl.rng("native-long"), 500)}]}
+    answers = []
+    t = threading.Thread(target=lambda: answers.append(Client(envoy.listener_port).post("/v1/chat/completions", body)))
+    t.start()
+    deadline = time.time() + 30
+    while load() != 1:
+        assert time.time() < deadline and t.is_alive(), f"shared load {load()} while the stream runs"
+        time.sleep(0.05)
+    # No other request from here on: the stream's thread stays quiet.
+    seen, t0 = [], time.time()
+    while time.time() - t0 < 3.0:
+        seen.append(load())
+        time.sleep(0.2)
+    assert t.is_alive(), "the stream ended before 3 s had passed: nothing was checked"
+    assert set(seen) == {1}, seen
+    t.join(30)
+    assert answers and answers[0].status == 200, answers
+    _drive_until(envoy, lambda: load() == 0, time.time() + 30, lambda: f"shared load {load()} after the stream")
+
+
 def test_native_build_releases_every_charge_after_client_aborts(native):
     """Streams that end with the client gone (stream_complete, then destroy) release their charge
     exactly once: the in-flight gauges and the sampled shared load come back to 0."""
