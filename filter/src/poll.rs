@@ -230,9 +230,9 @@ pub struct Activity {
 /// per model per tick between the two periods.
 #[derive(Default)]
 pub struct Poller {
-    /// Per model: when its last round started (ms), and its load value's stamp then.
-    last_round_ms: Vec<Option<u64>>,
-    stamp: Vec<Option<u32>>,
+    /// Per model: when its last round started (ms) and its load value's stamp then; `None`
+    /// before the first round.
+    last_round: Vec<Option<(u64, Option<u32>)>>,
     /// Per model, per worker: the worker answered 404 on the primary path (use the fallback).
     use_fallback: Vec<Vec<bool>>,
     /// `(token, target)` of calls awaiting an answer.
@@ -245,8 +245,7 @@ impl Poller {
     pub fn new(workers_per_model: impl Iterator<Item = usize>) -> Poller {
         let use_fallback: Vec<Vec<bool>> = workers_per_model.map(|n| vec![false; n]).collect();
         Poller {
-            last_round_ms: vec![None; use_fallback.len()],
-            stamp: vec![None; use_fallback.len()],
+            last_round: vec![None; use_fallback.len()],
             use_fallback,
             ..Poller::default()
         }
@@ -262,22 +261,20 @@ impl Poller {
         no_traffic_ms: u32,
         activity: impl FnOnce() -> Activity,
     ) -> bool {
-        let (Some(last), Some(stamp)) = (self.last_round_ms.get_mut(mi), self.stamp.get_mut(mi))
-        else {
+        let Some(last) = self.last_round.get_mut(mi) else {
             return false;
         };
-        let since = last.map(|l| now_ms.saturating_sub(l));
+        let since = last.map(|(at, _)| now_ms.saturating_sub(at));
         if interval_ms == 0 || since.is_some_and(|s| s < u64::from(interval_ms)) {
             return false;
         }
         let a = activity();
-        let traffic = a.busy || a.stamp.is_none() || a.stamp != *stamp;
+        let traffic = a.busy || a.stamp.is_none() || last.is_none_or(|(_, s)| s != a.stamp);
         let quiet_due = since.is_none_or(|s| s >= u64::from(no_traffic_ms.max(interval_ms)));
         if !traffic && !quiet_due {
             return false;
         }
-        *last = Some(now_ms);
-        *stamp = a.stamp;
+        *last = Some((now_ms, a.stamp));
         true
     }
 
