@@ -156,6 +156,7 @@ fn policies(c: &mut Criterion) {
                 model,
                 reqs: &reqs,
                 tokens: &tokens,
+                capacity: &[],
                 matched: &matched,
                 deepest,
                 total_blocks: 256,

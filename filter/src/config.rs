@@ -269,10 +269,12 @@ pub struct PolicyConfig {
     /// sent more than one such prompt more; 0: off (plain rendezvous).
     #[serde(default = "default_placement_window_ms")]
     pub placement_window_ms: u32,
-    /// Weight of a worker's in-flight (estimated uncached) prompt tokens in its cost.
+    /// Weight of a worker's queued prefill (uncached prompt tokens waiting for prefill, polled,
+    /// plus those this Envoy sent since and that have not had their first token) in its cost.
     #[serde(default = "default_load_weight")]
     pub load_weight: f64,
-    /// Cost of one in-flight request (decode work), in prompt-token equivalents.
+    /// Cost of one request in flight on a worker, in prompt-token equivalents: a decoding
+    /// request delays a new one only through the batch (every decode step reads its KV).
     #[serde(default = "default_request_cost_tokens")]
     pub request_cost_tokens: f64,
     /// Leading blocks whose hash picks the rendezvous worker when nobody holds the prefix.
@@ -389,11 +391,10 @@ fn default_load_eps() -> f64 {
     1.0
 }
 fn default_load_weight() -> f64 {
-    // Tuned with load/compare (8 simulated workers): in-flight tokens stay charged until the
-    // stream ends, long after their prefill, so 1.0 over-counts queued work and spilled repeat
-    // prefixes (hit rate shared-prefix 75% -> 84%, skewed 81% -> 86%, 32k-token long context
-    // ~45% -> 72% at 0.5; 0.25 / 0.1 gave the same hit rates with more imbalance).
-    0.5
+    // The tokens weighed are queued prefill (polled `num_waiting_uncached_tokens` plus prompts
+    // sent since and not yet at their first token): a new request on that worker waits for
+    // each of them as for one of its own uncached tokens, so the weight is 1.
+    1.0
 }
 fn default_request_cost_tokens() -> f64 {
     64.0
@@ -611,7 +612,7 @@ impl Config {
             models.push(Model {
                 index_key_prefix: crate::index::KEY_PREFIX.to_string(),
                 load_key: format!("pr/l2/{name}"),
-                poll_key: format!("pr/p/{name}"),
+                poll_key: format!("pr/p2/{name}"),
                 placed_key: format!("pr/np/{name}"),
                 peer_key: worker_id(name),
                 poll_clusters: workers

@@ -426,12 +426,13 @@ impl Root {
         let r = &mut *r;
         let (snap_reqs, snap_tokens) = r.ledger.own_of(h, &r.cfg, mi, w);
         let p = match load {
-            Some((reqs, tokens)) => Polled {
-                reqs,
-                tokens,
+            Some(l) => Polled {
+                reqs: l.reqs,
+                tokens: l.tokens,
                 snap_reqs,
                 snap_tokens,
                 at: now.max(1),
+                capacity: l.capacity,
             },
             None => Polled::default(), // failed: unknown until the next good answer
         };
@@ -807,6 +808,32 @@ impl Stream {
         }
     }
 
+    /// Non-PD models: the prompt's queued-prefill charge ends with the worker's first response
+    /// headers (SGLang sends them with the first token); the request charge stays until the
+    /// stream ends. A no-op after the first call, for PD (the prefill half has its own release)
+    /// and for streams without a charge.
+    fn release_queued_prefill(&mut self, h: &impl Host) {
+        if !self.charged || self.decode.is_some() {
+            return;
+        }
+        let Some(d) = self.decision.as_mut() else {
+            return;
+        };
+        if d.charged_tokens == 0 {
+            return;
+        }
+        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
+            return;
+        };
+        let released = Decision {
+            charged_reqs: 0,
+            ..*d
+        };
+        r.release_prefill_tokens(h, d);
+        drop(r);
+        self.shared.metrics.inflight(&released, -1);
+    }
+
     /// Gives back this stream's load charge; a no-op after the first call.
     fn release(&mut self, h: &impl Host) {
         if !std::mem::take(&mut self.charged) {
@@ -903,6 +930,7 @@ impl Stream {
     /// header when configured.
     pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
         self.release_prefill(h);
+        self.release_queued_prefill(h);
         if let Some(plan) = self.plan.take() {
             self.commit(h, &plan);
         }

@@ -141,6 +141,9 @@ pub struct Ledger {
     out: Vec<u8>,
     reqs: Vec<u32>,
     tokens: Vec<u32>,
+    /// Each worker's polled `max_running_requests` as of the last merged read (0: unknown or
+    /// stale).
+    capacity: Vec<u32>,
     /// Per model, per worker: this VM's in-flight `(requests, tokens)`.
     own: Vec<Vec<(u32, u32)>>,
     /// Per model: unpublished changes; a lease of ours may be in shared data; its last beat.
@@ -180,6 +183,7 @@ impl Ledger {
             out: Vec::with_capacity(REC * n.max(4) + 64),
             reqs: Vec::with_capacity(n),
             tokens: Vec::with_capacity(n),
+            capacity: Vec::with_capacity(n),
             own: cfg
                 .models
                 .iter()
@@ -251,6 +255,7 @@ impl Ledger {
     ) -> u32 {
         self.reqs.clear();
         self.tokens.clear();
+        self.capacity.clear();
         let (Some(model), Some(own), Some(ids)) =
             (cfg.models.get(mi), self.own.get(mi), self.ids.get(mi))
         else {
@@ -279,10 +284,12 @@ impl Ledger {
             let stale = cfg.load_poll.stale_ms / 100;
             let polled = self.polled.get(mi).map_or(&[][..], Vec::as_slice);
             poll::merge(polled, now, stale, &mut self.reqs, &mut self.tokens);
+            poll::capacity(polled, now, stale, &mut self.capacity);
             if model.pd.is_some() {
                 poll::exclude_unknown(polled, now, stale, &mut self.reqs);
             }
         }
+        self.capacity.resize(self.reqs.len(), 0);
         cas
     }
 
@@ -363,7 +370,8 @@ impl Ledger {
     }
 
     /// Chooses and charges atomically: reads the loads (merged with polled ones), lets `choose`
-    /// pick `(worker, tokens to charge, extra)`, and writes this VM's lease with the charge in
+    /// (given each worker's requests, tokens and polled capacity, 0 = unknown) pick `(worker,
+    /// tokens to charge, extra)`, and writes this VM's lease with the charge in
     /// the same CAS. If another thread wrote in between, it re-reads and re-chooses, so a load
     /// bound checked by `choose` holds across threads. After `LOAD_RETRIES` lost races the last
     /// choice stands and its charge is written with the model's next write.
@@ -373,14 +381,14 @@ impl Ledger {
         cfg: &Config,
         mi: usize,
         now: u32,
-        mut choose: impl FnMut(&[u32], &[u32]) -> (usize, u32, T),
+        mut choose: impl FnMut(&[u32], &[u32], &[u32]) -> (usize, u32, T),
     ) -> (usize, u32, T) {
         self.decisions = self.decisions.saturating_add(1);
         self.now = now;
         let mut attempt = 1;
         loop {
             let cas = self.read(store, cfg, mi, now, true);
-            let (w, tok, extra) = choose(&self.reqs, &self.tokens);
+            let (w, tok, extra) = choose(&self.reqs, &self.tokens, &self.capacity);
             if cfg.models.get(mi).and_then(|m| m.workers.get(w)).is_none() {
                 return (w, tok, extra);
             }
@@ -681,9 +689,9 @@ mod tests {
         let s = MemStore::new();
         let mut dead = ledger(&s, &c, 1);
         let mut live = ledger(&s, &c, 2);
-        dead.decide(&s, &c, 0, 100, |_, _| (0, 10, ()));
-        dead.decide(&s, &c, 0, 100, |_, _| (0, 10, ()));
-        live.decide(&s, &c, 0, 100, |_, _| (1, 5, ()));
+        dead.decide(&s, &c, 0, 100, |_, _, _| (0, 10, ()));
+        dead.decide(&s, &c, 0, 100, |_, _, _| (0, 10, ()));
+        live.decide(&s, &c, 0, 100, |_, _, _| (1, 5, ()));
         assert_eq!(live.own(&s, &c, 0), vec![(2, 20), (1, 5)]);
         // `dead` stops here (its VM trapped). `live` keeps ticking every 50 ms.
         let mut now = 100;
@@ -723,11 +731,11 @@ mod tests {
         let s = MemStore::with_lasting_leases();
         let mut quiet = ledger(&s, &c, 1);
         let mut busy = ledger(&s, &c, 2);
-        quiet.decide(&s, &c, 0, 100, |_, _| (0, 10, ()));
+        quiet.decide(&s, &c, 0, 100, |_, _, _| (0, 10, ()));
         let now = 100 + 10 * STALE;
         busy.tick(&s, &c, 50, now);
         assert_eq!(busy.own(&s, &c, 0), vec![(1, 10), (0, 0)], "still counted");
-        busy.decide(&s, &c, 0, now, |_, _| (1, 5, ()));
+        busy.decide(&s, &c, 0, now, |_, _, _| (1, 5, ()));
         let ls = leases(&s);
         assert_eq!(ls.len(), 2, "a writer keeps the other lease: {ls:?}");
         assert!(ls.iter().all(|l| l.1 == PINNED));
@@ -759,7 +767,7 @@ mod tests {
         s.put("pr/l2/m", b"\x01\0\0\0\x64\0\0\0\xff\xff\xff\xff12345");
         let mut l = ledger(&s, &c, 1);
         assert_eq!(l.own(&s, &c, 0), vec![(0, 0)]);
-        l.decide(&s, &c, 0, 100, |_, _| (0, 1, ()));
+        l.decide(&s, &c, 0, 100, |_, _, _| (0, 1, ()));
         assert_eq!(leases(&s).len(), 1);
         let mut b = Vec::new();
         s.get("pr/l2/m", &mut b);
@@ -793,7 +801,7 @@ mod tests {
         let s = MemStore::with_conflicts(2);
         let mut l = ledger(&s, &c, 1);
         let mut calls = 0;
-        let (w, tok, ()) = l.decide(&s, &c, 0, 1, |r, _| {
+        let (w, tok, ()) = l.decide(&s, &c, 0, 1, |r, _, _| {
             calls += 1;
             (usize::from(r[0] > r[1]), 9, ())
         });
@@ -844,6 +852,7 @@ mod tests {
             snap_reqs: 0,
             snap_tokens: 0,
             at: 10,
+            capacity: 0,
         };
         poll::publish(&s, &m.poll_key, m.workers[0].id, 0, &p, &mut buf);
         let idle = Polled {

@@ -1,15 +1,16 @@
-//! A worker's answer to a load poll, read in one pass: the summed in-flight requests and queued
-//! prompt tokens of its data-parallel ranks.
+//! A worker's answer to a load poll, read in one pass: the summed in-flight requests, queued
+//! prompt tokens and running-request capacity of its data-parallel ranks.
 //!
 //! Shapes accepted (SGLang's two load endpoints): `/v1/loads` — `{"loads":[rank...], ...}` or a
 //! bare list of ranks, where a rank's requests are `num_running_reqs + num_waiting_reqs` and its
-//! tokens `num_waiting_uncached_tokens` — and `/get_load` — `[{"num_reqs","num_tokens"}...]`,
-//! where `num_reqs` already counts the waiting ones. An object without a `loads` list is itself
+//! tokens `num_waiting_uncached_tokens`, its capacity `max_running_requests` — and `/get_load` —
+//! `[{"num_reqs","num_tokens"}...]`, where `num_reqs` already counts the waiting ones and no
+//! capacity is reported (0: unknown). An object without a `loads` list is itself
 //! one rank. A rank counts when it has `num_running_reqs` or `num_reqs` as a non-negative
 //! integer; a field of another type counts as missing. An answer with no counted rank, or that is
 //! not JSON, is `None`, so a wrong endpoint is a failed poll, never an idle worker.
 //!
-//! Cost: one serde pass that keeps five integers per rank and skips every other field without
+//! Cost: one serde pass that keeps six integers per rank and skips every other field without
 //! building it (no `serde_json::Value` tree, no allocation). The poller reads one answer per
 //! worker per interval, so this runs tens of times a second on an idle Envoy; the tree it
 //! replaced was most of the poll's own cost (~43k x86 instructions for SGLang-sim's 481-byte
@@ -18,12 +19,27 @@
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
 
-/// `(requests, tokens)` of the answer `body`, summed over ranks and saturated to `u32`.
-pub fn parse(body: &[u8]) -> Option<(u32, u32)> {
+/// A worker's load, summed over its ranks and saturated to `u32`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Requests running or waiting.
+    pub reqs: u32,
+    /// Prompt tokens waiting for prefill that the worker's cache does not hold.
+    pub tokens: u32,
+    /// Requests the worker runs at once (`max_running_requests`); 0: not reported.
+    pub capacity: u32,
+}
+
+/// The load in the answer `body`.
+pub fn parse(body: &[u8]) -> Option<Load> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let sums = Answer.deserialize(&mut de).ok()?;
     de.end().ok()?;
-    sums.any.then(|| (sat(sums.reqs), sat(sums.tokens)))
+    sums.any.then(|| Load {
+        reqs: sat(sums.reqs),
+        tokens: sat(sums.tokens),
+        capacity: sat(sums.capacity),
+    })
 }
 
 fn sat(v: u64) -> u32 {
@@ -35,6 +51,7 @@ fn sat(v: u64) -> u32 {
 struct Sums {
     reqs: u64,
     tokens: u64,
+    capacity: u64,
     any: bool,
 }
 
@@ -45,6 +62,7 @@ struct Rank {
     running: Option<u64>,
     waiting: Option<u64>,
     uncached: Option<u64>,
+    capacity: Option<u64>,
     reqs: Option<u64>,
     tokens: Option<u64>,
 }
@@ -57,6 +75,7 @@ impl Rank {
                 .reqs
                 .saturating_add(running.saturating_add(self.waiting.unwrap_or(0)));
             s.tokens = s.tokens.saturating_add(self.uncached.unwrap_or(0));
+            s.capacity = s.capacity.saturating_add(self.capacity.unwrap_or(0));
             s.any = true;
         } else if let Some(n) = self.reqs {
             // /get_load: num_reqs already includes the waiting ones.
@@ -72,6 +91,7 @@ impl Rank {
             Key::Running => &mut self.running,
             Key::Waiting => &mut self.waiting,
             Key::Uncached => &mut self.uncached,
+            Key::Capacity => &mut self.capacity,
             Key::Reqs => &mut self.reqs,
             Key::Tokens => &mut self.tokens,
             Key::Loads | Key::Other => {
@@ -90,6 +110,7 @@ enum Key {
     Running,
     Waiting,
     Uncached,
+    Capacity,
     Reqs,
     Tokens,
     Other,
@@ -109,6 +130,7 @@ impl<'de> de::Deserialize<'de> for Key {
                     "num_running_reqs" => Key::Running,
                     "num_waiting_reqs" => Key::Waiting,
                     "num_waiting_uncached_tokens" => Key::Uncached,
+                    "max_running_requests" => Key::Capacity,
                     "num_reqs" => Key::Reqs,
                     "num_tokens" => Key::Tokens,
                     _ => Key::Other,
@@ -294,7 +316,7 @@ mod tests {
 
     /// The model: the whole answer as a `serde_json::Value` tree, read by the rules in the
     /// module doc (what the poller did before this reader).
-    fn model(body: &[u8]) -> Option<(u32, u32)> {
+    fn model(body: &[u8]) -> Option<Load> {
         use serde_json::Value;
         let v: Value = serde_json::from_slice(body).ok()?;
         let ranks = match &v {
@@ -306,13 +328,14 @@ mod tests {
             _ => return None,
         };
         let num = |r: &Value, k: &str| r.get(k).and_then(Value::as_u64);
-        let (mut reqs, mut tokens, mut any) = (0u64, 0u64, false);
+        let (mut reqs, mut tokens, mut capacity, mut any) = (0u64, 0u64, 0u64, false);
         for r in ranks {
             if let Some(running) = num(r, "num_running_reqs") {
                 reqs = reqs.saturating_add(
                     running.saturating_add(num(r, "num_waiting_reqs").unwrap_or(0)),
                 );
                 tokens = tokens.saturating_add(num(r, "num_waiting_uncached_tokens").unwrap_or(0));
+                capacity = capacity.saturating_add(num(r, "max_running_requests").unwrap_or(0));
                 any = true;
             } else if let Some(n) = num(r, "num_reqs") {
                 reqs = reqs.saturating_add(n);
@@ -320,13 +343,22 @@ mod tests {
                 any = true;
             }
         }
-        any.then(|| (sat(reqs), sat(tokens)))
+        any.then(|| Load {
+            reqs: sat(reqs),
+            tokens: sat(tokens),
+            capacity: sat(capacity),
+        })
     }
 
     #[test]
     fn reads_sglang_sim_answer() {
         let body = br#"{"accelerator":null,"loads":[{"cache_hit_rate":0.0,"dp_rank":0,"gen_throughput":0.0,"max_running_requests":256,"max_total_num_tokens":800000,"num_running_reqs":3,"num_total_tokens":0,"num_used_tokens":0,"num_waiting_reqs":2,"num_waiting_uncached_tokens":41,"queues":{"grammar":0,"paused":0,"retracted":0,"waiting":0},"timestamp":1795476728.961367,"token_usage":0.0,"utilization":0.0}],"num_accelerators":1,"timestamp":"2026-11-23T23:32:08.961359+00:00","version":"sglang-sim 0.1.0"}"#;
-        assert_eq!(parse(body), Some((5, 41)));
+        let load = Load {
+            reqs: 5,
+            tokens: 41,
+            capacity: 256,
+        };
+        assert_eq!(parse(body), Some(load));
         assert_eq!(parse(body), model(body));
     }
 
@@ -340,6 +372,7 @@ mod tests {
             br#"[{"num_running_reqs":-1,"num_reqs":3}]"#,
             br#"[{"num_running_reqs":1.0,"num_reqs":3,"num_tokens":"9"}]"#,
             br#"[{"num_running_reqs":1,"num_running_reqs":null}]"#,
+            br#"[{"num_running_reqs":1,"max_running_requests":16},{"num_reqs":2,"max_running_requests":8}]"#,
             br#"[{"num_reqs":18446744073709551615,"num_tokens":18446744073709551615},{"num_reqs":1}]"#,
             br#"[[{"num_reqs":1}],{"num_reqs":2},3,"x",null,true]"#,
             br#"[{"num_reqs":1}] trailing"#,
@@ -359,6 +392,7 @@ mod tests {
             Just("num_running_reqs".to_string()),
             Just("num_waiting_reqs".to_string()),
             Just("num_waiting_uncached_tokens".to_string()),
+            Just("max_running_requests".to_string()),
             Just("num_reqs".to_string()),
             Just("num_tokens".to_string()),
             "[a-z_]{1,6}",

@@ -182,7 +182,7 @@ pub fn add_decode_models<'a>(
         let decode = Model {
             index_key_prefix: format!("pr/i/{hidden}/"),
             load_key: format!("pr/l2/{hidden}"),
-            poll_key: format!("pr/p/{hidden}"),
+            poll_key: format!("pr/p2/{hidden}"),
             placed_key: format!("pr/np/{hidden}"),
             peer_key: crate::config::worker_id(&hidden),
             poll_clusters: workers
@@ -408,7 +408,7 @@ pub fn decode_decision<S: Store>(
         .decode_model;
     let start = (r.pd.room() & 0xffff) as usize;
     let tokens = tokens.max(1);
-    let (w, tok, ()) = r.ledger.decide(store, &r.cfg, dm, now, |reqs, toks| {
+    let (w, tok, ()) = r.ledger.decide(store, &r.cfg, dm, now, |reqs, toks, _| {
         (policy::least_loaded(reqs, toks, start), tokens, ())
     });
     Some(Decision {

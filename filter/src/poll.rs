@@ -25,12 +25,14 @@
 //! load. Staleness: at most interval + tick + the worker's answer time (the no-traffic interval
 //! instead of the interval for a model's first request after a quiet spell).
 
+pub use crate::load_answer::Load;
 use crate::records::{find, rd, wr, ById};
 use crate::store::Store;
 
 /// Published record: worker id, polled requests, polled tokens, own requests at the poll, own
-/// tokens at the poll, time of the last good answer (100 ms units; 0 = unknown). Little-endian.
-const REC: usize = 24;
+/// tokens at the poll, time of the last good answer (100 ms units; 0 = unknown), the worker's
+/// running-request capacity (0 = not reported). Little-endian.
+const REC: usize = 28;
 
 /// One worker's polled state as read by a VM.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -41,6 +43,8 @@ pub struct Polled {
     pub snap_tokens: u32,
     /// Time of the last good answer, 100 ms units; 0 = never or failed.
     pub at: u32,
+    /// Requests the worker runs at once (`max_running_requests`); 0: not reported.
+    pub capacity: u32,
 }
 
 /// Reads a published value into one [`Polled`] per configured worker (`n` workers, `ids` their
@@ -56,6 +60,7 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Polled>) {
                 snap_reqs: rd(b, o + 12),
                 snap_tokens: rd(b, o + 16),
                 at: rd(b, o + 20),
+                capacity: rd(b, o + 24),
             };
         }
     });
@@ -73,9 +78,16 @@ pub fn put(b: &mut Vec<u8>, id: u32, hint: usize, p: &Polled) {
             o
         }
     };
-    for (k, v) in [p.reqs, p.tokens, p.snap_reqs, p.snap_tokens, p.at]
-        .into_iter()
-        .enumerate()
+    for (k, v) in [
+        p.reqs,
+        p.tokens,
+        p.snap_reqs,
+        p.snap_tokens,
+        p.at,
+        p.capacity,
+    ]
+    .into_iter()
+    .enumerate()
     {
         wr(b, o + 4 + 4 * k, v);
     }
@@ -134,6 +146,19 @@ pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: 
     unknown
 }
 
+/// Each worker's `max_running_requests` from a fresh answer into `out` (one per worker, 0 for a
+/// worker not known or not reporting it); `out` stays empty when `polled` does not match.
+pub fn capacity(polled: &[Polled], now: u32, stale: u32, out: &mut Vec<u32>) {
+    out.clear();
+    out.extend(polled.iter().map(|p| {
+        if p.at != 0 && now.wrapping_sub(p.at) <= stale {
+            p.capacity
+        } else {
+            0
+        }
+    }));
+}
+
 /// What a worker that must not be chosen counts as (far above any load bound).
 pub const UNAVAILABLE: u32 = u32::MAX / 4;
 
@@ -167,10 +192,10 @@ fn own_plus_polled(own: u32, polled: u32, own_at_poll: u32) -> u32 {
     v.clamp(i64::from(own), i64::from(u32::MAX)) as u32
 }
 
-/// A worker's answer: in-flight requests (running + waiting) and queued prompt tokens, summed
-/// over data-parallel ranks; `None` for anything that is not a load answer (read in one pass
-/// without a JSON tree: [`crate::load_answer`]).
-pub fn parse_load(body: &[u8]) -> Option<(u32, u32)> {
+/// A worker's answer: in-flight requests (running + waiting), queued prompt tokens and capacity,
+/// summed over data-parallel ranks; `None` for anything that is not a load answer (read in one
+/// pass without a JSON tree: [`crate::load_answer`]).
+pub fn parse_load(body: &[u8]) -> Option<Load> {
     crate::load_answer::parse(body)
 }
 
@@ -321,7 +346,7 @@ impl Poller {
         token: u32,
         status: Option<u32>,
         body: &[u8],
-    ) -> Option<(Target, Option<(u32, u32)>)> {
+    ) -> Option<(Target, Option<Load>)> {
         let k = self.inflight.iter().position(|(tok, _)| *tok == token)?;
         let (_, t) = self.inflight.swap_remove(k);
         let parsed = match status {
@@ -372,6 +397,7 @@ mod tests {
             snap_reqs: snap,
             snap_tokens: snap * 100,
             at,
+            capacity: 0,
         }
     }
 
@@ -380,11 +406,18 @@ mod tests {
         let v1 = br#"{"timestamp":1.0,"loads":[
             {"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":2,"num_waiting_uncached_tokens":700},
             {"dp_rank":1,"num_running_reqs":1,"num_waiting_reqs":0,"num_waiting_uncached_tokens":5}]}"#;
-        assert_eq!(parse_load(v1), Some((6, 705)));
-        let bare = br#"[{"dp_rank":0,"num_running_reqs":4,"num_waiting_reqs":1}]"#;
-        assert_eq!(parse_load(bare), Some((5, 0)));
+        let load = |reqs, tokens, capacity| {
+            Some(Load {
+                reqs,
+                tokens,
+                capacity,
+            })
+        };
+        assert_eq!(parse_load(v1), load(6, 705, 0));
+        let bare = br#"[{"dp_rank":0,"num_running_reqs":4,"num_waiting_reqs":1,"max_running_requests":16}]"#;
+        assert_eq!(parse_load(bare), load(5, 0, 16));
         let old = br#"[{"dp_rank":0,"num_reqs":7,"num_waiting_reqs":4,"num_tokens":900}]"#;
-        assert_eq!(parse_load(old), Some((7, 900)));
+        assert_eq!(parse_load(old), load(7, 900, 0));
         for bad in [
             &b"not json"[..],
             b"{}",
@@ -541,7 +574,7 @@ mod tests {
         let (_, l) = p
             .answer(8, Some(200), br#"[{"num_reqs":3,"num_tokens":1}]"#)
             .unwrap();
-        assert_eq!(l, Some((3, 1)));
+        assert_eq!(l.map(|l| (l.reqs, l.tokens)), Some((3, 1)));
         assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
         assert!(p.settled(0), "both answered");
         let next: Vec<Target> = p.round(0).collect();

@@ -49,7 +49,9 @@ pub struct Decision {
     pub reason: Reason,
     pub matched_blocks: u32,
     pub total_blocks: u32,
-    /// Load charged to the worker (released when the stream ends); 0/0 when nothing was charged.
+    /// Load charged to the worker: the request until the stream ends, its estimated uncached
+    /// prompt tokens (queued prefill) until the first response headers
+    /// ([`Router::release_prefill_tokens`]); 0/0 when nothing was charged.
     pub charged_reqs: u32,
     pub charged_tokens: u32,
     /// Index writes made during the decision: none since records wait for the response
@@ -441,35 +443,38 @@ impl Router {
             None
         };
         let mut sampled = false;
-        let (w, tok, reason) = self.ledger.decide(store, cfg, mi, now, |reqs, tokens| {
-            if !sampled {
-                busy.observe(mi, now, cfg.policy.busy_window_ms, reqs);
-                sampled = true;
-            }
-            let inp = Inputs {
-                model,
-                reqs,
-                tokens,
-                matched,
-                deepest,
-                total_blocks,
-                prompt_tokens,
-                affinity,
-                group,
-                conversation_blocks,
-                head_blocks,
-                busy: busy.of(mi),
-                placed: footprint.of(mi),
-                recent,
-            };
-            let (w, reason) = policy.choose(&cfg.policy, &inp);
-            let tok = if uses_index {
-                policy::charged_tokens(&cfg.policy, &inp, w).max(1)
-            } else {
-                prompt_tokens
-            };
-            (w, tok, reason)
-        });
+        let (w, tok, reason) = self
+            .ledger
+            .decide(store, cfg, mi, now, |reqs, tokens, capacity| {
+                if !sampled {
+                    busy.observe(mi, now, cfg.policy.busy_window_ms, reqs);
+                    sampled = true;
+                }
+                let inp = Inputs {
+                    model,
+                    reqs,
+                    tokens,
+                    capacity,
+                    matched,
+                    deepest,
+                    total_blocks,
+                    prompt_tokens,
+                    affinity,
+                    group,
+                    conversation_blocks,
+                    head_blocks,
+                    busy: busy.of(mi),
+                    placed: footprint.of(mi),
+                    recent,
+                };
+                let (w, reason) = policy.choose(&cfg.policy, &inp);
+                let tok = if uses_index {
+                    policy::charged_tokens(&cfg.policy, &inp, w).max(1)
+                } else {
+                    prompt_tokens
+                };
+                (w, tok, reason)
+            });
         let d = Decision {
             matched_blocks: self.matched.get(w).copied().unwrap_or(0),
             total_blocks,
@@ -582,6 +587,23 @@ impl Router {
             usize::from(d.worker),
             d.charged_reqs,
             d.charged_tokens,
+        );
+    }
+
+    /// Releases the prompt-token half of a decision's charge, once, when the worker answers: a
+    /// streamed SGLang answer starts with its first token, so from then on the request is
+    /// decoding, not queued prefill work, and a new request on that worker no longer waits
+    /// for it (`docs/design.md`, "Queued prefill"). The request stays charged until
+    /// [`Router::release`], which then gives back only what is left of `d`.
+    pub fn release_prefill_tokens<S: Store>(&mut self, store: &S, d: &mut Decision) {
+        let tokens = std::mem::take(&mut d.charged_tokens);
+        self.ledger.release(
+            store,
+            &self.cfg,
+            usize::from(d.model),
+            usize::from(d.worker),
+            0,
+            tokens,
         );
     }
 
@@ -1033,6 +1055,34 @@ mod tests {
         let mut r2 = Router::new(Config::from_json(small.as_bytes()).unwrap(), 4);
         r2.init_store(&s);
         assert!(r2.shrink.is_none());
+    }
+
+    #[test]
+    fn the_prompt_charge_ends_at_the_first_token_and_the_request_charge_at_the_stream_end() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 1);
+        r.init_store(&s);
+        let mut d = served(
+            &mut r,
+            &s,
+            Endpoint::Chat,
+            &chat("llama", &"x".repeat(4000), "hi"),
+            1,
+        );
+        let (w, mi) = (usize::from(d.worker), usize::from(d.model));
+        assert!(d.charged_tokens >= 1000, "{d:?}");
+        assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (1, d.charged_tokens));
+        // The first response headers: the request is decoding, no longer queued prefill.
+        r.release_prefill_tokens(&s, &mut d);
+        assert_eq!(d.charged_tokens, 0);
+        assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (1, 0));
+        let (reqs, tokens) = r.ledger.view(&s, &r.cfg, mi, 1);
+        assert_eq!((reqs[w], tokens[w]), (1, 0), "what the next decision sees");
+        // Twice is a no-op; the stream end releases the request only.
+        r.release_prefill_tokens(&s, &mut d);
+        r.release(&s, &d);
+        assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (0, 0));
+        assert_eq!(r.ledger.take_underflows(), 0);
     }
 
     #[test]

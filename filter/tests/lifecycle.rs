@@ -88,6 +88,11 @@ fn request_header(h: &FakeHost, name: &str) -> Option<String> {
 
 /// In-flight requests per worker, from the shared-data load leases.
 fn loads(h: &FakeHost, cfg: &str) -> Vec<u32> {
+    loads_and_tokens(h, cfg).0
+}
+
+/// Every worker's `(requests, tokens)` in shared data (all leases).
+fn loads_and_tokens(h: &FakeHost, cfg: &str) -> (Vec<u32>, Vec<u32>) {
     let c = Config::from_json(cfg.as_bytes()).expect("config");
     let m = &c.models[0];
     let mut buf = Vec::new();
@@ -95,7 +100,44 @@ fn loads(h: &FakeHost, cfg: &str) -> Vec<u32> {
     let (mut reqs, mut tokens) = (Vec::new(), Vec::new());
     let ids = ById::new(m.workers.iter().map(|w| w.id));
     load::decode(&buf, &ids, m.workers.len(), &mut reqs, &mut tokens);
-    reqs
+    (reqs, tokens)
+}
+
+#[test]
+fn the_first_response_headers_end_the_queued_prefill_charge_and_the_stream_end_the_request() {
+    let cfg = config("");
+    let (h, mut root) = configured(&cfg);
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("one"));
+    let (reqs, tokens) = loads_and_tokens(&h, &cfg);
+    assert_eq!(reqs.iter().sum::<u32>(), 1);
+    assert!(
+        tokens.iter().sum::<u32>() > 0,
+        "the prompt is queued prefill"
+    );
+    // SGLang sends a streamed answer's headers with its first token: the request decodes now.
+    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    s.on_response_headers(&h);
+    s.on_response_headers(&h); // a second call releases nothing more
+    for _ in 0..8 {
+        root.on_tick(&h);
+    }
+    let (reqs, tokens) = loads_and_tokens(&h, &cfg);
+    assert_eq!(
+        (reqs.iter().sum::<u32>(), tokens.iter().sum::<u32>()),
+        (1, 0)
+    );
+    s.on_done(&h);
+    for _ in 0..8 {
+        root.on_tick(&h);
+    }
+    assert_eq!(
+        loads_and_tokens(&h, &cfg),
+        (vec![0; WORKERS.len()], vec![0; WORKERS.len()])
+    );
+    for w in WORKERS {
+        let g = h.metric(&format!("prefix_router.inflight_tokens.{w}"));
+        assert_eq!(g, Some(0), "token gauge of {w}");
+    }
 }
 
 #[test]

@@ -111,9 +111,28 @@ fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
     slack_for(p, inp, sibling_held_tokens(p, inp))
 }
 
-/// The load bound (module docs), with [`holder_slack`].
+/// Whether worker `i` starts a new request at once by its own account: fewer requests running
+/// and waiting than the `max_running_requests` it reports (`Some(false)`: saturated, the
+/// request would wait for a running one to finish). `None` when it reports no capacity (polling
+/// off, `/get_load`, a stale answer) and on PD models, whose prefill workers hold prefills only.
+fn room(inp: &Inputs, i: usize) -> Option<bool> {
+    if inp.model.pd.is_some() {
+        return None;
+    }
+    let cap = inp.capacity.get(i).copied().filter(|&c| c > 0)?;
+    Some(inp.reqs.get(i).copied().unwrap_or(0) < cap)
+}
+
+/// Eligibility (module docs): a saturated worker never; a holder of some of the prompt under the
+/// capacity it reports always (its requests in flight are mostly decoding, which a new request
+/// barely waits for: only its queued prefill, in the cost, delays it); anyone else while under
+/// the fleet-relative load bound with [`holder_slack`].
 fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
-    under_bound(p, inp, total, i, holder_slack(p, inp, i))
+    match room(inp, i) {
+        Some(false) => false,
+        Some(true) if inp.matched.get(i).copied().unwrap_or(0) > 0 => true,
+        _ => under_bound(p, inp, total, i, holder_slack(p, inp, i)),
+    }
 }
 
 /// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
@@ -239,7 +258,7 @@ fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
         let now = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
         (f64::from(inp.busy.get(i).copied().unwrap_or(0.0)) + now) / model.workers[i].weight
     };
-    let eligible = |i: usize| under_bound(p, inp, total, i, 1.0);
+    let eligible = |i: usize| room(inp, i) != Some(false) && under_bound(p, inp, total, i, 1.0);
     let n = model.workers.len();
     let least = (0..n)
         .filter(|&i| eligible(i))
@@ -297,7 +316,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             if i == 0 || score > top_score {
                 (top, top_score) = (i, score);
             }
-            if u64::from(r) >= cap_other {
+            if u64::from(r) >= cap_other || room(inp, i) == Some(false) {
                 continue;
             }
             if best.is_none_or(|(_, s)| score > s) {
@@ -320,12 +339,13 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let prompt = f64::from(inp.prompt_tokens);
     let cost_of = |i: usize| -> Option<f64> {
         let (r, t, m) = (inp.reqs[i], inp.tokens[i], inp.matched[i]);
-        let cap = if m > 0 {
-            cap(holder_slack(p, inp, i))
-        } else {
-            cap_other
+        let eligible = match room(inp, i) {
+            Some(false) => false,
+            Some(true) if m > 0 => true,
+            _ if m > 0 => u64::from(r) < cap(holder_slack(p, inp, i)),
+            _ => u64::from(r) < cap_other,
         };
-        if u64::from(r) >= cap {
+        if !eligible {
             return None;
         }
         let uncached = if m == 0 {
@@ -530,6 +550,7 @@ mod tests {
             model: m,
             reqs,
             tokens,
+            capacity: &[],
             matched,
             deepest: matched.iter().copied().max().unwrap_or(0),
             total_blocks: 100,
@@ -710,6 +731,63 @@ mod tests {
             &inputs(&m, &[1, 0, 0, 0], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
         );
         assert!(w != 0 && r == Reason::LoadSpill);
+    }
+
+    /// A conversation of 4000 tokens, 90% of it held by worker 0 of 8; every worker runs 16
+    /// requests at once.
+    fn conversation(
+        m: &Model,
+        reqs: Vec<u32>,
+        tokens: Vec<u32>,
+    ) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>) {
+        let mut matched = vec![0u32; m.workers.len()];
+        matched[0] = 90;
+        (reqs, tokens, matched, vec![32; m.workers.len()])
+    }
+
+    #[test]
+    fn a_holder_busy_decoding_with_no_prefill_queue_keeps_its_conversation() {
+        let m = model(8);
+        let p = PolicyConfig::default();
+        // 20 requests decoding on the holder (queued prefill 0), the rest of the fleet idle:
+        // far over the fleet-relative bound, well under the holder's own capacity.
+        let (reqs, tokens, matched, cap) =
+            conversation(&m, vec![20, 0, 0, 0, 0, 0, 0, 0], vec![0; 8]);
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 4000;
+        inp.capacity = &cap;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // The same holder without a reported capacity: the fleet-relative bound stands in.
+        inp.capacity = &[];
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+        // The holder at its capacity (a new request would wait for a slot): it spills.
+        let full = [20u32; 8];
+        inp.capacity = &full;
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+    }
+
+    #[test]
+    fn a_deep_prefill_queue_loses_a_new_conversation_but_keeps_a_long_follow_up() {
+        let m = model(8);
+        let p = PolicyConfig::default();
+        // Worker 0 holds the shared opening (10% of a 4000-token prompt) with 6000 tokens of
+        // prefill queued: recomputing 400 tokens elsewhere is cheaper than waiting.
+        let tokens = vec![6000, 0, 0, 0, 0, 0, 0, 0];
+        let reqs = vec![3, 1, 1, 1, 1, 1, 1, 1];
+        let cap = vec![32u32; 8];
+        let mut matched = vec![0u32; 8];
+        matched[0] = 10;
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 4000;
+        inp.capacity = &cap;
+        assert_ne!(choose(&p, &inp).0, 0, "new conversation leaves the queue");
+        // A follow-up whose 40k-token history the holder holds (99%): waiting for 6000 queued
+        // tokens beats recomputing 39.6k.
+        matched[0] = 99;
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 40_000;
+        inp.capacity = &cap;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
     }
 
     #[test]
@@ -1019,11 +1097,13 @@ mod tests {
             any::<bool>(),
             prop_oneof![Just(0u32), Just(8192u32), 1u32..4000],
             any::<bool>(),
+            // Reported capacities: none, or per worker (0 = this one does not report).
+            prop_oneof![Just(None), Just(Some(8u32)), (0u32..16).prop_map(Some)],
         );
         runner
             .run(
                 &strat,
-                |(mi, rows, key, eps, slack, miss, full, footprint)| {
+                |(mi, rows, key, eps, slack, miss, full, footprint, cap)| {
                     let m = &models[mi];
                     let n = m.workers.len();
                     let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
@@ -1044,8 +1124,13 @@ mod tests {
                     } else {
                         Vec::new()
                     };
+                    let capacity: Vec<u32> = match cap {
+                        None => Vec::new(),
+                        Some(c) => (0..n as u32).map(|i| (c + i * 5) % 17).collect(),
+                    };
                     let mut inp = inputs(m, &reqs, &tokens, &matched, key);
                     inp.placed = &placed;
+                    inp.capacity = &capacity;
                     inp.group = key.rotate_left(17);
                     prop_assert_eq!(choose_uniform(&p, &inp), choose_general(&p, &inp));
                     Ok(())

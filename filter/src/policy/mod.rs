@@ -73,8 +73,13 @@ pub fn mix(key: u64, id: u32) -> u64 {
 /// Inputs for one choice among a model's workers (slices indexed like `model.workers`).
 pub struct Inputs<'a> {
     pub model: &'a Model,
+    /// Each worker's requests in flight (running, waiting, or sent and not yet answered).
     pub reqs: &'a [u32],
+    /// Each worker's queued prefill: prompt tokens waiting for prefill that it does not cache
+    /// (polled) plus those sent since the poll that have not had their first token.
     pub tokens: &'a [u32],
+    /// Each worker's `max_running_requests` as it reported it; 0 or missing: unknown.
+    pub capacity: &'a [u32],
     pub matched: &'a [u32],
     pub deepest: u32,
     pub total_blocks: u32,

@@ -41,6 +41,7 @@ mod tests {
             model: &c.models[0],
             reqs: &[0; 3],
             tokens: &[0; 3],
+            capacity: &[],
             matched: &[0; 3],
             deepest: 0,
             total_blocks: 0,
