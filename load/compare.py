@@ -7,6 +7,21 @@ can), the router in front of them, one k6 run of `load/<scenario>.js` (per-reque
 parameters; `<scenario>-<N>replicas[-pin].md` with --replicas N > 1 / --pin) and two PNGs (TTFT
 CDF per router, requests per worker), plus the raw rows as `<scenario>*.json` (git-ignored).
 
+Trace replay (--scenario trace [--trace conversation|synthetic|PATH] [--requests N] [--speed X]
+[--block-tokens N] [--api completions|chat]): the first N requests (default 4000) of a Mooncake
+FAST'25 trace (load/traces) replayed open-loop by `load/trace.js`: request i is sent (t_i - t_0) / X
+seconds after the start (X default 16) whether or not earlier ones finished. Each 512-token hash
+block becomes a fixed text of N tokens (default 32; the last, partial block and the output in
+proportion), as prkit.trace builds it. Fleet: 8 workers, --max-running-requests 16,
+--decode-base-ms 10, KV per worker such that the fleet holds about a fifth of the slice's distinct
+prompt-block tokens (at least twice the largest request), --context-length to fit the largest
+request. prefix-router runs with its decision header. Writes `load/results/trace-<name>.md`: per
+router the hit rate and its share of two offline bounds over the same requests (one infinite prefix
+cache; one LRU prefix cache of the fleet's KV), holder follow (requests that share more than their
+first block with an earlier one: share sent to the worker that served it, from `x-worker-id`),
+decision reasons per holder-follow group, TTFT / E2E, replay lateness (k6 send time minus trace
+time), requests per worker.
+
 Routers (--replicas N: N separate router processes, each a full router of the whole fleet; k6
 sends every request to a random replica, or with --pin every request of a conversation / prompt
 group to the replica its id hashes to):
@@ -39,6 +54,7 @@ import argparse
 import csv
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -49,10 +65,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from load.runner import log, run_k6
 from prkit import envoy_config as ec
+from prkit import trace as tr
 from prkit.build import ensure_smg, wasm_path
 from prkit.envoy import METRICS_FLUSH_S, Envoy
 from prkit.fleet import SimFleet
@@ -128,7 +146,26 @@ SCENARIOS = {
         "kv": 16384, "kv_quick": 2048,
         "sim": ["--context-length", "16384"], "models": ["llama"] * 16,
     },
+    "trace": {
+        "script": "trace.js",
+        # Built by trace_setup from --trace / --requests / --speed / --block-tokens / --api: the
+        # replay plan, KV capacity (the fleet holds about a fifth of the slice's distinct prompt
+        # blocks) and --context-length (the slice's longest request fits).
+        "env": {}, "quick": {},
+        "kv": None, "kv_quick": None,
+        "sim": ["--max-running-requests", "16", "--decode-base-ms", "10"], "models": ["llama"] * WORKERS,
+        "records": True, "debug_header": True,
+    },
 }
+
+# --scenario trace defaults (full / --quick): the first REQUESTS requests of the trace, replayed
+# SPEED times faster, 512-token blocks scaled to BLOCK_TOKENS tokens. 32 tokens (1/16) keeps the
+# conversation trace's longest prompt (123k tokens) under 8k tokens and its mean (13.3k) at ~830
+# tokens, so 4000 requests at speed 16 (~49 requests/s, 81 s) fit 8 simulated workers, Envoy and
+# k6 on 2 cores.
+TRACE_FULL = dict(requests=4000, speed=16.0, block_tokens=32)
+TRACE_QUICK = dict(requests=200, speed=16.0, block_tokens=32)
+KV_FLEET_SHARE = 0.2  # fleet KV / the slice's distinct prompt-block tokens
 
 ROUTERS = [
     "round_robin",
@@ -263,9 +300,11 @@ class Smg:
                 self.proc.wait()
 
 
-def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, replicas: int = 1) -> tuple[list, list[str], str]:
+def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, replicas: int = 1,
+                 debug_header: bool = False) -> tuple[list, list[str], str]:
     """Starts the router (`replicas` processes where the router scales out); returns (processes to
-    stop, target URLs, a note on how the replicas were configured)."""
+    stop, target URLs, a note on how the replicas were configured). `debug_header`: the
+    prefix-router answers with its decision header (envoy/gen --debug-header)."""
     procs: list = []
     try:
         if router in SINGLE:
@@ -284,7 +323,7 @@ def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, repl
         if router.startswith("prefix_router_"):
             threads = 1 if router == "prefix_router_1t" else 2
             flags = gen_flags()
-            per_replica: list[list[str]] = [[] for _ in range(replicas)]
+            per_replica: list[list[str]] = [["--debug-header"] if debug_header else [] for _ in range(replicas)]
             if router == "prefix_router_standalone":
                 note = "no --peers"
                 if "--load-poll-ms" in flags:
@@ -304,6 +343,8 @@ def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, repl
                 note = "no --peers (envoy/gen has none yet): independent replicas"
             else:
                 note = "one replica"
+            if debug_header:
+                note += f", --debug-header ({ec.DEBUG_HEADER})"
             for k in range(replicas):
                 listener, admin = free_port(), free_port()
                 d = workdir / f"envoy{k}"
@@ -332,6 +373,19 @@ def k6_samples(path: Path, metric: str) -> list[float]:
             if row.get("metric_name") == metric:
                 out.append(float(row["metric_value"]))
     return out
+
+
+def k6_records(path: Path) -> list[dict]:
+    """The per-request `TRACE {...}` console lines of load/trace.js, by request index."""
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        if line.startswith("TRACE "):
+            out.append(json.loads(line[len("TRACE "):]))
+    return sorted(out, key=lambda r: r["i"])
 
 
 def k6_requests_per_target(path: Path, urls: list[str]) -> list[int]:
@@ -389,15 +443,18 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
     procs = []
     try:
         fleet.start()
-        procs, urls, how = start_router(router, fleet, policy, workdir, replicas)
+        procs, urls, how = start_router(router, fleet, policy, workdir, replicas, scen.get("debug_header", False))
         log(f"{label}: {workers} workers up, router at {', '.join(urls)} ({how}); k6 {scen['script']} running")
         env = dict(k6_env, TARGETS=",".join(urls), PIN="1" if pin else "0")
+        extra = ["--out", f"csv={workdir / 'samples.csv'}"]
+        if scen.get("records"):  # per-request console lines (load/trace.js)
+            extra += ["--log-format", "raw", "--console-output", str(workdir / "records.log")]
         t0 = time.monotonic()
-        summary = run_k6(LOAD / scen["script"], env, workdir / "summary.json",
-                         workdir, extra_args=["--out", f"csv={workdir / 'samples.csv'}"])
+        summary = run_k6(LOAD / scen["script"], env, workdir / "summary.json", workdir, extra_args=extra)
         wall = time.monotonic() - t0
         m = fleet.metrics()
         ttfts = k6_samples(workdir / "samples.csv", "ttft")
+        records = k6_records(workdir / "records.log") if scen.get("records") else None
         per_target = k6_requests_per_target(workdir / "samples.csv", urls)
         peer = envoy_peer_stats(procs)
     finally:
@@ -439,12 +496,191 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
         "policy": policy if router.startswith("prefix_router") else None,
         "workdir": str(workdir),
     }
+    if records is not None:
+        row["records"] = records
     t = row["ttft"]
     log(f"{label}: {row['requests']} requests in {wall:.0f}s, errors {row['errors']}, hit rate "
         f"{row['hit_rate']:.1%}, TTFT p50/p99 {t.get('med', 0):.0f}/{t.get('p(99)', 0):.0f} ms, "
         f"max/mean load {row['max_over_mean']:.2f}, workers used {row['workers_used']}/{workers}, "
         f"requests per replica {'/'.join(map(str, per_target))}")
     return row
+
+
+# --------------------------------------------------------------------------------------------
+# Trace replay (--scenario trace)
+# --------------------------------------------------------------------------------------------
+
+
+def _round_up(x: float, step: int) -> int:
+    return int(math.ceil(x / step)) * step
+
+
+def trace_setup(name: str, requests: int, speed: float, block_tokens: int, api: str, workers: int,
+                workdir: Path) -> dict:
+    """The first `requests` requests of trace `name`: writes the replay plan (prkit.trace) to
+    `workdir/plan.json` and computes the fleet's sizing and the offline bounds. KV per worker: the
+    fleet holds KV_FLEET_SHARE of the slice's distinct prompt-block tokens, but at least twice the
+    largest request (prompt + output: the simulator refuses a request its KV cannot hold, and one
+    that fills a worker blocks it); --context-length: the largest request fits (at least 8192)."""
+    reqs = tr.load_trace(name, requests)
+    if not reqs:
+        raise SystemExit(f"compare: trace {name!r} has no requests")
+    shape = tr.SHAPES[api]
+    scaled = [tr.scale(r, block_tokens) for r in reqs]
+    seqs = [tr.with_shape(blocks, shape) for blocks, _ in scaled]
+    outs = [o for _, o in scaled]
+    prompts = [tr.prompt_tokens(b) for b in seqs]
+    largest = max(p + o for p, o in zip(prompts, outs))
+    distinct = tr.distinct_block_tokens(seqs)
+    share_kv = _round_up(distinct * KV_FLEET_SHARE / workers, 256)
+    kv = max(share_kv, _round_up(2 * largest, 256))
+    plan = workdir / "plan.json"
+    plan.write_text(json.dumps(tr.replay_plan(reqs, block_tokens, speed), separators=(",", ":")))
+    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
+    return {
+        "name": name,
+        "stem": Path(name).name.removesuffix(".gz").removesuffix(".jsonl") if name not in tr.TRACES else name,
+        "requests": len(reqs),
+        "speed": speed,
+        "block_tokens": block_tokens,
+        "api": api,
+        "plan": plan,
+        "hash_seqs": [r.hash_ids for r in reqs],
+        "prompt_tokens": prompts,
+        "out_tokens": outs,
+        "infinite": tr.infinite_cache_hits(seqs),
+        "pooled_lru": tr.pooled_lru_hits(seqs, kv * workers),
+        "kv": kv,
+        "kv_floor": share_kv < kv,
+        "context": max(8192, _round_up(largest + 1, 1024)),
+        "distinct_tokens": distinct,
+        "largest": largest,
+        "span_s": span,
+        "replay_s": span / speed,
+        "workers": workers,
+    }
+
+
+def trace_describe(t: dict) -> str:
+    pr, out = t["prompt_tokens"], t["out_tokens"]
+    fleet = t["kv"] * t["workers"]
+    return (f"first {t['requests']} requests of the {t['name']} trace ({t['span_s']:.0f} s of trace) replayed "
+            f"open-loop at speed {t['speed']:g} ({t['replay_s']:.0f} s, {t['requests'] / max(t['replay_s'], 1e-9):.1f} "
+            f"requests/s), 512-token blocks scaled to {t['block_tokens']} tokens, `/v1/{'chat/' if t['api'] == 'chat' else ''}"
+            f"completions` (streaming); prompts mean {sum(pr) / len(pr):.0f} / max {max(pr)} tokens, outputs mean "
+            f"{sum(out) / len(out):.1f} / max {max(out)} tokens (ignore_eos); distinct prompt blocks "
+            f"{t['distinct_tokens']} tokens; KV {t['kv']} tokens per worker, fleet {fleet} = "
+            f"{fleet / t['distinct_tokens']:.0%} of them"
+            + (f" (floor: twice the largest request, {t['largest']} tokens)" if t["kv_floor"] else "")
+            + f"; --context-length {t['context']}")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); 0 for no samples."""
+    if not xs:
+        return 0.0
+    ys = sorted(xs)
+    return ys[max(0, math.ceil(q / 100 * len(ys)) - 1)]
+
+
+def _reason(header: str | None) -> str:
+    m = re.search(r"reason=([\w-]+)", header or "")
+    return m.group(1) if m else "-"
+
+
+def trace_stats(row: dict, t: dict) -> dict:
+    """The replay's numbers beside the workers' hit rate: the offline bounds and the router's share
+    of them, holder follow (prkit.trace.holder_follow on the workers the `x-worker-id` headers
+    name), decision reasons per holder-follow group, replay lateness."""
+    recs = {r["i"]: r for r in row.get("records", [])}
+    workers = [recs[i]["w"] if i in recs and recs[i]["s"] == 200 else None for i in range(t["requests"])]
+    hf = tr.holder_follow(t["hash_seqs"], workers)
+    groups = {"followed": Counter(), "not_followed": Counter(), "not_eligible": Counter()}
+    eligible = dict(zip(hf.eligible, hf.followed_latest))
+    for i, r in recs.items():
+        g = "not_eligible" if i not in eligible else ("followed" if eligible[i] else "not_followed")
+        groups[g][_reason(r.get("d"))] += 1
+    total = sum(t["prompt_tokens"])
+    inf = sum(t["infinite"]) / total
+    lru = sum(t["pooled_lru"]) / total
+    late = [r["late"] for r in recs.values()]
+    return {
+        "infinite_bound": inf,
+        "pooled_lru_bound": lru,
+        "share_of_infinite": row["hit_rate"] / inf if inf else 0.0,
+        "share_of_pooled_lru": row["hit_rate"] / lru if lru else 0.0,
+        "planned_prompt_tokens": total,
+        "records": len(recs),
+        "served": hf.served,
+        "eligible": len(hf.eligible),
+        "follow_latest": hf.rate("latest"),
+        "follow_earliest": hf.rate("earliest"),
+        "follow_any": hf.rate("any"),
+        "reasons": {g: dict(c.most_common()) for g, c in groups.items()},
+        "lateness_p50_ms": percentile(late, 50),
+        "lateness_p99_ms": percentile(late, 99),
+        "lateness_max_ms": max(late, default=0.0),
+    }
+
+
+def trace_table(rows: list[dict]) -> str:
+    t0 = rows[0]["trace"] if rows else {}
+    head = (f"| router | replicas | hit rate | share of infinite ({t0.get('infinite_bound', 0):.1%}) "
+            f"| share of pooled LRU ({t0.get('pooled_lru_bound', 0):.1%}) | holder follow latest / earliest / any "
+            "| TTFT p50 / p90 / p99 | E2E p50 / p90 / p99 | lateness p50 / p99 / max | errors | max/mean load "
+            "| requests per worker |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        s, t, e = r["trace"], r["ttft"], r["e2e"]
+        reqs = r["worker_requests"]
+        n = r.get("replicas", 1)
+        replicas = str(n) if n == 1 else f"{n} {r.get('replica_mode', '')}"
+        lines.append(
+            f"| {r['label']} | {replicas} | {r['hit_rate']:.1%} | {s['share_of_infinite']:.0%} "
+            f"| {s['share_of_pooled_lru']:.0%} "
+            f"| {s['follow_latest']:.0%} / {s['follow_earliest']:.0%} / {s['follow_any']:.0%} (of {s['eligible']}) "
+            f"| {t.get('med', 0):.0f} / {t.get('p(90)', 0):.0f} / {t.get('p(99)', 0):.0f} ms "
+            f"| {e.get('med', 0):.0f} / {e.get('p(90)', 0):.0f} / {e.get('p(99)', 0):.0f} ms "
+            f"| {s['lateness_p50_ms']:.0f} / {s['lateness_p99_ms']:.0f} / {s['lateness_max_ms']:.0f} ms "
+            f"| {r['errors']} | {r['max_over_mean']:.2f} | {' / '.join(str(int(x)) for x in reqs)} |")
+    return "\n".join(lines)
+
+
+def trace_reasons_table(rows: list[dict]) -> str:
+    """Decision reasons (x-prefix-router-decision) per holder-follow group; routers without the
+    header are left out."""
+    def fmt(c: dict) -> str:
+        return ", ".join(f"{k} {v}" for k, v in c.items()) or "none"
+
+    lines = ["| router | followed the latest holder | eligible, did not follow | not eligible |", "|---|---|---|---|"]
+    for r in rows:
+        g = r["trace"]["reasons"]
+        if all(set(c) <= {"-"} for c in g.values()):
+            continue
+        lines.append(f"| {r['label']} | {fmt(g['followed'])} | {fmt(g['not_followed'])} | {fmt(g['not_eligible'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def trace_notes(rows: list[dict], t: dict) -> list[str]:
+    out = [
+        f"Bounds (same {t['requests']} requests, prompt tokens as the simulator counts them, outputs never "
+        f"cached): one infinite prefix cache {rows[0]['trace']['infinite_bound']:.1%} of prompt tokens; one LRU "
+        f"prefix cache of the whole fleet's KV ({t['kv'] * t['workers']} tokens, {t['block_tokens']}-token "
+        f"blocks) {rows[0]['trace']['pooled_lru_bound']:.1%} (not a strict upper bound: the workers also cache "
+        "outputs and reserve KV for running requests, and LRU is not optimal). Share = hit rate / bound.",
+        "Holder follow: of the requests an earlier served request shares more than the first block with "
+        "(`of N`), the share sent to the worker that served the latest / the earliest request sharing the "
+        "longest prefix, or to any worker that served one (workers from `x-worker-id`). Lateness: how long "
+        "after its trace time k6 sent each request (the replay keeps up when p99 stays near 0).",
+    ]
+    for r in rows:
+        s = r["trace"]
+        if r["prompt_tokens"] != s["planned_prompt_tokens"] and not r["errors"]:
+            out.append(f"- {r['label']}: the workers counted {r['prompt_tokens']:.0f} prompt tokens, the plan has "
+                       f"{s['planned_prompt_tokens']} (the text-to-token mapping is off).")
+        if s["records"] != t["requests"]:
+            out.append(f"- {r['label']}: {s['records']} of {t['requests']} per-request records.")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,7 +770,9 @@ def git_rev() -> str:
 
 def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_args: list[str], kv: int,
                  policy: dict, command: str, outdir: Path, no_plots: bool, stem: str | None = None,
-                 replicas: int = 1, pin: bool = False) -> Path:
+                 replicas: int = 1, pin: bool = False, trace: dict | None = None) -> Path:
+    """`trace`: trace_setup's result (--scenario trace): the workload line describes the replay and
+    the trace tables (bounds, holder follow, decision reasons, lateness) replace the usual one."""
     stem = stem or scenario
     outdir.mkdir(parents=True, exist_ok=True)
     pngs = [] if no_plots else plots(rows, scenario, stem, outdir)
@@ -553,7 +791,8 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         "",
         f"Command: `{command}`",
         "",
-        f"Workload (`load/{scen['script']}`): " + ", ".join(f"{k}={v}" for k, v in k6_env.items()) + ".",
+        f"Workload (`load/{scen['script']}`): " + (trace_describe(trace) + "; k6 env " if trace else "")
+        + ", ".join(f"{k}={v}" for k, v in k6_env.items() if k != "PLAN") + ".",
         f"Fleet per router: {len(scen['models'])} fresh `sglang-sim` workers (models: {models}), "
         f"`{' '.join(sim_args)}`: KV capacity {kv} tokens per worker.",
         replica_line,
@@ -564,13 +803,18 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         "noisy, compare within one table only.",
         "",
         "Hit rate = sum of the workers' `sglang:cached_tokens_total` / `sglang:prompt_tokens_total`; "
-        "TTFT = k6 time to first byte of a streaming chat response; load = requests served per worker; "
+        "TTFT = k6 time to first byte of a streaming response; load = requests served per worker; "
         "workers used = workers that served at least one request; replicas: how many router processes, "
         "how k6 spread requests over them and how many each got.",
         "",
-        table(rows),
-        "",
     ]
+    if trace:
+        reasons = trace_reasons_table(rows)
+        md += [*trace_notes(rows, trace), "", trace_table(rows), ""]
+        if reasons:
+            md += ["Decision reasons (`x-prefix-router-decision`) by holder-follow group:", "", reasons, ""]
+    else:
+        md += [table(rows), ""]
     for r in rows:
         md.append(f"- {r['label']}: {r.get('router_setup', '')}")
     md.append("")
@@ -600,7 +844,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep every run's work directory (logs, k6 samples)")
     ap.add_argument("--set", action="append", default=[], metavar="K=V", help="override a k6 env parameter")
+    tg = ap.add_argument_group("--scenario trace")
+    tg.add_argument("--trace", default=None,
+                    help="conversation (default) or synthetic (the Mooncake traces in load/traces) or a .jsonl[.gz] path")
+    tg.add_argument("--requests", type=int, default=None,
+                    help=f"replay the trace's first N requests (default {TRACE_FULL['requests']}, quick {TRACE_QUICK['requests']})")
+    tg.add_argument("--speed", type=float, default=None, help=f"replay speed-up (default {TRACE_FULL['speed']:g})")
+    tg.add_argument("--block-tokens", type=int, default=None,
+                    help=f"tokens per 512-token trace block (default {TRACE_FULL['block_tokens']})")
+    tg.add_argument("--api", choices=sorted(tr.SHAPES), default=None,
+                    help="completions (default: text prompt) or chat (one user message)")
     args = ap.parse_args(argv)
+    trace_args = {k: getattr(args, k) for k in ("trace", "requests", "speed", "block_tokens", "api")}
+    if args.scenario != "trace" and any(v is not None for v in trace_args.values()):
+        ap.error("--trace/--requests/--speed/--block-tokens/--api need --scenario trace")
 
     scen = SCENARIOS[args.scenario]
     if args.replicas < 1:
@@ -611,26 +868,63 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown router {r!r}; known: {', '.join(ROUTERS)}")
     policy = json.loads(args.policy)
     k6_env = dict(scen["quick"] if args.quick else scen["env"], SEED=1)
+    trace = None
+    if args.scenario == "trace":
+        d = TRACE_QUICK if args.quick else TRACE_FULL
+        requests = args.requests or d["requests"]
+        speed = args.speed or d["speed"]
+        block_tokens = args.block_tokens or d["block_tokens"]
+        if requests < 1 or speed <= 0 or block_tokens < 1:
+            ap.error("--requests and --block-tokens must be >= 1, --speed > 0")
+        trace_dir = Path(tempfile.mkdtemp(prefix="compare-trace-"))
+        try:
+            trace = trace_setup(args.trace or "conversation", requests, speed, block_tokens, args.api or "completions",
+                                len(scen["models"]), trace_dir)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+        k6_env.update(PLAN=str(trace["plan"]), API=trace["api"], VUS=256)
+        log(f"trace: {trace_describe(trace)}")
+        log(f"trace: bounds: infinite cache {sum(trace['infinite']) / sum(trace['prompt_tokens']):.1%}, pooled LRU "
+            f"{sum(trace['pooled_lru']) / sum(trace['prompt_tokens']):.1%} of prompt tokens")
     for kv in args.set:
         k, _, v = kv.partition("=")
         k6_env[k] = v
     k6_env.setdefault("MODELS", scen["models"][0])
     kv = scen["kv_quick"] if args.quick else scen["kv"]
+    if trace:
+        kv = trace["kv"]
     ts = args.time_scale if args.time_scale is not None else (0.2 if args.quick else 1.0)
     sim_args = ["--max-total-tokens", str(kv), "--time-scale", str(ts), *scen["sim"]]
+    if trace:
+        sim_args += ["--context-length", str(trace["context"])]
     envs = [f"{k}={os.environ[k]}" for k in ("PREFIX_ROUTER_WASM", "SGLANG_SIM_BIN", "ENVOY_GEN") if os.environ.get(k)]
     command = " ".join(envs + ["load/compare"]) + " " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
                                          for a in (argv if argv is not None else sys.argv[1:]))
-    stem = args.scenario + (f"-{args.replicas}replicas" if args.replicas > 1 else "") + ("-pin" if args.pin else "")
+    base = f"trace-{trace['stem']}" + ("-chat" if trace["api"] == "chat" else "") if trace else args.scenario
+    stem = base + (f"-{args.replicas}replicas" if args.replicas > 1 else "") + ("-pin" if args.pin else "")
     log(f"scenario {args.scenario}{' (quick)' if args.quick else ''}: routers {', '.join(routers)}"
         f"{f', {args.replicas} replicas' if args.replicas > 1 else ''}{' (pinned)' if args.pin else ''}")
     rows = []
     for r in routers:
-        rows.append(run_one(r, scen, k6_env, sim_args, policy, args.replicas, args.pin))
+        row = run_one(r, scen, k6_env, sim_args, policy, args.replicas, args.pin)
+        if trace:
+            row["trace"] = s = trace_stats(row, trace)
+            log(f"{row['label']}: share of infinite {s['share_of_infinite']:.0%}, of pooled LRU "
+                f"{s['share_of_pooled_lru']:.0%}; holder follow {s['follow_latest']:.0%} (latest) of {s['eligible']}; "
+                f"lateness p99 {s['lateness_p99_ms']:.0f} ms")
+        rows.append(row)
     path = write_report(rows, args.scenario, scen, k6_env, sim_args, kv, policy, command, Path(args.out),
-                        args.no_plots, stem, args.replicas, args.pin)
+                        args.no_plots, stem, args.replicas, args.pin, trace)
+    if trace and not args.keep:
+        shutil.rmtree(trace["plan"].parent, ignore_errors=True)
     print()
-    print(table(rows))
+    if trace:
+        print(trace_table(rows))
+        reasons = trace_reasons_table(rows)
+        if reasons:
+            print("\n" + reasons)
+    else:
+        print(table(rows))
     print(f"\nwrote {path}")
     bad = [r["label"] for r in rows if r["errors"] or r["k6_exit"] != 0]
     for r in rows:  # keep the logs (Envoy, smg, workers, k6, samples) of failed runs only

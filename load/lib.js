@@ -1,8 +1,8 @@
 // Shared pieces of the k6 scenarios in load/: env parameters, a seeded PRNG, prompt text of an exact
-// token length, one streaming chat request with its metrics, the prefix-group workloads
+// token length, one streaming request (chat or completions) with its metrics, the prefix-group workloads
 // (uniform shuffled groups, Zipf-skewed groups, several models, long context) and the JSON summary.
 //
-// Metrics (all scenarios): `ttft` (k6 `res.timings.waiting` of a streaming chat request: SGLang and
+// Metrics (all scenarios): `ttft` (k6 `res.timings.waiting` of a streaming request: SGLang and
 // sglang-sim send the response head with the first token, so time to first byte is TTFT), `e2e`
 // (`res.timings.duration`, whole stream), `tpot` ((e2e - ttft) / (completion tokens - 1)),
 // `errors` (non-200 or a stream without `[DONE]`), `ok` (rate), `out_tokens` (counter).
@@ -131,7 +131,8 @@ export function zipf(n, s) {
   };
 }
 
-/// Content of an SSE chat stream: the concatenated `delta.content`s and the usage, if any.
+/// Content of an SSE chat or completions stream: the concatenated `delta.content`s (chat) or
+/// `text`s (completions) and the usage, if any.
 export function parseStream(body) {
   let content = '';
   let usage = null;
@@ -146,25 +147,26 @@ export function parseStream(body) {
     if (ev.usage) usage = ev.usage;
     const c = ev.choices && ev.choices[0];
     if (c && c.delta && typeof c.delta.content === 'string') content += c.delta.content;
+    else if (c && typeof c.text === 'string') content += c.text;
   }
   return { content, usage };
 }
 
-/// One streaming chat request; records ttft/e2e/tpot/errors. Returns the assistant's answer
-/// (as streamed by the server) or null on error. `key`: the conversation / prompt group id that
-/// PIN=1 keeps on one router replica (see target()).
-export function chat(model, messages, outTokens, key) {
-  const body = JSON.stringify({
-    model,
-    messages,
+/// One streaming request to `path` (`/v1/chat/completions` or `/v1/completions`): `payload` (model
+/// and messages or prompt) plus exactly `outTokens` output tokens (ignore_eos), streamed with usage.
+/// Records ttft/e2e/tpot/errors. Returns { res, ok, content } (content: the streamed text, null on
+/// error). `key`: the conversation / prompt group id that PIN=1 keeps on one router replica (see
+/// target()).
+export function stream(path, payload, outTokens, key) {
+  const body = JSON.stringify(Object.assign({}, payload, {
     max_tokens: outTokens,
     ignore_eos: true,
     stream: true,
     stream_options: { include_usage: true },
-  });
-  const res = http.post(`${target(key)}/v1/chat/completions`, body, {
+  }));
+  const res = http.post(`${target(key)}${path}`, body, {
     // x-model lets a body-blind router (Envoy-native load balancing) route several models by header.
-    headers: { 'content-type': 'application/json', 'x-model': model },
+    headers: { 'content-type': 'application/json', 'x-model': payload.model },
     timeout: '600s',
   });
   const good = check(res, {
@@ -174,7 +176,7 @@ export function chat(model, messages, outTokens, key) {
   metrics.ok.add(good);
   if (!good) {
     metrics.errors.add(1);
-    return null;
+    return { res, ok: false, content: null };
   }
   const { content, usage } = parseStream(res.body);
   const n = usage && usage.completion_tokens ? usage.completion_tokens : outTokens;
@@ -182,7 +184,13 @@ export function chat(model, messages, outTokens, key) {
   metrics.e2e.add(res.timings.duration);
   metrics.outTokens.add(n);
   if (n > 1) metrics.tpot.add((res.timings.duration - res.timings.waiting) / (n - 1));
-  return content;
+  return { res, ok: true, content };
+}
+
+/// One streaming chat request (see stream()). Returns the assistant's answer (as streamed by the
+/// server) or null on error.
+export function chat(model, messages, outTokens, key) {
+  return stream('/v1/chat/completions', { model, messages }, outTokens, key).content;
 }
 
 /// handleSummary body: one JSON object (stdout and $SUMMARY).
