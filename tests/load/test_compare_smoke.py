@@ -1,8 +1,10 @@
 """CI smoke of the router comparison: `load/compare --quick` on the shared-prefix scenario for
 Envoy round robin, prefix-router (2 threads) and smg cache_aware (installed into .venv-smg on
 first use, ~25 s); then `--replicas 2` on the agentic scenario for prefix-router and smg (two
-router processes each, k6 spraying requests over both). Seconds per router; the full comparison
-(all routers, full sizing) is not a CI step (docs/results.md has its command)."""
+router processes each, k6 spraying requests over both); then the trace replay (`--scenario trace
+--quick`: the conversation trace's first 200 requests) for round robin and prefix-router. Seconds
+per router; the full comparison (all routers, full sizing) is not a CI step (docs/results.md has its
+command)."""
 
 from __future__ import annotations
 
@@ -72,3 +74,41 @@ def test_compare_quick_two_replicas_agentic(repo_root, tmp_path):
         assert len(r["replica_requests"]) == 2 and min(r["replica_requests"]) > 0, r
         assert sum(r["replica_requests"]) == r["requests"], r
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["max_over_mean"] >= 1.0, r
+
+
+TRACE_ROUTERS = ["round_robin", "prefix_router_2t"]
+
+
+def test_compare_quick_trace_replay(repo_root, tmp_path):
+    """`--scenario trace --quick`: every request replayed and recorded (worker, decision, lateness),
+    the workers saw exactly the planned prompt tokens, the bounds and holder follow are computed."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [str(repo_root / "load" / "compare"), "--quick", "--scenario", "trace", "--trace", "conversation",
+         "--routers", ",".join(TRACE_ROUTERS), "--out", str(out), "--no-plots"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    sys.stdout.write(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    md = (out / "trace-conversation.md").read_text()
+    rows = json.loads((out / "trace-conversation.json").read_text())
+    assert [r["router"] for r in rows] == TRACE_ROUTERS
+    assert "share of infinite" in md and "Decision reasons" in md
+    for r in rows:
+        s = r["trace"]
+        assert r["label"] in md
+        assert r["errors"] == 0 and r["k6_exit"] == 0, r["label"]
+        assert r["expected_requests"] == r["requests"] == s["records"] == len(r["records"]) > 0
+        assert sorted(x["i"] for x in r["records"]) == list(range(r["requests"]))
+        assert {x["w"] for x in r["records"]} <= {f"w{i}" for i in range(8)}
+        # The block texts tokenize in the simulator exactly as planned.
+        assert r["prompt_tokens"] == s["planned_prompt_tokens"], r["label"]
+        assert 0 < s["pooled_lru_bound"] <= s["infinite_bound"] < 1
+        assert 0 <= r["hit_rate"] <= 1 and s["eligible"] > 0
+        assert s["lateness_max_ms"] >= 0
+    by = {r["router"]: r for r in rows}
+    assert all(x["d"] for x in by["prefix_router_2t"]["records"])  # the decision header is on
+    assert not any(x["d"] for x in by["round_robin"]["records"])
+    # prefix-router sends more of the requests with a served prefix to a worker that served it.
+    assert by["prefix_router_2t"]["trace"]["follow_any"] > by["round_robin"]["trace"]["follow_any"]
