@@ -72,6 +72,9 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub output: Vec<u32>,
     pub finish: Finish,
+    /// The request's output limit (`max_tokens` / `max_new_tokens`, else the default): what
+    /// SGLang's scheduler reserves KV for, whatever the planned output length.
+    pub max_new: usize,
 }
 
 /// A validated inference request.
@@ -208,6 +211,7 @@ fn job(prompt: Vec<u32>, max_new: usize, ignore_eos: bool, cfg: &Config) -> Resu
         prompt,
         output,
         finish,
+        max_new,
     })
 }
 

@@ -23,6 +23,19 @@ pub struct Config {
     pub decode_base_ms: f64,
     /// Relative step-time growth per extra running request.
     pub decode_batch_factor: f64,
+    /// Decode step time per 1000 tokens of KV the step reads (every running request's prompt
+    /// + generated tokens): attention is memory-bound.
+    pub decode_kv_ms_per_1k_tokens: f64,
+    /// `--chunked-prefill-size`: at most this many new prompt tokens per prefill batch; a longer
+    /// uncached prompt is prefilled in chunks over several batches. `<= 0` disables chunking.
+    pub chunked_prefill_size: i64,
+    /// `--enable-mixed-chunk`: the running batch decodes one token inside each prefill batch.
+    pub enable_mixed_chunk: bool,
+    /// `--max-consecutive-prefill-batches`: after this many prefill batches in a row, run one
+    /// decode step if requests are running (0 = prefill always first, SGLang's default).
+    pub max_consecutive_prefill_batches: usize,
+    /// `--schedule-conservativeness`: scales the initial `new_token_ratio` (0.7 x this, max 1).
+    pub schedule_conservativeness: f64,
     pub default_max_tokens: usize,
     pub time_scale: f64,
     pub fail_rate: f64,
@@ -54,6 +67,11 @@ impl Default for Config {
             prefill_overhead_ms: 3.0,
             decode_base_ms: 8.0,
             decode_batch_factor: 0.008,
+            decode_kv_ms_per_1k_tokens: 0.035,
+            chunked_prefill_size: 8192,
+            enable_mixed_chunk: false,
+            max_consecutive_prefill_batches: 0,
+            schedule_conservativeness: 1.0,
             default_max_tokens: 16,
             time_scale: 1.0,
             fail_rate: 0.0,
@@ -67,6 +85,9 @@ impl Default for Config {
         }
     }
 }
+
+/// Flags that take no value (`--flag`, or `--flag=true|false`), as SGLang's `store_true`.
+const SWITCHES: &[&str] = &["--enable-mixed-chunk"];
 
 /// `(flag, help)` in the order printed by `--help`.
 const FLAGS: &[(&str, &str)] = &[
@@ -92,7 +113,27 @@ const FLAGS: &[(&str, &str)] = &[
     ("--decode-base-ms", "decode step time at batch 1"),
     (
         "--decode-batch-factor",
-        "step = base * (1 + factor * (batch - 1))",
+        "step = base * (1 + factor * (batch - 1)) + KV term",
+    ),
+    (
+        "--decode-kv-ms-per-1k-tokens",
+        "decode step time per 1000 KV tokens read (running requests' contexts)",
+    ),
+    (
+        "--chunked-prefill-size",
+        "max new prompt tokens per prefill batch; longer prompts are chunked (<= 0: off)",
+    ),
+    (
+        "--enable-mixed-chunk",
+        "running requests decode inside prefill batches (no value, or =true/false)",
+    ),
+    (
+        "--max-consecutive-prefill-batches",
+        "force a decode step after this many prefill batches (0 = never)",
+    ),
+    (
+        "--schedule-conservativeness",
+        "scales the initial new_token_ratio (0.7 x this)",
     ),
     (
         "--default-max-tokens",
@@ -146,6 +187,11 @@ pub fn usage() -> String {
         d.prefill_overhead_ms.to_string(),
         d.decode_base_ms.to_string(),
         d.decode_batch_factor.to_string(),
+        d.decode_kv_ms_per_1k_tokens.to_string(),
+        d.chunked_prefill_size.to_string(),
+        d.enable_mixed_chunk.to_string(),
+        d.max_consecutive_prefill_batches.to_string(),
+        d.schedule_conservativeness.to_string(),
         d.default_max_tokens.to_string(),
         d.time_scale.to_string(),
         d.fail_rate.to_string(),
@@ -160,7 +206,7 @@ pub fn usage() -> String {
     let mut s =
         String::from("sglang-sim: simulated SGLang worker\n\nUSAGE: sglang-sim [FLAGS]\n\n");
     for ((flag, help), def) in FLAGS.iter().zip(defaults.iter()) {
-        let _ = writeln!(s, "  {flag:<26} {help} [default: {def}]");
+        let _ = writeln!(s, "  {flag:<34} {help} [default: {def}]");
     }
     s
 }
@@ -190,6 +236,7 @@ impl Config {
             }
             let v = match inline {
                 Some(v) => v,
+                None if SWITCHES.contains(&flag.as_str()) => "true".into(),
                 None => it.next().ok_or_else(|| format!("{flag} needs a value"))?,
             };
             match flag.as_str() {
@@ -208,6 +255,13 @@ impl Config {
                 "--prefill-overhead-ms" => c.prefill_overhead_ms = num(&flag, &v)?,
                 "--decode-base-ms" => c.decode_base_ms = num(&flag, &v)?,
                 "--decode-batch-factor" => c.decode_batch_factor = num(&flag, &v)?,
+                "--decode-kv-ms-per-1k-tokens" => c.decode_kv_ms_per_1k_tokens = num(&flag, &v)?,
+                "--chunked-prefill-size" => c.chunked_prefill_size = num(&flag, &v)?,
+                "--enable-mixed-chunk" => c.enable_mixed_chunk = num(&flag, &v)?,
+                "--max-consecutive-prefill-batches" => {
+                    c.max_consecutive_prefill_batches = num(&flag, &v)?
+                }
+                "--schedule-conservativeness" => c.schedule_conservativeness = num(&flag, &v)?,
                 "--default-max-tokens" => c.default_max_tokens = num(&flag, &v)?,
                 "--time-scale" => c.time_scale = num(&flag, &v)?,
                 "--fail-rate" => c.fail_rate = num(&flag, &v)?,
@@ -245,6 +299,14 @@ impl Config {
             ("--prefill-overhead-ms", self.prefill_overhead_ms),
             ("--decode-base-ms", self.decode_base_ms),
             ("--decode-batch-factor", self.decode_batch_factor),
+            (
+                "--decode-kv-ms-per-1k-tokens",
+                self.decode_kv_ms_per_1k_tokens,
+            ),
+            (
+                "--schedule-conservativeness",
+                self.schedule_conservativeness,
+            ),
             ("--time-scale", self.time_scale),
             ("--drain-timeout-s", self.drain_timeout_s),
             ("--disaggregation-timeout-s", self.disaggregation_timeout_s),
@@ -290,5 +352,40 @@ mod tests {
         assert!(p(&["--fail-rate", "2"]).is_err());
         assert!(p(&["--time-scale", "-1"]).is_err());
         assert!(p(&["--help"]).unwrap_err().contains("--max-total-tokens"));
+        assert!(p(&["--enable-mixed-chunk=maybe"]).is_err());
+        assert!(p(&["--decode-kv-ms-per-1k-tokens", "-0.1"]).is_err());
+    }
+
+    #[test]
+    fn scheduler_flags_and_switches() {
+        let d = p(&[]).unwrap();
+        assert_eq!(
+            d.chunked_prefill_size, 8192,
+            "SGLang's default for H100/H200-class GPUs"
+        );
+        assert!(!d.enable_mixed_chunk);
+        assert_eq!(d.max_consecutive_prefill_batches, 0);
+        assert_eq!(d.decode_kv_ms_per_1k_tokens, 0.035);
+        // a switch takes no value: the next argument is a flag of its own
+        let c = p(&["--enable-mixed-chunk", "--chunked-prefill-size", "-1"]).unwrap();
+        assert!(c.enable_mixed_chunk);
+        assert_eq!(c.chunked_prefill_size, -1);
+        let c = p(&[
+            "--enable-mixed-chunk=false",
+            "--max-consecutive-prefill-batches=2",
+        ])
+        .unwrap();
+        assert!(!c.enable_mixed_chunk);
+        assert_eq!(c.max_consecutive_prefill_batches, 2);
+        let c = p(&[
+            "--decode-kv-ms-per-1k-tokens",
+            "0",
+            "--schedule-conservativeness",
+            "0.5",
+        ])
+        .unwrap();
+        assert_eq!(c.decode_kv_ms_per_1k_tokens, 0.0);
+        assert_eq!(c.schedule_conservativeness, 0.5);
+        assert!(usage().contains("--enable-mixed-chunk"));
     }
 }

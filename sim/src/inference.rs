@@ -104,11 +104,13 @@ pub(crate) async fn inference(app: Arc<App>, kind: Kind, req: Request<Incoming>)
             // a prefill worker computes the prompt's KV and the first token only
             j.output.truncate(1);
             j.finish = Finish::Length;
+            j.max_new = j.max_new.min(1);
         }
         let r = SimRequest {
             index,
             prompt: j.prompt.clone(),
             output: j.output.clone(),
+            max_new: j.max_new,
             tx: tx.clone(),
             arrival: Instant::now(),
             prefilled: prefilled
@@ -223,6 +225,7 @@ pub(crate) async fn health_generate(app: Arc<App>) -> Resp {
         index: 0,
         prompt,
         output,
+        max_new: 1,
         tx,
         arrival: Instant::now(),
         prefilled: None,

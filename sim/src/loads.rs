@@ -90,7 +90,7 @@ const LOAD_SECTIONS: [&str; 7] = ["all", "core", "disagg", "lora", "memory", "qu
 /// "accelerator", "num_accelerators", "loads": [one object per DP rank]}`, no cross-rank
 /// aggregate; each rank carries the 12 core fields in SGLang's order (`dp_rank`,
 /// `num_running_reqs`, `num_waiting_reqs`, `num_waiting_uncached_tokens`, `num_used_tokens`,
-/// `num_total_tokens` = used + prompt tokens of waiting requests, `max_total_num_tokens`,
+/// `num_total_tokens` = used + `seqlen` of waiting requests, `max_total_num_tokens`,
 /// `max_running_requests`, `token_usage` (4 decimals), `gen_throughput` (2), `cache_hit_rate`
 /// (4), `utilization` (4)) plus the optional `queues` section (the sim has no memory / spec /
 /// lora / disaggregation data: those sections are absent, as SGLang omits `None` sections).
@@ -157,7 +157,7 @@ pub(crate) fn loads(app: &App, query: Option<&str>) -> Resp {
     let now = SystemTime::now();
     let snap = app.stats.lock().map(|s| s.clone()).ok();
     let c = &app.cfg;
-    let (run, wait, unc, used, waiting_toks, usage, tput, hit) = match &snap {
+    let (run, wait, unc, used, waiting_toks, usage, tput, hit, retracted) = match &snap {
         Some(s) => (
             s.num_running,
             s.num_waiting,
@@ -167,8 +167,9 @@ pub(crate) fn loads(app: &App, query: Option<&str>) -> Resp {
             s.token_usage(),
             s.gen_throughput,
             s.cache_hit_rate,
+            s.num_retracted_reqs,
         ),
-        None => (0, 0, 0, 0, 0, 0.0, 0.0, 0.0),
+        None => (0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0),
     };
     // SGLang's intended utilization (its `_calculate_utilization`): the tighter of the request
     // slots and the KV pool (at 90%); SGLang itself currently reports 0 (no SLO limit set).
@@ -192,7 +193,8 @@ pub(crate) fn loads(app: &App, query: Option<&str>) -> Resp {
             ("waiting", json!(wait)),
             ("grammar", json!(0)),
             ("paused", json!(0)),
-            ("retracted", json!(0)),
+            // retracted since the previous stats point, as SGLang's `num_retracted_reqs`
+            ("retracted", json!(retracted)),
         ]
     });
     // one data-parallel rank (0); any other rank asked for: no entries

@@ -81,8 +81,16 @@ pub struct Stats {
     pub cache_tokens: usize,
     pub evictable_tokens: usize,
     pub max_total_tokens: usize,
-    /// Hit rate of the last prefill batch (SGLang's definition).
+    /// Hit rate of the last prefill batch, `cached / (cached + computed)` prompt tokens, reset
+    /// to 0 every 40 decode steps (SGLang's definition, see `sched.rs`).
     pub cache_hit_rate: f64,
+    /// Requests retracted since the previous stats point (SGLang's `num_retracted_reqs`:
+    /// reported at each prefill batch and every 40 decode steps).
+    pub num_retracted_reqs: usize,
+    /// Requests retracted since start (simulator addition).
+    pub retractions_total: u64,
+    /// The scheduler's current `new_token_ratio` estimate.
+    pub new_token_ratio: f64,
     /// Generated tokens per wall-clock second over the last 40 decode steps.
     pub gen_throughput: f64,
     pub prompt_tokens_total: u64,
@@ -106,6 +114,9 @@ impl Stats {
             evictable_tokens: 0,
             max_total_tokens,
             cache_hit_rate: 0.0,
+            num_retracted_reqs: 0,
+            retractions_total: 0,
+            new_token_ratio: 0.0,
             gen_throughput: 0.0,
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
@@ -128,7 +139,7 @@ impl Stats {
             model.replace('\\', "\\\\").replace('"', "\\\"")
         );
         let mut o = String::with_capacity(8192);
-        let gauges: [(&str, &str, f64); 6] = [
+        let gauges: [(&str, &str, f64); 8] = [
             (
                 "num_running_reqs",
                 "The number of running requests.",
@@ -155,6 +166,16 @@ impl Stats {
                 "Maximum total number of tokens in the KV cache.",
                 self.max_total_tokens as f64,
             ),
+            (
+                "num_retracted_reqs",
+                "The number of retracted requests.",
+                self.num_retracted_reqs as f64,
+            ),
+            (
+                "new_token_ratio",
+                "The new token ratio.",
+                self.new_token_ratio,
+            ),
         ];
         for (n, help, v) in gauges {
             let _ = writeln!(
@@ -162,7 +183,7 @@ impl Stats {
                 "# HELP sglang:{n} {help}\n# TYPE sglang:{n} gauge\nsglang:{n}{{{labels}}} {v:?}"
             );
         }
-        let counters: [(&str, &str, u64); 4] = [
+        let counters: [(&str, &str, u64); 5] = [
             (
                 "prompt_tokens",
                 "Number of prefill tokens processed.",
@@ -182,6 +203,11 @@ impl Stats {
                 "num_requests",
                 "Number of requests processed.",
                 self.num_requests_total,
+            ),
+            (
+                "num_retracted_requests",
+                "Total number of retracted requests.",
+                self.retractions_total,
             ),
         ];
         for (n, help, v) in counters {

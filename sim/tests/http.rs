@@ -201,12 +201,15 @@ async fn metrics_endpoint_counts() {
     assert_eq!(val("sglang:generation_tokens_total"), 8.0);
     assert_eq!(val("sglang:num_requests_total"), 2.0);
     assert_eq!(val("sglang:max_total_num_tokens"), 800000.0);
+    assert_eq!(val("sglang:num_retracted_requests_total"), 0.0);
     for g in [
         "num_running_reqs",
         "num_queue_reqs",
         "token_usage",
         "cache_hit_rate",
         "gen_throughput",
+        "num_retracted_reqs",
+        "new_token_ratio",
     ] {
         val(&format!("sglang:{g}"));
     }
@@ -776,4 +779,101 @@ async fn v1_loads_query_errors_and_ranks() {
     assert!(d.starts_with("Invalid include sections: {'bogus'}"), "{d}");
     let r = call(a, "POST", "/v1/loads", None, "").await;
     assert_eq!(r.status, 405);
+}
+
+/// A value of `/metrics` (first sample of `name`).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .unwrap_or_else(|| panic!("{name} missing"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn v1_loads_counts_the_chunked_prompt_as_waiting_work() {
+    // 1001 tokens in chunks of 100 at 1000 tokens/s: ~1.1 s of prefill batches
+    let cfg = Config {
+        time_scale: 1.0,
+        chunked_prefill_size: 100,
+        prefill_tokens_per_sec: 1000.0,
+        ..fast()
+    };
+    let (a, _) = start(cfg).await;
+    let h = tokio::spawn(post(
+        a,
+        "/v1/completions",
+        json!({"prompt": "x".repeat(4000), "max_tokens": 2, "ignore_eos": true}),
+    ));
+    // mid-prefill the request is neither running nor waiting, its rest is uncached work
+    let v = wait_json(a, "/v1/loads", "a chunk boundary", |v| {
+        let l = &v["loads"][0];
+        let unc = l["num_waiting_uncached_tokens"].as_u64().unwrap_or(0);
+        (200..=801).contains(&unc)
+    })
+    .await;
+    let l = &v["loads"][0];
+    assert_eq!(l["num_running_reqs"], 0, "{l}");
+    assert_eq!(l["num_waiting_reqs"], 0, "{l}");
+    assert_eq!(
+        l["num_waiting_uncached_tokens"].as_u64().unwrap() % 100,
+        1,
+        "{l}"
+    );
+    assert!(
+        l["num_used_tokens"].as_u64().unwrap() >= 100,
+        "prefilled part locked: {l}"
+    );
+    let r = h.await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["prompt_tokens"], 1001);
+    let l = load_rank(a).await;
+    assert_eq!(l["num_waiting_uncached_tokens"], 0, "{l}");
+}
+
+#[tokio::test]
+async fn decode_out_of_kv_retracts_and_both_answers_complete() {
+    // A (101 + 250) and B (101 + 150) cannot both finish in 400 KV tokens; a low
+    // new_token_ratio admits B anyway, so decode runs out of KV and retracts B (fewer tokens)
+    let cfg = Config {
+        time_scale: 1.0,
+        max_total_tokens: 400,
+        schedule_conservativeness: 0.01,
+        ..fast()
+    };
+    let (a, _) = start(cfg).await;
+    let ha = tokio::spawn(post(
+        a,
+        "/v1/completions",
+        json!({"prompt": "a".repeat(400), "max_tokens": 250, "ignore_eos": true}),
+    ));
+    wait_json(a, "/v1/loads", "A running", |v| {
+        v["loads"][0]["num_running_reqs"] == 1
+    })
+    .await;
+    let hb = tokio::spawn(post(
+        a,
+        "/v1/completions",
+        json!({"prompt": "b".repeat(400), "max_tokens": 150, "ignore_eos": true}),
+    ));
+    let (ra, rb) = (ha.await.unwrap(), hb.await.unwrap());
+    assert_eq!(ra.status, 200, "{}", ra.body);
+    assert_eq!(rb.status, 200, "{}", rb.body);
+    assert_eq!(ra.json()["usage"]["completion_tokens"], 250);
+    assert_eq!(rb.json()["usage"]["completion_tokens"], 150);
+    let m = get(a, "/metrics").await.body;
+    assert!(
+        metric(&m, "sglang:num_retracted_requests_total") >= 1.0,
+        "{m}"
+    );
+    assert_eq!(metric(&m, "sglang:generation_tokens_total"), 400.0);
+    let info = get(a, "/get_server_info").await.json();
+    assert!(
+        info["simulator"]["retractions_total"].as_u64().unwrap() >= 1,
+        "{info}"
+    );
+    assert_eq!(info["chunked_prefill_size"], 8192);
 }
