@@ -13,7 +13,8 @@ FAST'25 trace (load/traces) replayed open-loop by `load/trace.js`: request i is 
 seconds after the start (X default 16) whether or not earlier ones finished. Each 512-token hash
 block becomes a fixed text of N tokens (default 32; the last, partial block and the output in
 proportion), as prkit.trace builds it. Fleet: 8 workers, --max-running-requests 16,
---decode-base-ms 10, KV per worker such that the fleet holds about a fifth of the slice's distinct
+--decode-base-ms 10, chunked prefill and the decode step's KV read scaled to the replay's token
+scale (trace_scaled_sim_args: 512 and 0.56 ms per 1k tokens at 32 tokens a block), KV per worker such that the fleet holds about a fifth of the slice's distinct
 prompt-block tokens (at least twice the largest request), --context-length to fit the largest
 request. prefix-router runs with its decision header. Writes `load/results/trace-<name>.md`: per
 router the hit rate and its share of two offline bounds over the same requests (one infinite prefix
@@ -515,6 +516,21 @@ def _round_up(x: float, step: int) -> int:
     return int(math.ceil(x / step)) * step
 
 
+# SGLang's per-token figures at production scale (sim/README.md): chunked prefill of 8192 tokens,
+# and a decode step that reads every running request's KV (0.035 ms per 1k tokens of context).
+SGLANG_CHUNK_TOKENS = 8192
+KV_READ_MS_PER_1K = 0.035
+
+
+def trace_scaled_sim_args(block_tokens: int) -> list[str]:
+    """Simulator flags that keep the worker's shape at the replay's token scale: a scaled token
+    stands for 512 / block_tokens real ones, so a prompt is chunked where a real one would be and
+    a decode step reads as much KV as the real context would."""
+    f = 512 / block_tokens
+    chunk = max(64, round(SGLANG_CHUNK_TOKENS / f))
+    return ["--chunked-prefill-size", str(chunk), "--decode-kv-ms-per-1k-tokens", f"{KV_READ_MS_PER_1K * f:g}"]
+
+
 def trace_setup(name: str, requests: int, speed: float, block_tokens: int, api: str, workers: int,
                 workdir: Path) -> dict:
     """The first `requests` requests of trace `name`: writes the replay plan (prkit.trace) to
@@ -896,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     ts = args.time_scale if args.time_scale is not None else (0.2 if args.quick else 1.0)
     sim_args = ["--max-total-tokens", str(kv), "--time-scale", str(ts), *scen["sim"]]
     if trace:
-        sim_args += ["--context-length", str(trace["context"])]
+        sim_args += ["--context-length", str(trace["context"]), *trace_scaled_sim_args(trace["block_tokens"])]
     envs = [f"{k}={os.environ[k]}" for k in ("PREFIX_ROUTER_WASM", "SGLANG_SIM_BIN", "ENVOY_GEN") if os.environ.get(k)]
     command = " ".join(envs + ["load/compare"]) + " " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
                                          for a in (argv if argv is not None else sys.argv[1:]))
