@@ -761,8 +761,7 @@ impl Stream {
                 r#"{"object":"error","message":"request body must be a JSON object","type":"BadRequestError","code":400}"#,
             ));
         }
-        let tokens = (body.len() / r.cfg.policy.chars_per_token.max(1) as usize) as u32;
-        let dec = crate::pd::decode_decision(r, h, d, tokens, now)?;
+        let dec = crate::pd::decode_decision(r, h, d, body.len(), now)?;
         h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
         if !header(h, "content-length").is_empty() {
             let len = r.pd.out.len().to_string();

@@ -390,13 +390,15 @@ fn is_bootstrap_key(quoted: &[u8]) -> bool {
 }
 
 /// The decode half of a PD decision: the least loaded decode worker of the model `prefill`
-/// routed to, chosen and charged (one request, `tokens`) in one CAS. `None` when the model is
-/// not a PD model.
+/// routed to, chosen and charged in one CAS: one request and the body's estimated tokens
+/// (`body_len / chars_per_token`, capped at `policy.max_request_tokens` like every other charge,
+/// so a junk field cannot inflate a decode worker's load). `None` when the model is not a PD
+/// model.
 pub fn decode_decision<S: Store>(
     r: &mut Router,
     store: &S,
     prefill: &Decision,
-    tokens: u32,
+    body_len: usize,
     now: u32,
 ) -> Option<Decision> {
     let dm = r
@@ -407,7 +409,11 @@ pub fn decode_decision<S: Store>(
         .as_ref()?
         .decode_model;
     let start = (r.pd.room() & 0xffff) as usize;
-    let tokens = tokens.max(1);
+    let p = &r.cfg.policy;
+    let tokens = u32::try_from(body_len / p.chars_per_token.max(1) as usize)
+        .unwrap_or(u32::MAX)
+        .min(p.max_request_tokens)
+        .max(1);
     let (w, tok, ()) = r.ledger.decide(store, &r.cfg, dm, now, |reqs, toks, _| {
         (policy::least_loaded(reqs, toks, start), tokens, ())
     });
@@ -652,7 +658,7 @@ mod tests {
             if let Some(plan) = r.take_plan() {
                 r.commit(&store, &plan, 200, 10);
             }
-            let d = decode_decision(&mut r, &store, &p, 100, 10).unwrap();
+            let d = decode_decision(&mut r, &store, &p, 400, 10).unwrap();
             assert_eq!(usize::from(d.model), 1);
             assert!(rewrite_for(&mut r, &p, body).unwrap().is_ok());
             let v: Value = serde_json::from_slice(&r.pd.out).unwrap();
@@ -673,7 +679,7 @@ mod tests {
             let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
                 panic!("rejected");
             };
-            let d = decode_decision(&mut r, &store, &p, 100, 10).unwrap();
+            let d = decode_decision(&mut r, &store, &p, 400, 10).unwrap();
             held.push((p, d));
         }
         let on0 = held.iter().filter(|(_, d)| d.worker == 0).count();
@@ -697,5 +703,22 @@ mod tests {
         };
         assert!(decode_decision(&mut r, &store, &p, 1, 10).is_none());
         assert!(rewrite_for(&mut r, &p, body).is_none());
+    }
+
+    #[test]
+    fn a_client_cannot_inflate_the_decode_charge() {
+        let c = Config::from_json(PD.as_bytes()).unwrap();
+        let store = MemStore::default();
+        let mut r = Router::new(c, 5);
+        r.init_store(&store);
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+            panic!("rejected");
+        };
+        // A 16 MiB body (a junk field): charged at most max_request_tokens, not 4M tokens.
+        let d = decode_decision(&mut r, &store, &p, 16 << 20, 10).unwrap();
+        assert_eq!(d.charged_tokens, r.cfg.policy.max_request_tokens);
+        r.release(&store, &p);
+        r.release(&store, &d);
     }
 }
