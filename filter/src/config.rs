@@ -392,9 +392,13 @@ fn default_load_eps() -> f64 {
 }
 fn default_load_weight() -> f64 {
     // The tokens weighed are queued prefill (polled `num_waiting_uncached_tokens` plus prompts
-    // sent since and not yet at their first token): a new request on that worker waits for
-    // each of them as for one of its own uncached tokens, so the weight is 1.
-    1.0
+    // sent since and not yet at their first token). A queued token delays this request by one
+    // token of prefill; a token recomputed elsewhere delays it as much and is paid again by the
+    // fleet: the requests that queue behind it on that worker, and the prefixes its copy evicts.
+    // Waiting is therefore worth up to two tokens per token recomputed (docs/design.md,
+    // "Queued prefill"; docs/results.md: at 1.0 the 32k-token documents of long_context were
+    // copied to idle workers, 55.8% hit rate, against 72.3% at 0.5).
+    0.5
 }
 fn default_request_cost_tokens() -> f64 {
     64.0
