@@ -303,6 +303,14 @@ pub struct PolicyConfig {
     pub max_request_tokens: u32,
 }
 
+impl PolicyConfig {
+    /// The tokens charged for `bytes` of a body read as text (a malformed body, a PD decode
+    /// worker's copy): `bytes / chars_per_token`, at most `max_request_tokens`.
+    pub fn body_tokens(&self, bytes: usize) -> u32 {
+        (bytes / self.chars_per_token.max(1) as usize).min(self.max_request_tokens as usize) as u32
+    }
+}
+
 impl Default for PolicyConfig {
     fn default() -> Self {
         PolicyConfig {

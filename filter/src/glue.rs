@@ -824,11 +824,7 @@ impl Stream {
         let Ok(mut r) = self.shared.router.try_borrow_mut() else {
             return;
         };
-        let released = Decision {
-            charged_reqs: 0,
-            ..*d
-        };
-        r.release_prefill_tokens(h, d);
+        let released = r.release_prefill_tokens(h, d);
         drop(r);
         self.shared.metrics.inflight(&released, -1);
     }

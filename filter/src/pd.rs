@@ -409,11 +409,7 @@ pub fn decode_decision<S: Store>(
         .as_ref()?
         .decode_model;
     let start = (r.pd.room() & 0xffff) as usize;
-    let p = &r.cfg.policy;
-    let tokens = u32::try_from(body_len / p.chars_per_token.max(1) as usize)
-        .unwrap_or(u32::MAX)
-        .min(p.max_request_tokens)
-        .max(1);
+    let tokens = r.cfg.policy.body_tokens(body_len).max(1);
     let (w, tok, ()) = r.ledger.decide(store, &r.cfg, dm, now, |reqs, toks, _| {
         (policy::least_loaded(reqs, toks, start), tokens, ())
     });
@@ -641,12 +637,17 @@ mod tests {
         }
     }
 
+    /// A router over the `PD` model and its store.
+    fn pd_router() -> (Router, MemStore) {
+        let store = MemStore::default();
+        let mut r = Router::new(Config::from_json(PD.as_bytes()).unwrap(), 5);
+        r.init_store(&store);
+        (r, store)
+    }
+
     #[test]
     fn prefill_by_cache_and_load_decode_by_load_both_released() {
-        let c = Config::from_json(PD.as_bytes()).unwrap();
-        let store = MemStore::default();
-        let mut r = Router::new(c, 5);
-        r.init_store(&store);
+        let (mut r, store) = pd_router();
         let body = br#"{"model":"m","prompt":"a long shared prefix that spans several blocks of text for the index to remember it, twice over and over again"}"#;
         // one at a time: the same prompt stays on its prefill worker (prefix hit)
         let mut prefills = Vec::new();
@@ -707,10 +708,7 @@ mod tests {
 
     #[test]
     fn a_client_cannot_inflate_the_decode_charge() {
-        let c = Config::from_json(PD.as_bytes()).unwrap();
-        let store = MemStore::default();
-        let mut r = Router::new(c, 5);
-        r.init_store(&store);
+        let (mut r, store) = pd_router();
         let body = br#"{"model":"m","prompt":"hello"}"#;
         let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
             panic!("rejected");

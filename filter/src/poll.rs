@@ -113,6 +113,11 @@ pub fn publish<S: Store>(
     false
 }
 
+/// Whether `p` is a good answer at most `stale` (100 ms units) old at `now`.
+fn fresh(p: &Polled, now: u32, stale: u32) -> bool {
+    p.at != 0 && now.wrapping_sub(p.at) <= stale
+}
+
 /// Replaces the own counts `reqs`/`tokens` (one per worker) by the merged view (module docs).
 /// `polled` is indexed like the workers (empty when polling is off). Returns how many workers
 /// were unknown while at least one other was known.
@@ -120,10 +125,9 @@ pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: 
     if polled.len() != reqs.len() || polled.len() != tokens.len() {
         return 0;
     }
-    let fresh = |p: &Polled| p.at != 0 && now.wrapping_sub(p.at) <= stale;
     let (mut known, mut sum_r, mut sum_t) = (0u64, 0u64, 0u64);
     for ((p, r), t) in polled.iter().zip(reqs.iter_mut()).zip(tokens.iter_mut()) {
-        if fresh(p) {
+        if fresh(p, now, stale) {
             *r = own_plus_polled(*r, p.reqs, p.snap_reqs);
             *t = own_plus_polled(*t, p.tokens, p.snap_tokens);
             known += 1;
@@ -137,7 +141,7 @@ pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: 
     let (mean_r, mean_t) = ((sum_r / known) as u32, (sum_t / known) as u32);
     let mut unknown = 0;
     for ((p, r), t) in polled.iter().zip(reqs.iter_mut()).zip(tokens.iter_mut()) {
-        if !fresh(p) {
+        if !fresh(p, now, stale) {
             *r = (*r).max(mean_r);
             *t = (*t).max(mean_t);
             unknown += 1;
@@ -146,17 +150,15 @@ pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: 
     unknown
 }
 
-/// Each worker's `max_running_requests` from a fresh answer into `out` (one per worker, 0 for a
-/// worker not known or not reporting it); `out` stays empty when `polled` does not match.
+/// Each worker's `max_running_requests` from a fresh answer into `out` (one per record of
+/// `polled`, 0 for a worker not known or not reporting it).
 pub fn capacity(polled: &[Polled], now: u32, stale: u32, out: &mut Vec<u32>) {
     out.clear();
-    out.extend(polled.iter().map(|p| {
-        if p.at != 0 && now.wrapping_sub(p.at) <= stale {
-            p.capacity
-        } else {
-            0
-        }
-    }));
+    out.extend(
+        polled
+            .iter()
+            .map(|p| if fresh(p, now, stale) { p.capacity } else { 0 }),
+    );
 }
 
 /// What a worker that must not be chosen counts as (far above any load bound).
@@ -172,13 +174,12 @@ pub fn exclude_unknown(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32]
     if polled.len() != reqs.len() {
         return 0;
     }
-    let fresh = |p: &Polled| p.at != 0 && now.wrapping_sub(p.at) <= stale;
-    if !polled.iter().any(fresh) {
+    if !polled.iter().any(|p| fresh(p, now, stale)) {
         return 0;
     }
     let mut n = 0;
     for (p, r) in polled.iter().zip(reqs.iter_mut()) {
-        if !fresh(p) {
+        if !fresh(p, now, stale) {
             *r = UNAVAILABLE;
             n += 1;
         }

@@ -241,7 +241,7 @@ impl Router {
         ) {
             Ok(p) => p,
             Err(_) => {
-                let est = (body.len() / cpt).min(cfg.policy.max_request_tokens as usize) as u32;
+                let est = cfg.policy.body_tokens(body.len());
                 return Outcome::Route(self.least_loaded(store, dm, Reason::ParseError, est, now));
             }
         };
@@ -594,17 +594,16 @@ impl Router {
     /// streamed SGLang answer starts with its first token, so from then on the request is
     /// decoding, not queued prefill work, and a new request on that worker no longer waits
     /// for it (`docs/design.md`, "Queued prefill"). The request stays charged until
-    /// [`Router::release`], which then gives back only what is left of `d`.
-    pub fn release_prefill_tokens<S: Store>(&mut self, store: &S, d: &mut Decision) {
-        let tokens = std::mem::take(&mut d.charged_tokens);
-        self.ledger.release(
-            store,
-            &self.cfg,
-            usize::from(d.model),
-            usize::from(d.worker),
-            0,
-            tokens,
-        );
+    /// [`Router::release`], which then gives back only what is left of `d`. Returns what was
+    /// released (for the in-flight gauges).
+    pub fn release_prefill_tokens<S: Store>(&mut self, store: &S, d: &mut Decision) -> Decision {
+        let released = Decision {
+            charged_reqs: 0,
+            charged_tokens: std::mem::take(&mut d.charged_tokens),
+            ..*d
+        };
+        self.release(store, &released);
+        released
     }
 
     /// The VM's timer at clock `now` (100 ms units; see [`Ledger::tick`]).

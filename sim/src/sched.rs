@@ -905,6 +905,12 @@ mod tests {
         )
     }
 
+    /// A scheduler over `c` and its stats (KV capacity `kv` tokens).
+    fn sched(c: Config, kv: usize) -> (Scheduler, Arc<Mutex<Stats>>) {
+        let stats = Arc::new(Mutex::new(Stats::new(kv)));
+        (Scheduler::new(c, stats.clone()), stats)
+    }
+
     fn req(prompt: Vec<u32>, out: usize) -> (SimRequest, mpsc::UnboundedReceiver<Progress>) {
         req_max(prompt, out, out)
     }
@@ -936,8 +942,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn running_request_locks_its_prefix_and_finish_inserts_output() {
-        let stats = Arc::new(Mutex::new(Stats::new(1000)));
-        let mut s = Scheduler::new(cfg(), stats.clone());
+        let (mut s, stats) = sched(cfg(), 1000);
         let prompt: Vec<u32> = (0..100).collect();
         let (r, mut rx) = req(prompt.clone(), 3);
         s.handle(Cmd::Submit(r));
@@ -964,8 +969,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn second_request_hits_cache() {
-        let stats = Arc::new(Mutex::new(Stats::new(1000)));
-        let mut s = Scheduler::new(cfg(), stats.clone());
+        let (mut s, stats) = sched(cfg(), 1000);
         let prompt: Vec<u32> = (0..100).collect();
         let (r, _rx) = req(prompt.clone(), 2);
         s.handle(Cmd::Submit(r));
@@ -1028,8 +1032,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn flush_refused_while_busy() {
-        let stats = Arc::new(Mutex::new(Stats::new(1000)));
-        let mut s = Scheduler::new(cfg(), stats);
+        let (mut s, _) = sched(cfg(), 1000);
         let (r, _rx) = req((0..10).collect(), 5);
         s.handle(Cmd::Submit(r));
         let (tx, rx) = oneshot::channel();
@@ -1049,7 +1052,7 @@ mod tests {
                 decode_kv_ms_per_1k_tokens: kv,
                 ..cfg()
             };
-            let mut s = Scheduler::new(c, Arc::new(Mutex::new(Stats::new(800_000))));
+            let (mut s, _) = sched(c, 800_000);
             let mut rxs = Vec::new();
             for (k, n) in lens.into_iter().enumerate() {
                 let (r, rx) = req(toks(k as u32 + 1, n), 5);
@@ -1089,8 +1092,7 @@ mod tests {
             chunked_prefill_size: 100,
             ..cfg()
         };
-        let stats = Arc::new(Mutex::new(Stats::new(800_000)));
-        let mut s = Scheduler::new(c, stats.clone());
+        let (mut s, _) = sched(c, 800_000);
         let (r, mut rx) = req(toks(1, 250), 3);
         s.handle(Cmd::Submit(r));
         for (left, chunk) in [(150usize, 100.0), (50, 100.0)] {
@@ -1125,7 +1127,7 @@ mod tests {
             chunked_prefill_size: -1,
             ..cfg()
         };
-        let mut s = Scheduler::new(c, Arc::new(Mutex::new(Stats::new(800_000))));
+        let (mut s, _) = sched(c, 800_000);
         let (r, mut rx) = req(toks(1, 250), 3);
         s.handle(Cmd::Submit(r));
         assert!(s.step().await);
@@ -1139,7 +1141,7 @@ mod tests {
             chunked_prefill_size: 100,
             ..cfg()
         };
-        let mut s = Scheduler::new(c, Arc::new(Mutex::new(Stats::new(800_000))));
+        let (mut s, _) = sched(c, 800_000);
         let (a, mut ra) = req(toks(1, 60), 2);
         let (b, mut rb) = req(toks(2, 60), 2);
         s.handle(Cmd::Submit(a));
@@ -1167,7 +1169,7 @@ mod tests {
         mpsc::UnboundedReceiver<Progress>,
         mpsc::UnboundedReceiver<Progress>,
     ) {
-        let mut s = Scheduler::new(c, Arc::new(Mutex::new(Stats::new(800_000))));
+        let (mut s, _) = sched(c, 800_000);
         let (a, mut ra) = req(toks(1, 10), 50);
         s.handle(Cmd::Submit(a));
         assert!(s.step().await);
@@ -1250,7 +1252,7 @@ mod tests {
             max_total_tokens: 1000,
             ..cfg()
         };
-        let mut s = Scheduler::new(c.clone(), Arc::new(Mutex::new(Stats::new(1000))));
+        let (mut s, _) = sched(c.clone(), 1000);
         let (a, _ra) = req(toks(1, 100), 600);
         s.handle(Cmd::Submit(a));
         assert!(s.step().await);
@@ -1267,7 +1269,7 @@ mod tests {
         assert_eq!(s.last_step().unwrap().kind, StepKind::Prefill);
         assert_eq!(got(&mut rb).len(), 1);
 
-        let mut s = Scheduler::new(c, Arc::new(Mutex::new(Stats::new(1000))));
+        let (mut s, _) = sched(c, 1000);
         let (a, _ra) = req(toks(1, 100), 600);
         s.handle(Cmd::Submit(a));
         assert!(s.step().await);
@@ -1303,8 +1305,7 @@ mod tests {
             schedule_conservativeness: 0.1,
             ..cfg()
         };
-        let stats = Arc::new(Mutex::new(Stats::new(400)));
-        let mut s = Scheduler::new(c, stats.clone());
+        let (mut s, stats) = sched(c, 400);
         let (a, mut ra) = req(toks(1, 100), 250);
         s.handle(Cmd::Submit(a));
         assert!(s.step().await);
@@ -1366,7 +1367,7 @@ mod tests {
             schedule_conservativeness: 0.01,
             ..cfg()
         };
-        let mut s = Scheduler::new(c, Arc::new(Mutex::new(Stats::new(1000))));
+        let (mut s, _) = sched(c, 1000);
         let (a, mut ra) = req(toks(1, 10), 500);
         s.handle(Cmd::Submit(a));
         assert!(s.step().await);
@@ -1401,8 +1402,7 @@ mod tests {
             chunked_prefill_size: 100,
             ..cfg()
         };
-        let stats = Arc::new(Mutex::new(Stats::new(800_000)));
-        let mut s = Scheduler::new(c, stats.clone());
+        let (mut s, stats) = sched(c, 800_000);
         let (r, _rx) = req(toks(1, 100), 2);
         s.handle(Cmd::Submit(r));
         drain(&mut s).await;

@@ -185,16 +185,7 @@ async fn metrics_endpoint_counts() {
         .starts_with("text/plain"));
     assert_worker(&r);
     let m = r.body;
-    let val = |name: &str| -> f64 {
-        m.lines()
-            .find(|l| l.starts_with(&format!("{name}{{")))
-            .unwrap_or_else(|| panic!("{name} missing"))
-            .rsplit(' ')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let val = |name: &str| metric(&m, name);
     // prompt: BOS + 29 bytes -> 1 + 8 tokens
     assert_eq!(val("sglang:prompt_tokens_total"), 18.0);
     assert_eq!(val("sglang:cached_tokens_total"), 9.0);

@@ -15,18 +15,21 @@ import sys
 ROUTERS = ["round_robin", "prefix_router_2t", "smg_cache_aware"]
 
 
-def test_compare_quick_produces_sane_results(repo_root, tmp_path):
-    out = tmp_path / "results"
+def run_compare(repo_root, out, stem: str, *args: str) -> tuple[str, list[dict]]:
+    """Runs `load/compare --quick ARGS --out OUT` and returns its report `<stem>.md` and rows."""
     proc = subprocess.run(
-        [str(repo_root / "load" / "compare"), "--quick", "--scenario", "shared_prefix",
-         "--routers", ",".join(ROUTERS), "--out", str(out)],
+        [str(repo_root / "load" / "compare"), "--quick", *args, "--out", str(out)],
         cwd=repo_root, capture_output=True, text=True, timeout=600,
     )
     sys.stdout.write(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return (out / f"{stem}.md").read_text(), json.loads((out / f"{stem}.json").read_text())
 
-    md = (out / "shared_prefix.md").read_text()
-    rows = json.loads((out / "shared_prefix.json").read_text())
+
+def test_compare_quick_produces_sane_results(repo_root, tmp_path):
+    out = tmp_path / "results"
+    md, rows = run_compare(repo_root, out, "shared_prefix", "--scenario", "shared_prefix",
+                           "--routers", ",".join(ROUTERS))
     assert [r["router"] for r in rows] == ROUTERS
     for png in ("shared_prefix-ttft-cdf.png", "shared_prefix-worker-load.png"):
         assert (out / png).stat().st_size > 1000
@@ -52,16 +55,8 @@ def test_compare_quick_two_replicas_agentic(repo_root, tmp_path):
     """`--replicas 2` on the agentic scenario (16 workers): two Envoy processes / two smg processes,
     k6 spreading requests over both at random."""
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [str(repo_root / "load" / "compare"), "--quick", "--scenario", "agentic", "--replicas", "2",
-         "--routers", ",".join(REPLICA_ROUTERS), "--out", str(out), "--no-plots"],
-        cwd=repo_root, capture_output=True, text=True, timeout=600,
-    )
-    sys.stdout.write(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-    md = (out / "agentic-2replicas.md").read_text()
-    rows = json.loads((out / "agentic-2replicas.json").read_text())
+    md, rows = run_compare(repo_root, out, "agentic-2replicas", "--scenario", "agentic", "--replicas", "2",
+                           "--routers", ",".join(REPLICA_ROUTERS), "--no-plots")
     assert [r["router"] for r in rows] == REPLICA_ROUTERS
     for r in rows:
         assert r["label"] in md and "x2 replicas" in r["label"], r["label"]
@@ -83,16 +78,8 @@ def test_compare_quick_trace_replay(repo_root, tmp_path):
     """`--scenario trace --quick`: every request replayed and recorded (worker, decision, lateness),
     the workers saw exactly the planned prompt tokens, the bounds and holder follow are computed."""
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [str(repo_root / "load" / "compare"), "--quick", "--scenario", "trace", "--trace", "conversation",
-         "--routers", ",".join(TRACE_ROUTERS), "--out", str(out), "--no-plots"],
-        cwd=repo_root, capture_output=True, text=True, timeout=600,
-    )
-    sys.stdout.write(proc.stdout[-4000:])
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
-    md = (out / "trace-conversation.md").read_text()
-    rows = json.loads((out / "trace-conversation.json").read_text())
+    md, rows = run_compare(repo_root, out, "trace-conversation", "--scenario", "trace", "--trace", "conversation",
+                           "--routers", ",".join(TRACE_ROUTERS), "--no-plots")
     assert [r["router"] for r in rows] == TRACE_ROUTERS
     assert "share of infinite" in md and "Decision reasons" in md
     for r in rows:

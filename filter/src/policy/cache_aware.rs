@@ -123,16 +123,21 @@ fn room(inp: &Inputs, i: usize) -> Option<bool> {
     Some(inp.reqs.get(i).copied().unwrap_or(0) < cap)
 }
 
-/// Eligibility (module docs): a saturated worker never; a holder of some of the prompt under the
-/// capacity it reports always (its requests in flight are mostly decoding, which a new request
-/// barely waits for: only its queued prefill, in the cost, delays it); anyone else while under
-/// the fleet-relative load bound with [`holder_slack`].
-fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
+/// What the worker's own capacity says of its eligibility (module docs): a saturated worker
+/// never (`Some(false)`); a holder of some of the prompt under the capacity it reports always
+/// (`Some(true)`: its requests in flight are mostly decoding, which a new request barely waits
+/// for; only its queued prefill, in the cost, delays it). `None`: the fleet-relative load bound
+/// decides.
+fn by_capacity(inp: &Inputs, i: usize) -> Option<bool> {
     match room(inp, i) {
-        Some(false) => false,
-        Some(true) if inp.matched.get(i).copied().unwrap_or(0) > 0 => true,
-        _ => under_bound(p, inp, total, i, holder_slack(p, inp, i)),
+        Some(true) if inp.matched.get(i).copied().unwrap_or(0) == 0 => None,
+        r => r,
     }
+}
+
+/// Eligibility: [`by_capacity`], else the load bound with [`holder_slack`].
+fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
+    by_capacity(inp, i).unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, i)))
 }
 
 /// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
@@ -339,12 +344,14 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let prompt = f64::from(inp.prompt_tokens);
     let cost_of = |i: usize| -> Option<f64> {
         let (r, t, m) = (inp.reqs[i], inp.tokens[i], inp.matched[i]);
-        let eligible = match room(inp, i) {
-            Some(false) => false,
-            Some(true) if m > 0 => true,
-            _ if m > 0 => u64::from(r) < cap(holder_slack(p, inp, i)),
-            _ => u64::from(r) < cap_other,
-        };
+        let eligible = by_capacity(inp, i).unwrap_or_else(|| {
+            let cap = if m > 0 {
+                cap(holder_slack(p, inp, i))
+            } else {
+                cap_other
+            };
+            u64::from(r) < cap
+        });
         if !eligible {
             return None;
         }
@@ -733,26 +740,15 @@ mod tests {
         assert!(w != 0 && r == Reason::LoadSpill);
     }
 
-    /// A conversation of 4000 tokens, 90% of it held by worker 0 of 8; every worker runs 16
-    /// requests at once.
-    fn conversation(
-        m: &Model,
-        reqs: Vec<u32>,
-        tokens: Vec<u32>,
-    ) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>) {
-        let mut matched = vec![0u32; m.workers.len()];
-        matched[0] = 90;
-        (reqs, tokens, matched, vec![32; m.workers.len()])
-    }
-
     #[test]
     fn a_holder_busy_decoding_with_no_prefill_queue_keeps_its_conversation() {
         let m = model(8);
         let p = PolicyConfig::default();
-        // 20 requests decoding on the holder (queued prefill 0), the rest of the fleet idle:
-        // far over the fleet-relative bound, well under the holder's own capacity.
-        let (reqs, tokens, matched, cap) =
-            conversation(&m, vec![20, 0, 0, 0, 0, 0, 0, 0], vec![0; 8]);
+        // 20 requests decoding on the holder of 90% of a 4000-token conversation (queued prefill
+        // 0), the rest of the fleet idle: far over the fleet-relative bound, well under the
+        // holder's own capacity (32).
+        let (reqs, tokens) = ([20, 0, 0, 0, 0, 0, 0, 0], [0u32; 8]);
+        let (matched, cap) = ([90, 0, 0, 0, 0, 0, 0, 0], [32u32; 8]);
         let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
         inp.prompt_tokens = 4000;
         inp.capacity = &cap;
