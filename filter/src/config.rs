@@ -86,6 +86,14 @@ pub struct LoadPollConfig {
     /// worker and a fallback never answers for it); empty = the worker cluster itself.
     #[serde(default)]
     pub cluster_suffix: String,
+    /// Each worker's Prometheus page, read every `metrics_interval_ms` for its prompt and cached
+    /// token counters: the index's self-check (`hits.rs`). SGLang serves it with
+    /// `--enable-metrics`; a worker without it is never checked.
+    #[serde(default = "default_poll_metrics_path")]
+    pub metrics_path: String,
+    /// 0 disables the self-check.
+    #[serde(default = "default_poll_metrics_interval_ms")]
+    pub metrics_interval_ms: u32,
 }
 
 impl Default for LoadPollConfig {
@@ -98,6 +106,8 @@ impl Default for LoadPollConfig {
             timeout_ms: default_poll_timeout_ms(),
             stale_ms: default_poll_stale_ms(),
             cluster_suffix: String::new(),
+            metrics_path: default_poll_metrics_path(),
+            metrics_interval_ms: default_poll_metrics_interval_ms(),
         }
     }
 }
@@ -139,6 +149,12 @@ fn default_poll_path() -> String {
 }
 fn default_poll_fallback_path() -> String {
     "/get_load".into()
+}
+fn default_poll_metrics_path() -> String {
+    "/metrics".into()
+}
+fn default_poll_metrics_interval_ms() -> u32 {
+    2000
 }
 fn default_poll_timeout_ms() -> u32 {
     250
@@ -478,6 +494,8 @@ pub struct Model {
     pub poll_key: String,
     /// Shared-data key of the recent placements of new prompts (`placements.rs`).
     pub placed_key: String,
+    /// Shared-data key of the workers' polled token counters (`hits.rs`).
+    pub hits_key: String,
     /// Model identity in peer record batches (hash of the name, like worker ids).
     pub peer_key: u32,
     /// Per worker: the cluster its load is polled through (`load_poll.cluster_suffix`).
@@ -626,6 +644,7 @@ impl Config {
                 load_key: format!("pr/l2/{name}"),
                 poll_key: format!("pr/p2/{name}"),
                 placed_key: format!("pr/np/{name}"),
+                hits_key: format!("pr/h1/{name}"),
                 peer_key: worker_id(name),
                 poll_clusters: workers
                     .iter()
@@ -779,13 +798,23 @@ impl Config {
                 "must be between 0 and 60000",
             ));
         }
-        for (f, v) in [("path", &lp.path), ("fallback_path", &lp.fallback_path)] {
+        for (f, v) in [
+            ("path", &lp.path),
+            ("fallback_path", &lp.fallback_path),
+            ("metrics_path", &lp.metrics_path),
+        ] {
             if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {
                 return Err(err(
                     format!("load_poll.{f}"),
                     "must be a path starting with /",
                 ));
             }
+        }
+        if lp.metrics_interval_ms > 600_000 {
+            return Err(err(
+                "load_poll.metrics_interval_ms",
+                "must be between 0 and 600000",
+            ));
         }
         if lp.cluster_suffix.bytes().any(|b| b.is_ascii_control()) {
             return Err(err("load_poll.cluster_suffix", "must be printable"));

@@ -79,6 +79,12 @@ struct Metrics {
     load_tokens: u32,
     /// Per model, per worker: (in-flight requests, in-flight tokens) gauge slots.
     inflight: Vec<Vec<(usize, usize)>>,
+    /// The index's self-check (`hits.rs`): workers aged out, failed counter reads, and per
+    /// model, per worker the (predicted, reported) reuse gauges of the last window (set, not
+    /// added).
+    hit_aged_out: usize,
+    hit_failures: usize,
+    hit_ppm: Vec<Vec<(u32, u32)>>,
 }
 
 impl Metrics {
@@ -146,6 +152,24 @@ impl Metrics {
                     .collect()
             })
             .collect();
+        let hit_aged_out = def(MetricKind::Counter, "prefix_router.hit_check.aged_out");
+        let hit_failures = def(MetricKind::Counter, "prefix_router.hit_check.failures");
+        let hit_ppm = cfg
+            .models
+            .iter()
+            .map(|m| {
+                m.workers
+                    .iter()
+                    .map(|w| {
+                        let c = &w.cluster;
+                        (
+                            gauge(&format!("prefix_router.hit_check.predicted_ppm.{c}")),
+                            gauge(&format!("prefix_router.hit_check.actual_ppm.{c}")),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
         let n = ids.len();
         Metrics {
             ids,
@@ -177,6 +201,9 @@ impl Metrics {
             load_requests,
             load_tokens,
             inflight,
+            hit_aged_out,
+            hit_failures,
+            hit_ppm,
         }
     }
 
@@ -251,6 +278,10 @@ pub struct Root {
     /// Tokens of peer batches awaiting an answer (bounded: at most one per peer per flush).
     peer_calls: Vec<u32>,
     last_peer_flush_ms: u64,
+    /// Counter reads for the index's self-check (`hits.rs`): `(token, model, worker, sent ms)`
+    /// awaiting an answer, and when the last round started (ms; `None` before the first).
+    hit_calls: Vec<(u32, u16, u16, u64)>,
+    last_hit_round_ms: Option<u64>,
 }
 
 /// (clock in 100 ms units, the core's clock; nanoseconds since the epoch).
@@ -274,6 +305,8 @@ impl Root {
             poller: Poller::default(),
             peer_calls: Vec::new(),
             last_peer_flush_ms: 0,
+            hit_calls: Vec::new(),
+            last_hit_round_ms: None,
         }
     }
 
@@ -331,6 +364,83 @@ impl Root {
                 }
             }
         }
+        self.read_hit_counters(h, s, r, now_ms);
+    }
+
+    /// The lease holder reads every worker's token counters each `metrics_interval_ms`
+    /// (`hits.rs`). A call whose answer is overdue by a second past its timeout is forgotten, so
+    /// a lost answer never stops a worker's reads; a clock that stepped back starts a round.
+    fn read_hit_counters(&mut self, h: &impl Host, s: &Shared, r: &Router, now_ms: u64) {
+        let lp = &r.cfg.load_poll;
+        if lp.metrics_interval_ms == 0 {
+            return;
+        }
+        let overdue = u64::from(lp.timeout_ms) + 1000;
+        self.hit_calls
+            .retain(|c| now_ms >= c.3 && now_ms - c.3 <= overdue);
+        if self
+            .last_hit_round_ms
+            .is_some_and(|at| now_ms >= at && now_ms - at < u64::from(lp.metrics_interval_ms))
+        {
+            return;
+        }
+        self.last_hit_round_ms = Some(now_ms);
+        for (mi, m) in r.cfg.models.iter().enumerate() {
+            for (wi, (w, upstream)) in m.workers.iter().zip(&m.poll_clusters).enumerate() {
+                let (mi, wi) = (mi as u16, wi as u16);
+                if self.hit_calls.iter().any(|c| c.1 == mi && c.2 == wi) {
+                    continue;
+                }
+                let headers = [
+                    (":method", "GET"),
+                    (":path", lp.metrics_path.as_str()),
+                    (":authority", w.cluster.as_str()),
+                ];
+                match h.http_call(upstream, &headers, None, lp.timeout_ms) {
+                    Ok(token) => self.hit_calls.push((token, mi, wi, now_ms)),
+                    Err(_) => s.metrics.add(s.metrics.hit_failures, 1),
+                }
+            }
+        }
+    }
+
+    /// A counter read's answer: the sample is published for every VM's check (`hits.rs`).
+    fn hit_counters_answer(
+        &mut self,
+        h: &impl Host,
+        s: &Shared,
+        k: usize,
+        status: Option<u32>,
+        body_size: usize,
+    ) {
+        let (_, mi, wi, _) = self.hit_calls.swap_remove(k);
+        let counters = if status == Some(200) {
+            crate::hits::parse(&h.buffer(Buffer::HttpCallResponseBody, body_size))
+        } else {
+            None
+        };
+        let Some(counters) = counters else {
+            s.metrics.add(s.metrics.hit_failures, 1);
+            return;
+        };
+        let Ok(r) = s.router.try_borrow() else {
+            return;
+        };
+        let (mi, wi) = (usize::from(mi), usize::from(wi));
+        let Some((m, w)) = r
+            .cfg
+            .models
+            .get(mi)
+            .and_then(|m| Some((m, m.workers.get(wi)?)))
+        else {
+            return;
+        };
+        let sample = crate::hits::Sample {
+            counters,
+            at: now_ticks(h).0.max(1),
+        };
+        let mut buf = Vec::new();
+        crate::hits::publish(h, &m.hits_key, w.id, wi, &sample, &mut buf);
     }
 
     /// Sends this VM's new index records to every peer, every `peers.flush_ms`. A root that
@@ -399,6 +509,10 @@ impl Root {
             .header(Map::HttpCallResponseHeaders, ":status")
             .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
         let m = &s.metrics;
+        if let Some(k) = self.hit_calls.iter().position(|c| c.0 == token) {
+            self.hit_counters_answer(h, &s, k, status, body_size);
+            return;
+        }
         if let Some(k) = self.peer_calls.iter().position(|&t| t == token) {
             self.peer_calls.swap_remove(k);
             if status != Some(204) && status != Some(200) {
@@ -524,6 +638,18 @@ impl Root {
                 r.tick(h, TICK_MS, now_ticks(h).0);
                 let u = r.ledger.take_underflows();
                 s.metrics.add(s.metrics.load_underflows, u as i64);
+                let (closed, aged_out) = r.take_hit_checks();
+                s.metrics.add(s.metrics.hit_aged_out, aged_out as i64);
+                if closed {
+                    for (mi, ws) in s.metrics.hit_ppm.iter().enumerate() {
+                        for (wi, &(p, a)) in ws.iter().enumerate() {
+                            if let Some(win) = r.hit_window(mi, wi) {
+                                h.record_metric(p, u64::from(win.predicted_ppm));
+                                h.record_metric(a, u64::from(win.actual_ppm));
+                            }
+                        }
+                    }
+                }
                 if self.ticks.is_multiple_of(METRICS_EVERY) {
                     // In-flight load as shared data holds it (live leases), not as this VM
                     // counted it: a release that never reached shared data stays visible.

@@ -13,6 +13,7 @@ pub mod decay;
 pub mod footprint;
 pub mod glue;
 pub mod header_pairs;
+pub mod hits;
 pub mod host;
 pub mod id_chunks;
 pub mod ids;

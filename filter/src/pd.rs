@@ -184,6 +184,7 @@ pub fn add_decode_models<'a>(
             load_key: format!("pr/l2/{hidden}"),
             poll_key: format!("pr/p2/{hidden}"),
             placed_key: format!("pr/np/{hidden}"),
+            hits_key: format!("pr/h1/{hidden}"),
             peer_key: crate::config::worker_id(&hidden),
             poll_clusters: workers
                 .iter()

@@ -18,6 +18,7 @@ use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
 use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
 use crate::footprint::Footprint;
+use crate::hits::Verifier;
 use crate::ids;
 use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
 use crate::load::Ledger;
@@ -95,6 +96,9 @@ pub struct Router {
     footprint: Footprint,
     /// Recent placements of prompts nobody held, shared by the VMs (`placements.rs`).
     placements: Placements,
+    /// Predicted against reported reuse per worker, and the entries it no longer trusts
+    /// (`hits.rs`).
+    verifier: Verifier,
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
     pub outbox: Option<Outbox>,
@@ -153,6 +157,7 @@ impl Router {
             busy: Busy::new(&cfg),
             footprint: Footprint::new(&cfg),
             placements: Placements::default(),
+            verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rr: (seed as usize) % 1024,
@@ -412,10 +417,17 @@ impl Router {
                 &mut self.matches,
             );
         }
-        // Map holders (by id) to this config's workers; ids of removed workers are ignored.
+        // Map holders (by id) to this config's workers; ids of removed workers are ignored, and
+        // so are holders whose records predate what their worker's reported hits still support
+        // (dropped from the matches too, so the chosen worker's path is rewritten fresh).
         self.matched.clear();
         self.matched.resize(model.workers.len(), 0);
         let ids = &self.ids[mi];
+        let verifier = &self.verifier;
+        self.matches.workers.retain(|h| {
+            ids.position(h.id)
+                .is_none_or(|w| !verifier.stale(mi, w, h.oldest, now))
+        });
         let mut deepest = 0;
         for &Held { id, blocks, .. } in &self.matches.workers {
             if let Some(m) = ids.position(id).and_then(|i| self.matched.get_mut(i)) {
@@ -484,6 +496,8 @@ impl Router {
             ..plain(mi, w, reason)
         };
         if uses_index {
+            self.verifier
+                .observe(mi, w, d.matched_blocks, d.total_blocks);
             // What the worker will newly cache (the charge is the uncached estimate).
             footprint.place(mi, w, tok, cfg.policy.placement_window_ms);
             if follow {
@@ -609,6 +623,12 @@ impl Router {
     /// The VM's timer at clock `now` (100 ms units; see [`Ledger::tick`]).
     pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32, now: u32) {
         self.ledger.tick(store, &self.cfg, elapsed_ms, now);
+        if self.cfg.load_poll.metrics_interval_ms > 0 && self.verifier.due(now) {
+            let ttl = self.cfg.index.ttl_seconds.saturating_mul(10);
+            for (mi, (m, ids)) in self.cfg.models.iter().zip(&self.ids).enumerate() {
+                self.verifier.read(store, &m.hits_key, ids, mi, now, ttl);
+            }
+        }
         if let Some(range) = &mut self.shrink {
             let mut key = String::new();
             crate::index::clear_some(store, range, crate::index::CLEAR_PER_TICK, &mut key);
@@ -621,6 +641,17 @@ impl Router {
     /// Writes every parked load delta (the VM's tick, and shutdown).
     pub fn flush_pending<S: Store>(&mut self, store: &S) {
         self.ledger.flush(store, &self.cfg);
+    }
+
+    /// Whether a self-check window closed since the last call, and how many workers it aged
+    /// out (`hits.rs`); then [`Router::hit_window`] has each worker's figures.
+    pub fn take_hit_checks(&mut self) -> (bool, u64) {
+        self.verifier.take_changed()
+    }
+
+    /// Worker `w` of model `mi`'s last self-check window (`hits.rs`).
+    pub fn hit_window(&self, mi: usize, w: usize) -> Option<&crate::hits::Window> {
+        self.verifier.window(mi, w)
     }
 
     /// Number of parked load deltas (should be 0 except under extreme contention).
@@ -715,6 +746,103 @@ mod tests {
             r.release(&s, &d);
         }
         assert!(r.loads(&s, 0).iter().all(|&l| l == (0, 0)));
+    }
+
+    /// Publishes worker `w` of llama's token counters as the poller would (`hits.rs`).
+    fn counters(r: &Router, s: &MemStore, w: usize, prompt: u64, cached: u64, at: u32) {
+        let m = &r.cfg.models[0];
+        let sample = crate::hits::Sample {
+            counters: crate::hits::Counters { prompt, cached },
+            at,
+        };
+        assert!(crate::hits::publish(
+            s,
+            &m.hits_key,
+            m.workers[w].id,
+            w,
+            &sample,
+            &mut Vec::new()
+        ));
+    }
+
+    #[test]
+    fn a_worker_whose_reported_hits_fall_short_of_the_predicted_ones_loses_its_entries() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(r#","index":{"ttl_seconds":60}"#), 3);
+        r.init_store(&s);
+        let sys = "A long conversation that this worker served before. ".repeat(60);
+        let first = served(&mut r, &s, Endpoint::Chat, &chat("llama", &sys, "q0"), 5);
+        r.release(&s, &first);
+        let x = usize::from(first.worker);
+        counters(&r, &s, x, 0, 0, 10);
+        r.tick(&s, 50, 10);
+        // Follow-ups keep the worker while the index predicts their prefix there.
+        for t in 11..40 {
+            let d = served(
+                &mut r,
+                &s,
+                Endpoint::Chat,
+                &chat("llama", &sys, &format!("q{t}")),
+                t,
+            );
+            r.release(&s, &d);
+            assert_eq!((usize::from(d.worker), d.reason), (x, Reason::PrefixHit));
+        }
+        // The worker reports almost none of those hits (it evicted them): half of the TTL span
+        // is trusted from now on, and these records are older than that.
+        counters(&r, &s, x, 100_000, 1_000, 400);
+        r.tick(&s, 50, 400);
+        assert_eq!(r.take_hit_checks(), (true, 1));
+        let win = *r.hit_window(0, x).unwrap();
+        assert!(
+            win.predicted_ppm > 500_000 && win.actual_ppm == 10_000,
+            "{win:?}"
+        );
+        let d = served(
+            &mut r,
+            &s,
+            Endpoint::Chat,
+            &chat("llama", &sys, "again"),
+            401,
+        );
+        r.release(&s, &d);
+        assert_eq!(
+            d.matched_blocks, 0,
+            "the old entries are no longer trusted: {d:?}"
+        );
+        assert_ne!(d.reason, Reason::PrefixHit);
+        // What the chosen worker is sent now is recorded fresh and trusted.
+        let again = served(
+            &mut r,
+            &s,
+            Endpoint::Chat,
+            &chat("llama", &sys, "later"),
+            402,
+        );
+        assert_eq!((again.worker, again.reason), (d.worker, Reason::PrefixHit));
+        // Another VM that never saw the shortfall still trusts them (each VM checks its own).
+        let mut other = Router::new(cfg(r#","index":{"ttl_seconds":60}"#), 4);
+        let o = routed(other.route(&s, Endpoint::Chat, &chat("llama", &sys, "x"), 403));
+        assert_eq!(o.reason, Reason::PrefixHit);
+    }
+
+    #[test]
+    fn a_restarted_worker_is_not_trusted_with_entries_from_before() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 3);
+        r.init_store(&s);
+        let sys = "Another conversation, served before the restart. ".repeat(40);
+        let first = served(&mut r, &s, Endpoint::Chat, &chat("llama", &sys, "q0"), 5);
+        r.release(&s, &first);
+        let x = usize::from(first.worker);
+        counters(&r, &s, x, 90_000, 40_000, 6);
+        r.tick(&s, 50, 6);
+        // The counters went backwards: a new process with an empty cache.
+        counters(&r, &s, x, 300, 0, 20);
+        r.tick(&s, 50, 20);
+        assert_eq!(r.take_hit_checks(), (false, 1));
+        let d = served(&mut r, &s, Endpoint::Chat, &chat("llama", &sys, "q1"), 21);
+        assert_eq!(d.matched_blocks, 0, "{d:?}");
     }
 
     #[test]

@@ -253,6 +253,87 @@ fn a_root_that_cannot_call_leaves_the_polls_to_one_that_can() {
     );
 }
 
+fn path_of(c: &prefix_router::host::Call) -> &str {
+    c.headers
+        .iter()
+        .find(|(k, _)| k == ":path")
+        .map_or("", |(_, v)| v.as_str())
+}
+
+fn is_load_poll(c: &prefix_router::host::Call) -> bool {
+    path_of(c) == "/v1/loads"
+}
+
+/// The index's self-check reads each worker's token counters every `metrics_interval_ms` and
+/// publishes them for every VM; a read whose answer never comes does not stop that worker's
+/// reads; an interval of 0 reads nothing.
+#[test]
+fn worker_token_counters_are_read_at_the_metrics_interval_and_published() {
+    let cfg = config(r#","load_poll":{"metrics_interval_ms":1000}"#);
+    let (h, mut root) = configured(&cfg);
+    let metric_calls = |h: &FakeHost| -> Vec<(u32, String)> {
+        h.state
+            .borrow()
+            .calls
+            .iter()
+            .filter(|c| path_of(c) == "/metrics")
+            .map(|c| (c.token, c.upstream.clone()))
+            .collect()
+    };
+    let tick = |root: &mut Root, ms: u64| {
+        for _ in 0..ms / 50 {
+            h.state.borrow_mut().now_nanos += 50_000_000;
+            root.on_tick(&h);
+        }
+    };
+    tick(&mut root, 50);
+    let first = metric_calls(&h);
+    assert_eq!(
+        first.iter().map(|c| c.1.as_str()).collect::<Vec<_>>(),
+        WORKERS,
+        "one read per worker"
+    );
+    // w0 and w1 answer; w2's answer never comes.
+    for (i, (token, _)) in first.iter().take(2).enumerate() {
+        let body = format!(
+            "# TYPE sglang:prompt_tokens_total counter\nsglang:prompt_tokens_total{{a=\"b\"}} {}.0\nsglang:cached_tokens_total 7.0\n",
+            1000 * (i + 1)
+        );
+        {
+            let mut s = h.state.borrow_mut();
+            s.call_headers = vec![(":status".into(), "200".into())];
+            s.call_body = body.clone().into_bytes();
+        }
+        root.on_http_call_response(&h, *token, body.len());
+    }
+    let mut buf = Vec::new();
+    h.get("pr/h1/llama", &mut buf);
+    let parsed: Config = Config::from_json(cfg.as_bytes()).unwrap();
+    let ids = ById::new(parsed.models[0].workers.iter().map(|w| w.id));
+    let mut samples = Vec::new();
+    prefix_router::hits::decode(&buf, &ids, 3, &mut samples);
+    let prompts: Vec<u64> = samples.iter().map(|s| s.counters.prompt).collect();
+    assert_eq!(prompts, vec![1000, 2000, 0]);
+    assert!(samples[0].at > 0 && samples[0].counters.cached == 7 && samples[2].at == 0);
+    // The next round, a second later: w0 and w1 again, w2 not while its call may still answer.
+    tick(&mut root, 1000);
+    let second: Vec<String> = metric_calls(&h)[3..].iter().map(|c| c.1.clone()).collect();
+    assert_eq!(second, vec!["w0", "w1"]);
+    // Once the unanswered call is overdue (timeout + 1 s), w2 is read again.
+    tick(&mut root, 2000);
+    assert!(
+        metric_calls(&h)[5..].iter().any(|c| c.1 == "w2"),
+        "a lost answer stopped w2's reads"
+    );
+    // Off: no reads at all.
+    let (h, mut root) = configured(&config(r#","load_poll":{"metrics_interval_ms":0}"#));
+    for _ in 0..40 {
+        h.state.borrow_mut().now_nanos += 50_000_000;
+        root.on_tick(&h);
+    }
+    assert!(h.state.borrow().calls.iter().all(is_load_poll));
+}
+
 /// Load polls follow traffic: every `interval_ms` while a model has requests, every
 /// `no_traffic_interval_ms` without; a new request brings the short period back at the next tick.
 #[test]
@@ -268,6 +349,7 @@ fn a_model_without_traffic_is_polled_at_the_no_traffic_interval_and_traffic_brin
             // Each worker answers at once (a call still awaiting its answer is not re-sent).
             let tokens: Vec<u32> = h.state.borrow().calls[seen..]
                 .iter()
+                .filter(|c| is_load_poll(c))
                 .map(|c| c.token)
                 .collect();
             for t in tokens {
@@ -280,7 +362,8 @@ fn a_model_without_traffic_is_polled_at_the_no_traffic_interval_and_traffic_brin
                 root.on_http_call_response(&h, t, body.len());
             }
         }
-        (h.state.borrow().calls.len() - before) / WORKERS.len()
+        let calls = &h.state.borrow().calls[before..];
+        calls.iter().filter(|c| is_load_poll(c)).count() / WORKERS.len()
     };
     rounds_in(&mut root, 1000); // the first round, and the value settles
     assert_eq!(rounds_in(&mut root, 2000), 4, "idle: every 500 ms");

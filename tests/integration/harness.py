@@ -44,6 +44,7 @@ class WorkerStats:
     max_inflight: int = 0
     aborted: int = 0  # streams the downstream side cut off
     polls: int = 0  # load-endpoint requests (the filter's poller), not in `count`
+    metric_reads: int = 0  # /metrics reads (the index's self-check), not in `count`
     # Every request: (method, path, cluster header values seen, debug header seen, body length).
     requests: list = field(default_factory=list)
 
@@ -64,6 +65,11 @@ class Worker:
         # Requests this worker reports on its load endpoints beyond its own in-flight ones
         # (traffic that bypasses Envoy, or other replicas').
         self.extra_load = 0
+        # Prompt tokens waiting for prefill that this worker reports
+        # (`num_waiting_uncached_tokens`), and its `max_running_requests` (0: not reported, as
+        # an older SGLang).
+        self.waiting_tokens = 0
+        self.capacity = 0
         # Status of the load endpoints' answers: anything but 200 answers that status with an
         # empty JSON error (a worker whose load endpoint is broken while it still serves).
         self.load_status = 200
@@ -115,11 +121,24 @@ class Worker:
                 cluster name): answered with the worker's load and not counted as client traffic."""
                 path = self.path.split("?")[0]
                 poll = self.headers.get("Host") == worker.name
+                if self.command == "GET" and path == "/metrics" and poll:
+                    # The index's self-check reads SGLang's token counters; this worker has no
+                    # cache, so it reports none reused (constant: no window ever closes).
+                    with worker.lock:
+                        worker.stats.metric_reads += 1
+                    payload = b"sglang:prompt_tokens_total 0.0\nsglang:cached_tokens_total 0.0\n"
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return True
                 if self.command != "GET" or path not in ("/v1/loads", "/get_load") or not poll:
                     return False
                 with worker.lock:
                     worker.stats.polls += 1
                     running = worker.stats.inflight + worker.extra_load
+                    waiting_tokens, capacity = worker.waiting_tokens, worker.capacity
                     status = worker.load_status
                     delay = worker.load_delay_s
                 if delay:
@@ -134,7 +153,9 @@ class Worker:
                     return True
                 if path == "/v1/loads":
                     rank = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
-                            "num_waiting_uncached_tokens": 0}
+                            "num_waiting_uncached_tokens": waiting_tokens}
+                    if capacity:
+                        rank["max_running_requests"] = capacity
                     payload = json.dumps({"loads": [rank]}).encode()
                 else:
                     payload = json.dumps([{"dp_rank": 0, "num_reqs": running, "num_waiting_reqs": 0,

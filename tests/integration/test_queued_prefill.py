@@ -1,0 +1,71 @@
+"""A conversation stays on its worker while that worker is busy decoding (many running requests,
+no prefill queue), and leaves it only when the worker is at capacity: the cost model of
+docs/design.md ("Queued prefill"), through the real Envoy with the compiled filter, on a fresh
+Envoy whose fake workers report SGLang's `/v1/loads` fields."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from prkit.wait import wait_until
+
+from . import workload as wl
+from .harness import Client, Stack
+
+MODEL = "llama"
+POLLS = "prefix_router_load_poll_answers"
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision"}).start()
+    yield s
+    s.close()
+
+
+def fresh_load(stack: Stack):
+    """Waits until the poller has answered at least two more rounds (every worker's new state
+    reached shared data)."""
+    def answers():
+        return sum(v for k, v in stack.envoy.stats().items() if k.startswith(POLLS))
+    start = answers()
+    n = len(stack.names)
+    wait_until(lambda: answers() >= start + 2 * n, "two more load-poll rounds")
+
+
+def test_a_conversation_keeps_its_worker_while_it_is_busy_decoding(fresh):
+    r = wl.rng("queued-prefill")
+    c = Client(fresh.envoy.listener_port)
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 16000)}
+    msgs = [system, {"role": "user", "content": wl.text(r, 400)}]
+
+    def turn(msgs):
+        rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+        assert rep.status == 200, rep.body
+        return rep, msgs + [{"role": "assistant", "content": wl.text(r, 200)},
+                            {"role": "user", "content": wl.text(r, 300)}]
+
+    try:
+        first, msgs = turn(msgs)
+        holder = first.worker
+        busy = fresh.pool.workers[holder]
+        # The holder runs 20 requests that no Envoy routed (decoding: nothing waits for prefill)
+        # out of 64 slots; the other workers are idle. The conversation (~4k tokens) costs more to
+        # recompute elsewhere than joining the decode batch does (request_cost_tokens per request).
+        busy.capacity, busy.extra_load, busy.waiting_tokens = 64, 20, 0
+        fresh_load(fresh)
+        for _ in range(3):
+            rep, msgs = turn(msgs)
+            assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), rep.decision
+        # At its capacity the worker queues what it is sent: the next turn goes elsewhere.
+        busy.capacity = 20
+        fresh_load(fresh)
+        rep, msgs = turn(msgs)
+        assert rep.worker != holder and rep.decision["reason"] == "load_spill", rep.decision
+    finally:
+        busy = fresh.pool.workers.get(locals().get("holder", ""), None)
+        if busy is not None:
+            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
+        c.close()
