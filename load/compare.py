@@ -404,8 +404,9 @@ def k6_requests_per_target(path: Path, urls: list[str]) -> list[int]:
 
 def envoy_peer_stats(procs: list) -> dict:
     """Saves each Envoy's /stats next to its log (kept with --keep or on failure) and sums the
-    upstream requests to its peer clusters (prefix_router_peer_*): index-record batches sent, 2xx."""
-    sent = ok = 0
+    upstream requests to its peer clusters (prefix_router_peer_*): index-record batches sent, 2xx;
+    and the index self-check's aged-out windows (prefix_router.hit_check.aged_out)."""
+    sent = ok = aged = 0
     if any(isinstance(p, Envoy) for p in procs):
         time.sleep(METRICS_FLUSH_S)  # the filter flushes its metrics every 200 ms
     for p in procs:
@@ -419,13 +420,16 @@ def envoy_peer_stats(procs: list) -> dict:
             continue
         (p.workdir / "stats.txt").write_text(text)
         for line in text.splitlines():
+            a = re.match(r"^\S*prefix_router\.hit_check\.aged_out: (\d+)$", line)
+            if a:
+                aged += int(a.group(1))
             m = re.match(r"^cluster\.prefix_router_peer_\d+\.upstream_rq_(total|2xx): (\d+)$", line)
             if m:
                 if m.group(1) == "total":
                     sent += int(m.group(2))
                 else:
                     ok += int(m.group(2))
-    return {"sent": sent, "ok": ok}
+    return {"sent": sent, "ok": ok, "aged_out": aged}
 
 
 def router_label(router: str, replicas: int, pin: bool) -> str:
@@ -488,7 +492,8 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
         "replica_requests": per_target,
         "replica_mode": "one" if len(urls) == 1 else ("pinned" if pin else "random"),
         "router_setup": how + (f"; peer record batches sent {peer['sent']}, answered 2xx {peer['ok']}"
-                               if peer["sent"] or peer["ok"] else ""),
+                               if peer["sent"] or peer["ok"] else "")
+        + (f"; index self-check aged out a worker's entries {peer['aged_out']} times" if peer.get("aged_out") else ""),
         "peer_batches": peer,
         "k6_exit": summary.get("k6_exit"),
         "thresholds_ok": summary.get("thresholds_ok"),

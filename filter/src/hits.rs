@@ -28,7 +28,10 @@
 //! worker received), and the reported share also counts hits the index never predicted (shared
 //! prefixes below checkpoint granularity, other replicas' traffic): a shortfall means the index
 //! is wrong, not noise. Decisions then ignore a holder whose oldest matched record is older than
-//! its cutoff ([`Verifier::stale`]); its next request rewrites the path with fresh stamps.
+//! its cutoff ([`Verifier::stale`]); its next request rewrites the path with fresh stamps. A
+//! worker with a cutoff has its paths rewritten once a record is a quarter of its trusted span
+//! old ([`Verifier::refresh_due`]), as the TTL's quarter otherwise: a prefix it keeps receiving
+//! never falls behind the cutoff.
 //!
 //! Costs: one HTTP call per worker per `metrics_interval_ms` and one scan of its page (no
 //! allocation beyond Envoy's copy of the body); per VM one shared-data get per model per second;
@@ -258,6 +261,15 @@ impl Verifier {
         }
     }
 
+    /// Whether worker `w`'s record stamped `oldest` is older than a quarter of its trusted
+    /// span (`false` for a worker never cut: the TTL's own refresh rule applies).
+    pub fn refresh_due(&self, mi: usize, w: usize, oldest: u32, now: u32) -> bool {
+        match self.windows.get(mi).and_then(|m| m.get(w)) {
+            Some(win) if win.cutoff != 0 => age(now, oldest) > age(now, win.cutoff) / 4,
+            _ => false,
+        }
+    }
+
     pub fn window(&self, mi: usize, w: usize) -> Option<&Window> {
         self.windows.get(mi)?.get(w)
     }
@@ -450,6 +462,13 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         );
         assert!(v.stale(0, 0, 199u32.wrapping_sub(ttl / 2), 200) && !v.stale(0, 0, 150, 200));
         assert!(!v.stale(0, 1, 0, 200), "the other worker keeps its entries");
+        // Its paths are rewritten once a record is a quarter of the span old.
+        assert!(v.refresh_due(0, 0, 200u32.wrapping_sub(ttl / 8 + 1), 200));
+        assert!(!v.refresh_due(0, 0, 200u32.wrapping_sub(ttl / 8), 200));
+        assert!(
+            !v.refresh_due(0, 1, 0, 200),
+            "a worker never cut follows the TTL"
+        );
         assert_eq!(v.take_changed(), (true, 1));
         // The next window is short again: half of the remaining span.
         v.observe(0, 0, 500, 1000);

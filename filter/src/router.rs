@@ -517,7 +517,11 @@ impl Router {
         let model = &self.cfg.models[mi];
         let ix = Index::for_model(&self.cfg, model);
         let id = model.workers[w].id;
-        let known = self.matches.known_for(id);
+        let mut known = self.matches.known_for(id);
+        // A worker the self-check trusts for a shorter span than the TTL gets its path rewritten
+        // once a record on it is a quarter of that span old (as the TTL's quarter otherwise): a
+        // prefix it keeps receiving must never fall behind its cutoff.
+        known.hole |= known.blocks > 0 && self.verifier.refresh_due(mi, w, known.oldest, now);
         let mut plan = Plan::default();
         plan.model = mi as u16;
         plan.worker = id;
