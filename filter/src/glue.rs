@@ -344,7 +344,8 @@ impl Root {
         let Some(p) = &r.cfg.peers else {
             return;
         };
-        if r.cfg.peer_listener || now_ms < self.last_peer_flush_ms + u64::from(p.flush_ms) {
+        let since = crate::schedule::since(self.last_peer_flush_ms, now_ms);
+        if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
             return;
         }
         self.last_peer_flush_ms = now_ms;

@@ -253,7 +253,8 @@ pub struct Activity {
 /// `no_traffic_interval`): its view stays fresh for the next request (answers younger than
 /// `stale_ms` when `no_traffic_ms + timeout_ms < stale_ms`) while an idle Envoy stops costing
 /// its own CPU and every worker's load endpoint ten calls a second. Cost: one shared-data get
-/// per model per tick between the two periods.
+/// per model per tick between the two periods. A round that lies in the future (the wall clock
+/// stepped back) makes the next one due at once ([`crate::schedule`]).
 #[derive(Default)]
 pub struct Poller {
     /// Per model: when its last round started (ms) and its load value's stamp then; `None`
@@ -290,7 +291,7 @@ impl Poller {
         let Some(last) = self.last_round.get_mut(mi) else {
             return false;
         };
-        let since = last.map(|(at, _)| now_ms.saturating_sub(at));
+        let since = last.map(|(at, _)| crate::schedule::since(at, now_ms));
         if interval_ms == 0 || since.is_some_and(|s| s < u64::from(interval_ms)) {
             return false;
         }
