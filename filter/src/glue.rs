@@ -19,6 +19,7 @@ use crate::policy::Reason;
 use crate::poll::{self, Lease, Polled, Poller};
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
+use crate::schedule::Calls;
 use std::cell::{Cell, RefCell};
 use std::fmt::Write;
 use std::rc::Rc;
@@ -248,8 +249,9 @@ pub struct Root {
     /// This root context's identity in the poller lease.
     me: u64,
     poller: Poller,
-    /// Tokens of peer batches awaiting an answer (bounded: at most one per peer per flush).
-    peer_calls: Vec<u32>,
+    /// Peer batches awaiting an answer (bounded: at most one per peer per flush, and 4 per peer
+    /// in all; expiring, see `schedule`).
+    peer_calls: Calls<()>,
     last_peer_flush_ms: u64,
 }
 
@@ -272,7 +274,7 @@ impl Root {
             ticks: 0,
             me: 0,
             poller: Poller::default(),
-            peer_calls: Vec::new(),
+            peer_calls: Calls::default(),
             last_peer_flush_ms: 0,
         }
     }
@@ -284,6 +286,8 @@ impl Root {
         };
         let r = &mut *guard;
         let lp = &r.cfg.load_poll;
+        let lost = self.poller.expire(now_ms, lp.timeout_ms);
+        s.metrics.add(s.metrics.poll_failures, lost as i64);
         if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
             return; // a root that cannot call never takes the lease from one that can
         }
@@ -323,7 +327,7 @@ impl Root {
                 (":authority", w.cluster.as_str()),
             ];
             match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                Ok(token) => self.poller.sent(token, t),
+                Ok(token) => self.poller.sent(token, t, now_ms),
                 Err(_) => {
                     // Unknown cluster, or Envoy refused the call: a failed poll like any other.
                     self.poller.not_sent();
@@ -344,6 +348,9 @@ impl Root {
         let Some(p) = &r.cfg.peers else {
             return;
         };
+        let m = &s.metrics;
+        self.peer_calls
+            .expire(now_ms, p.timeout_ms, |_| m.add(m.peer_send_failures, 1));
         let since = crate::schedule::since(self.last_peer_flush_ms, now_ms);
         if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
             return;
@@ -352,7 +359,6 @@ impl Root {
         let Some(ob) = r.outbox.as_mut() else {
             return;
         };
-        let m = &s.metrics;
         if h.can_call() {
             ob.take_relayed(h);
         } else {
@@ -381,7 +387,7 @@ impl Root {
             ];
             match h.http_call(c, &headers, Some(ob.batch()), p.timeout_ms) {
                 Ok(token) => {
-                    self.peer_calls.push(token);
+                    self.peer_calls.push(token, now_ms, ());
                     m.add(m.peer_batches_sent, 1);
                     m.add(m.peer_records_sent, n);
                 }
@@ -400,8 +406,7 @@ impl Root {
             .header(Map::HttpCallResponseHeaders, ":status")
             .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
         let m = &s.metrics;
-        if let Some(k) = self.peer_calls.iter().position(|&t| t == token) {
-            self.peer_calls.swap_remove(k);
+        if self.peer_calls.take(token).is_some() {
             if status != Some(204) && status != Some(200) {
                 m.add(m.peer_send_failures, 1);
             }

@@ -706,3 +706,67 @@ fn polls_and_peer_batches_go_on_after_the_clock_steps_back_or_forward() {
         }
     }
 }
+
+/// An HTTP call whose answer never arrives (Envoy normally answers a timed-out call itself)
+/// holds its token only until its timeout plus a margin: then that worker is polled again and
+/// peer batches resume. A late answer for an expired token is ignored: no second count, no
+/// publish.
+#[test]
+fn calls_that_are_never_answered_expire_and_polling_and_replication_resume() {
+    let cfg = config(PEERS);
+    let (h, mut root) = configured(&cfg);
+    // A request in flight throughout: polls every 100 ms.
+    let (mut open, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("o"));
+    let lost = |u: &str| u == "peer0" || u.starts_with("w0");
+    let mut polls_w0 = Vec::new();
+    let mut batches = Vec::new();
+    for i in 0..40 {
+        finished_chat(&h, &root, &i.to_string());
+        let s = tick_for(&h, &mut root, 100, &lost);
+        polls_w0.extend(
+            s.polls
+                .iter()
+                .filter(|(u, _)| u.starts_with("w0"))
+                .map(|p| p.1),
+        );
+        batches.extend(s.batches.iter().copied());
+        if i < 2 {
+            assert_eq!(
+                polls_w0.len(),
+                1,
+                "one call at a time while it may still come back"
+            );
+            assert!(
+                s.polls_to("w1") >= 1,
+                "the others answer and are asked again"
+            );
+        }
+    }
+    // 4 s: the lost poll expired and w0 was asked again (a few times, each lost again); the
+    // batches went on past the in-flight cap (4 per peer).
+    assert!(
+        (2..=8).contains(&polls_w0.len()),
+        "{} polls to the silent worker",
+        polls_w0.len()
+    );
+    assert!(batches.len() > 8, "{} batches", batches.len());
+    // Late answers for expired tokens: ignored.
+    let flush = |h: &FakeHost, root: &mut Root| {
+        for _ in 0..4 {
+            root.on_tick(h); // clock unchanged: nothing is due, metrics flush
+        }
+    };
+    flush(&h, &mut root);
+    let answers = h.metric("prefix_router.load_poll.answers");
+    let failures = h.metric("prefix_router.peers.send_failures");
+    let at = polled_at(&h, &cfg);
+    let body = br#"{"loads":[{"num_running_reqs":9,"num_waiting_reqs":0}]}"#;
+    answer(&h, &mut root, polls_w0[0], "200", body);
+    answer(&h, &mut root, batches[0], "500", b"");
+    answer(&h, &mut root, batches[0], "500", b"");
+    flush(&h, &mut root);
+    assert_eq!(h.metric("prefix_router.load_poll.answers"), answers);
+    assert_eq!(h.metric("prefix_router.peers.send_failures"), failures);
+    assert_eq!(polled_at(&h, &cfg), at, "nothing published");
+    open.on_done(&h);
+}
