@@ -19,6 +19,7 @@ use crate::policy::Reason;
 use crate::poll::{self, Lease, Polled, Poller};
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
+use crate::schedule::{since, Calls};
 use std::cell::{Cell, RefCell};
 use std::fmt::Write;
 use std::rc::Rc;
@@ -275,12 +276,14 @@ pub struct Root {
     /// This root context's identity in the poller lease.
     me: u64,
     poller: Poller,
-    /// Tokens of peer batches awaiting an answer (bounded: at most one per peer per flush).
-    peer_calls: Vec<u32>,
+    /// Peer batches awaiting an answer (bounded: at most one per peer per flush, and 4 per peer
+    /// in all; expiring, see `schedule`).
+    peer_calls: Calls<()>,
     last_peer_flush_ms: u64,
-    /// Counter reads for the index's self-check (`hits.rs`): `(token, model, worker, sent ms)`
-    /// awaiting an answer, and when the last round started (ms; `None` before the first).
-    hit_calls: Vec<(u32, u16, u16, u64)>,
+    /// Counter reads for the index's self-check (`hits.rs`): `(model, worker)` per call
+    /// awaiting an answer (expiring, see `schedule`), and when the last round started (ms;
+    /// `None` before the first).
+    hit_calls: Calls<(u16, u16)>,
     last_hit_round_ms: Option<u64>,
 }
 
@@ -303,9 +306,9 @@ impl Root {
             ticks: 0,
             me: 0,
             poller: Poller::default(),
-            peer_calls: Vec::new(),
+            peer_calls: Calls::default(),
             last_peer_flush_ms: 0,
-            hit_calls: Vec::new(),
+            hit_calls: Calls::default(),
             last_hit_round_ms: None,
         }
     }
@@ -317,6 +320,8 @@ impl Root {
         };
         let r = &mut *guard;
         let lp = &r.cfg.load_poll;
+        let lost = self.poller.expire(now_ms, lp.timeout_ms);
+        s.metrics.add(s.metrics.poll_failures, lost as i64);
         if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
             return; // a root that cannot call never takes the lease from one that can
         }
@@ -356,7 +361,7 @@ impl Root {
                 (":authority", w.cluster.as_str()),
             ];
             match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                Ok(token) => self.poller.sent(token, t),
+                Ok(token) => self.poller.sent(token, t, now_ms),
                 Err(_) => {
                     // Unknown cluster, or Envoy refused the call: a failed poll like any other.
                     self.poller.not_sent();
@@ -368,19 +373,19 @@ impl Root {
     }
 
     /// The lease holder reads every worker's token counters each `metrics_interval_ms`
-    /// (`hits.rs`). A call whose answer is overdue by a second past its timeout is forgotten, so
-    /// a lost answer never stops a worker's reads; a clock that stepped back starts a round.
+    /// (`hits.rs`). A call whose answer never comes expires (`schedule::Calls`), so a lost
+    /// answer never stops a worker's reads; a clock step starts a round (`schedule::since`).
     fn read_hit_counters(&mut self, h: &impl Host, s: &Shared, r: &Router, now_ms: u64) {
         let lp = &r.cfg.load_poll;
         if lp.metrics_interval_ms == 0 {
             return;
         }
-        let overdue = u64::from(lp.timeout_ms) + 1000;
+        let m = &s.metrics;
         self.hit_calls
-            .retain(|c| now_ms >= c.3 && now_ms - c.3 <= overdue);
+            .expire(now_ms, lp.timeout_ms, |_| m.add(m.hit_failures, 1));
         if self
             .last_hit_round_ms
-            .is_some_and(|at| now_ms >= at && now_ms - at < u64::from(lp.metrics_interval_ms))
+            .is_some_and(|at| since(at, now_ms) < u64::from(lp.metrics_interval_ms))
         {
             return;
         }
@@ -388,7 +393,7 @@ impl Root {
         for (mi, m) in r.cfg.models.iter().enumerate() {
             for (wi, (w, upstream)) in m.workers.iter().zip(&m.poll_clusters).enumerate() {
                 let (mi, wi) = (mi as u16, wi as u16);
-                if self.hit_calls.iter().any(|c| c.1 == mi && c.2 == wi) {
+                if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
                     continue;
                 }
                 let headers = [
@@ -397,7 +402,7 @@ impl Root {
                     (":authority", w.cluster.as_str()),
                 ];
                 match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                    Ok(token) => self.hit_calls.push((token, mi, wi, now_ms)),
+                    Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
                     Err(_) => s.metrics.add(s.metrics.hit_failures, 1),
                 }
             }
@@ -409,11 +414,11 @@ impl Root {
         &mut self,
         h: &impl Host,
         s: &Shared,
-        k: usize,
+        mi: u16,
+        wi: u16,
         status: Option<u32>,
         body_size: usize,
     ) {
-        let (_, mi, wi, _) = self.hit_calls.swap_remove(k);
         let counters = if status == Some(200) {
             crate::hits::parse(&h.buffer(Buffer::HttpCallResponseBody, body_size))
         } else {
@@ -454,14 +459,17 @@ impl Root {
         let Some(p) = &r.cfg.peers else {
             return;
         };
-        if r.cfg.peer_listener || now_ms < self.last_peer_flush_ms + u64::from(p.flush_ms) {
+        let m = &s.metrics;
+        self.peer_calls
+            .expire(now_ms, p.timeout_ms, |_| m.add(m.peer_send_failures, 1));
+        let since = since(self.last_peer_flush_ms, now_ms);
+        if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
             return;
         }
         self.last_peer_flush_ms = now_ms;
         let Some(ob) = r.outbox.as_mut() else {
             return;
         };
-        let m = &s.metrics;
         if h.can_call() {
             ob.take_relayed(h);
         } else {
@@ -490,7 +498,7 @@ impl Root {
             ];
             match h.http_call(c, &headers, Some(ob.batch()), p.timeout_ms) {
                 Ok(token) => {
-                    self.peer_calls.push(token);
+                    self.peer_calls.push(token, now_ms, ());
                     m.add(m.peer_batches_sent, 1);
                     m.add(m.peer_records_sent, n);
                 }
@@ -509,12 +517,11 @@ impl Root {
             .header(Map::HttpCallResponseHeaders, ":status")
             .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
         let m = &s.metrics;
-        if let Some(k) = self.hit_calls.iter().position(|c| c.0 == token) {
-            self.hit_counters_answer(h, &s, k, status, body_size);
+        if let Some((mi, wi)) = self.hit_calls.take(token) {
+            self.hit_counters_answer(h, &s, mi, wi, status, body_size);
             return;
         }
-        if let Some(k) = self.peer_calls.iter().position(|&t| t == token) {
-            self.peer_calls.swap_remove(k);
+        if self.peer_calls.take(token).is_some() {
             if status != Some(204) && status != Some(200) {
                 m.add(m.peer_send_failures, 1);
             }

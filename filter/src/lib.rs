@@ -30,6 +30,7 @@ pub mod process_store;
 pub mod records;
 pub mod request;
 pub mod router;
+pub mod schedule;
 pub mod store;
 pub mod xxh3;
 

@@ -27,6 +27,7 @@
 
 pub use crate::load_answer::Load;
 use crate::records::{find, rd, wr, ById};
+use crate::schedule::Calls;
 use crate::store::Store;
 
 /// Published record: worker id, polled requests, polled tokens, own requests at the poll, own
@@ -253,7 +254,8 @@ pub struct Activity {
 /// `no_traffic_interval`): its view stays fresh for the next request (answers younger than
 /// `stale_ms` when `no_traffic_ms + timeout_ms < stale_ms`) while an idle Envoy stops costing
 /// its own CPU and every worker's load endpoint ten calls a second. Cost: one shared-data get
-/// per model per tick between the two periods.
+/// per model per tick between the two periods. A round that lies in the future (the wall clock
+/// stepped back) makes the next one due at once ([`crate::schedule`]).
 #[derive(Default)]
 pub struct Poller {
     /// Per model: when its last round started (ms) and its load value's stamp then; `None`
@@ -261,8 +263,8 @@ pub struct Poller {
     last_round: Vec<Option<(u64, Option<u32>)>>,
     /// Per model, per worker: the worker answered 404 on the primary path (use the fallback).
     use_fallback: Vec<Vec<bool>>,
-    /// `(token, target)` of calls awaiting an answer.
-    inflight: Vec<(u32, Target)>,
+    /// Calls awaiting an answer (expiring, see [`Poller::expire`]).
+    inflight: Calls<Target>,
     pub failures: u64,
     pub answers: u64,
 }
@@ -290,7 +292,7 @@ impl Poller {
         let Some(last) = self.last_round.get_mut(mi) else {
             return false;
         };
-        let since = last.map(|(at, _)| now_ms.saturating_sub(at));
+        let since = last.map(|(at, _)| crate::schedule::since(at, now_ms));
         if interval_ms == 0 || since.is_some_and(|s| s < u64::from(interval_ms)) {
             return false;
         }
@@ -305,7 +307,8 @@ impl Poller {
     }
 
     /// Targets of model `mi`'s round, skipping workers whose previous call is still in flight
-    /// (a slow worker is asked at most once at a time; the call's timeout bounds it).
+    /// (a slow worker is asked at most once at a time; the call's timeout bounds it, and
+    /// [`Poller::expire`] a call whose answer never comes).
     pub fn round(&self, mi: usize) -> impl Iterator<Item = Target> + '_ {
         self.use_fallback
             .get(mi)
@@ -321,17 +324,28 @@ impl Poller {
                 !self
                     .inflight
                     .iter()
-                    .any(|(_, i)| i.model == t.model && i.worker == t.worker)
+                    .any(|i| i.model == t.model && i.worker == t.worker)
             })
     }
 
-    pub fn sent(&mut self, token: u32, t: Target) {
-        self.inflight.push((token, t));
+    /// A call dispatched at `now_ms` (wall clock).
+    pub fn sent(&mut self, token: u32, t: Target, now_ms: u64) {
+        self.inflight.push(token, now_ms, t);
+    }
+
+    /// Forgets calls without an answer `timeout_ms` plus a margin after they were sent (see
+    /// [`crate::schedule`]): each is a failed poll, and its worker is asked again in the next
+    /// round. Returns how many expired.
+    pub fn expire(&mut self, now_ms: u64, timeout_ms: u32) -> u64 {
+        let mut n = 0;
+        self.inflight.expire(now_ms, timeout_ms, |_| n += 1);
+        self.failures += n;
+        n
     }
 
     /// Whether no call to a worker of model `mi` awaits an answer (its round is complete).
     pub fn settled(&self, mi: u16) -> bool {
-        !self.inflight.iter().any(|(_, t)| t.model == mi)
+        !self.inflight.iter().any(|t| t.model == mi)
     }
 
     /// A dispatch that failed at once (unknown cluster, ...).
@@ -348,8 +362,7 @@ impl Poller {
         status: Option<u32>,
         body: &[u8],
     ) -> Option<(Target, Option<Load>)> {
-        let k = self.inflight.iter().position(|(tok, _)| *tok == token)?;
-        let (_, t) = self.inflight.swap_remove(k);
+        let t = self.inflight.take(token)?;
         let parsed = match status {
             Some(200) => parse_load(body),
             Some(404) if !t.fallback => {
@@ -564,8 +577,8 @@ mod tests {
         assert!(!p.due(0, 50, 100, 500, busy));
         let ts: Vec<Target> = p.round(0).collect();
         assert_eq!(ts.len(), 2);
-        p.sent(7, ts[0]);
-        p.sent(8, ts[1]);
+        p.sent(7, ts[0], 0);
+        p.sent(8, ts[1], 0);
         assert_eq!(p.round(0).count(), 0, "both still in flight");
         assert!(!p.settled(0) && p.settled(1));
         assert!(
@@ -581,9 +594,29 @@ mod tests {
         let next: Vec<Target> = p.round(0).collect();
         assert!(next[0].fallback && !next[1].fallback);
         assert_eq!((p.answers, p.failures), (1, 0));
-        p.sent(9, next[1]);
+        p.sent(9, next[1], 0);
         let (_, l) = p.answer(9, Some(503), b"").unwrap();
         assert_eq!(l, None);
         assert_eq!(p.failures, 1);
+    }
+
+    #[test]
+    fn a_call_without_an_answer_expires_and_its_worker_is_asked_again() {
+        let mut p = Poller::new([2usize].into_iter());
+        let ts: Vec<Target> = p.round(0).collect();
+        p.sent(1, ts[0], 10_000);
+        p.sent(2, ts[1], 10_000);
+        assert!(p.answer(2, Some(503), b"").is_some());
+        let limit = 250 + crate::schedule::EXPIRY_MARGIN_MS;
+        assert_eq!(p.expire(10_000 + limit, 250), 0);
+        assert_eq!(p.round(0).map(|t| t.worker).collect::<Vec<_>>(), [1]);
+        assert_eq!(p.expire(10_000 + limit + 1, 250), 1);
+        assert_eq!(p.round(0).count(), 2, "asked again");
+        assert!(p.settled(0));
+        assert_eq!(p.failures, 2);
+        // Its answer, late: ignored, counted nowhere.
+        let ok = br#"[{"num_reqs":3,"num_tokens":1}]"#;
+        assert!(p.answer(1, Some(200), ok).is_none());
+        assert_eq!((p.answers, p.failures), (0, 2));
     }
 }

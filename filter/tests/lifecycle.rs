@@ -663,3 +663,196 @@ fn a_root_that_cannot_call_hands_its_peer_records_to_one_that_can() {
         assert_eq!(relayed(&h), 0, "the relay is drained");
     }
 }
+
+const PEERS: &str = r#","peers":{"clusters":["peer0"],"secret":"0123456789abcdef","flush_ms":100}"#;
+
+/// What the timer sent in a span: load polls per worker cluster and peer batches, with tokens.
+#[derive(Default)]
+struct Sent {
+    polls: Vec<(String, u32)>,
+    batches: Vec<u32>,
+}
+
+impl Sent {
+    fn polls_to(&self, worker: &str) -> usize {
+        self.polls
+            .iter()
+            .filter(|(u, _)| u.starts_with(worker))
+            .count()
+    }
+}
+
+/// Ticks every 50 ms for `ms`; every call is answered at once (200 for a poll, 204 for a batch)
+/// unless `lost` says it never gets an answer (upstream name).
+fn tick_for(h: &FakeHost, root: &mut Root, ms: u64, lost: &dyn Fn(&str) -> bool) -> Sent {
+    use prefix_router::config::PEER_PATH;
+    let mut sent = Sent::default();
+    for _ in 0..ms / 50 {
+        h.state.borrow_mut().now_nanos += 50_000_000;
+        let seen = h.state.borrow().calls.len();
+        root.on_tick(h);
+        let new: Vec<_> = h.state.borrow().calls[seen..].to_vec();
+        for c in new {
+            if path_of(&c) == "/metrics" {
+                continue; // the self-check's counter reads (their own test above)
+            }
+            let peer = c
+                .headers
+                .iter()
+                .any(|(k, v)| k == ":path" && v == PEER_PATH);
+            if peer {
+                sent.batches.push(c.token);
+            } else {
+                sent.polls.push((c.upstream.clone(), c.token));
+            }
+            if lost(&c.upstream) {
+                continue;
+            }
+            let (status, body): (&str, &[u8]) = if peer {
+                ("204", b"")
+            } else {
+                (
+                    "200",
+                    br#"{"loads":[{"num_running_reqs":1,"num_waiting_reqs":0}]}"#,
+                )
+            };
+            answer(h, root, c.token, status, body);
+        }
+    }
+    sent
+}
+
+fn answer(h: &FakeHost, root: &mut Root, token: u32, status: &str, body: &[u8]) {
+    {
+        let mut s = h.state.borrow_mut();
+        s.call_headers = vec![(":status".into(), status.into())];
+        s.call_body = body.to_vec();
+    }
+    root.on_http_call_response(h, token, body.len());
+}
+
+/// A finished chat with a new prompt long enough for index records (peer batches carry them).
+fn finished_chat(h: &FakeHost, root: &Root, user: &str) {
+    let prompt = format!("{user}: a prompt long enough for a few blocks. ").repeat(40);
+    let (mut s, _) = request(h, root, "POST", "/v1/chat/completions", &[], &chat(&prompt));
+    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    s.on_response_headers(h);
+    s.on_done(h);
+}
+
+/// The published polled load of model 0: every worker's answer time (100 ms units).
+fn polled_at(h: &FakeHost, cfg: &str) -> Vec<u32> {
+    let c = Config::from_json(cfg.as_bytes()).expect("config");
+    let m = &c.models[0];
+    let mut buf = Vec::new();
+    h.get(&m.poll_key, &mut buf);
+    let mut out = Vec::new();
+    let ids = ById::new(m.workers.iter().map(|w| w.id));
+    prefix_router::poll::decode(&buf, &ids, m.workers.len(), &mut out);
+    out.iter().map(|p| p.at).collect()
+}
+
+/// The timer's schedules (load polls, peer batches) survive wall-clock steps: proxy-wasm has no
+/// monotonic clock. A step back must not stop them for the length of the step (loads would go
+/// stale, PD would lose its dead-prefill exclusion, the outbox would overflow); a step forward
+/// must not make them fire at every tick. Either way the polled view is fresh again at once.
+#[test]
+fn polls_and_peer_batches_go_on_after_the_clock_steps_back_or_forward() {
+    let cfg = config(PEERS);
+    let never_lost = |_: &str| false;
+    for step_back in [true, false] {
+        let (h, mut root) = configured(&cfg);
+        finished_chat(&h, &root, "before");
+        let s = tick_for(&h, &mut root, 1000, &never_lost);
+        assert!(s.polls_to("w0") >= 2 && !s.batches.is_empty());
+        {
+            let mut st = h.state.borrow_mut();
+            if step_back {
+                st.now_nanos -= 60_000_000_000;
+            } else {
+                st.now_nanos += 60_000_000_000;
+            }
+        }
+        for i in 0..3 {
+            finished_chat(&h, &root, &format!("after {i}"));
+            let s = tick_for(&h, &mut root, 1000, &never_lost);
+            let rounds = s.polls_to("w0");
+            assert!(
+                (1..=11).contains(&rounds),
+                "back={step_back}, second {i}: {rounds} rounds"
+            );
+            assert_eq!(s.batches.len(), 1, "back={step_back}, second {i}");
+            let now = (h.state.borrow().now_nanos / 100_000_000) as u32;
+            for at in polled_at(&h, &cfg) {
+                assert!(
+                    at <= now && now - at <= 10,
+                    "back={step_back}, second {i}: answer at {at}, now {now}"
+                );
+            }
+        }
+    }
+}
+
+/// An HTTP call whose answer never arrives (Envoy normally answers a timed-out call itself)
+/// holds its token only until its timeout plus a margin: then that worker is polled again and
+/// peer batches resume. A late answer for an expired token is ignored: no second count, no
+/// publish.
+#[test]
+fn calls_that_are_never_answered_expire_and_polling_and_replication_resume() {
+    let cfg = config(PEERS);
+    let (h, mut root) = configured(&cfg);
+    // A request in flight throughout: polls every 100 ms.
+    let (mut open, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("o"));
+    let lost = |u: &str| u == "peer0" || u.starts_with("w0");
+    let mut polls_w0 = Vec::new();
+    let mut batches = Vec::new();
+    for i in 0..40 {
+        finished_chat(&h, &root, &i.to_string());
+        let s = tick_for(&h, &mut root, 100, &lost);
+        polls_w0.extend(
+            s.polls
+                .iter()
+                .filter(|(u, _)| u.starts_with("w0"))
+                .map(|p| p.1),
+        );
+        batches.extend(s.batches.iter().copied());
+        if i < 2 {
+            assert_eq!(
+                polls_w0.len(),
+                1,
+                "one call at a time while it may still come back"
+            );
+            assert!(
+                s.polls_to("w1") >= 1,
+                "the others answer and are asked again"
+            );
+        }
+    }
+    // 4 s: the lost poll expired and w0 was asked again (a few times, each lost again); the
+    // batches went on past the in-flight cap (4 per peer).
+    assert!(
+        (2..=8).contains(&polls_w0.len()),
+        "{} polls to the silent worker",
+        polls_w0.len()
+    );
+    assert!(batches.len() > 8, "{} batches", batches.len());
+    // Late answers for expired tokens: ignored.
+    let flush = |h: &FakeHost, root: &mut Root| {
+        for _ in 0..4 {
+            root.on_tick(h); // clock unchanged: nothing is due, metrics flush
+        }
+    };
+    flush(&h, &mut root);
+    let answers = h.metric("prefix_router.load_poll.answers");
+    let failures = h.metric("prefix_router.peers.send_failures");
+    let at = polled_at(&h, &cfg);
+    let body = br#"{"loads":[{"num_running_reqs":9,"num_waiting_reqs":0}]}"#;
+    answer(&h, &mut root, polls_w0[0], "200", body);
+    answer(&h, &mut root, batches[0], "500", b"");
+    answer(&h, &mut root, batches[0], "500", b"");
+    flush(&h, &mut root);
+    assert_eq!(h.metric("prefix_router.load_poll.answers"), answers);
+    assert_eq!(h.metric("prefix_router.peers.send_failures"), failures);
+    assert_eq!(polled_at(&h, &cfg), at, "nothing published");
+    open.on_done(&h);
+}
