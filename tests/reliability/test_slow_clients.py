@@ -107,6 +107,7 @@ def test_a_trickled_body_is_cut_by_request_timeout(stack):
     assert r["closed"], r
     assert r["response"].startswith(b"HTTP/1.1 408"), r["response"][:300]
     assert 1000 + r["dripped"] < len(body)  # cut while the body was still arriving
+    print(f"trickled body: 408 after {r['elapsed']:.1f} s, {1000 + r['dripped']} of {len(body)} bytes sent")
     # Envoy's own count of requests it cut for request_timeout
     assert stack.envoy.counters(r"http\.ingress_http\.downstream_rq_timeout")["http.ingress_http.downstream_rq_timeout"] >= 1
     # and the replica still serves
@@ -118,6 +119,7 @@ def test_trickled_headers_are_cut_by_request_headers_timeout(stack):
     r = trickle(stack.envoy.listener_port, head, b"x-slow: ", b"y" * 4000)
     assert r["closed"], r
     assert r["dripped"] < 4000  # closed while the headers were still arriving
+    print(f"trickled headers: closed after {r['elapsed']:.1f} s ({r['response'][:12]!r})")
     # Envoy answers 408 (or only closes, if the reply cannot be framed): either way the stream is gone
     assert r["response"] == b"" or r["response"].startswith(b"HTTP/1.1 408"), r["response"][:300]
     assert stack.envoy.counters(r"http\.ingress_http\.downstream_rq_header_timeout")[
@@ -177,6 +179,8 @@ def test_heap_pressure_sheds_new_requests_and_cuts_held_bodies(small_heap):
         wait_until(lambda: _overload(envoy, "stop_accepting_requests") == 1,
                    lambda: f"stop_accepting_requests active ({len(held)} bodies held): {_overload_stats(envoy)}",
                    DEADLINE_S, 0.2)
+        print(f"heap: {len(held)} bodies of {HELD_BODY >> 20} MiB held until stop_accepting_requests "
+              f"(pressure {_overload_stats(envoy).get('overload.envoy.resource_monitors.fixed_heap.pressure')}%)")
         # new requests are refused by Envoy itself, no worker sees them: an HTTP/1 request is
         # stopped at its first bytes by the load shed point (500, connection closed), before the
         # HTTP connection manager's stop_accepting_requests would answer 503 (what HTTP/2 gets)
