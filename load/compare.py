@@ -214,7 +214,7 @@ def envoy_lb_config(fleet: SimFleet, lb_policy: str, listener: int, admin: int) 
                                   header_routes=routes))
 
 
-SCALE_OUT_FLAGS = ("--peers", "--peer-listen", "--peer-secret", "--load-poll-ms")
+SCALE_OUT_FLAGS = ("--peers", "--peer-listen", "--peer-secret", "--load-poll-ms", "--hash-key")
 
 
 def gen_flags() -> set[str]:
@@ -344,6 +344,12 @@ def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, repl
                 note = "no --peers (envoy/gen has none yet): independent replicas"
             else:
                 note = "one replica"
+            if "--hash-key" in flags:
+                # one key for every replica: replicas agree on rendezvous placement only if their
+                # hashes are keyed alike (envoy/gen would generate one per config otherwise)
+                key = secrets.token_hex(32)
+                for extra in per_replica:
+                    extra += ["--hash-key", key]
             if debug_header:
                 note += f", --debug-header ({ec.DEBUG_HEADER})"
             for k in range(replicas):

@@ -55,12 +55,24 @@ import ipaddress
 import json
 import math
 import re
+import secrets
 import sys
 from dataclasses import dataclass, field, fields, replace
 
 MIB16 = 16 * 1024 * 1024
 MIB4 = 4 * 1024 * 1024
-MIN_SECRET_LEN = 16  # the filter's peers.secret minimum (filter/src/config.rs)
+MIN_SECRET_LEN = 16  # the filter's peers.secret and hash_key minimum (filter/src/config.rs)
+# hash_key of configs whose key is written in at deploy time (k8s init container, compose start-up
+# script): shorter than MIN_SECRET_LEN, so the filter refuses a config where it was never replaced
+# rather than run with a key everyone can read in this repository.
+HASH_KEY_PLACEHOLDER = "__HASH_KEY__"
+# Heap pressure (fixed_heap: tcmalloc's reserved heap / --max-heap-mib) at which the overload
+# manager acts: HTTP/2 streams buffering >= 1 MiB are reset from HEAP_RESET_FROM (largest first,
+# all of them at HEAP_SHED); at HEAP_SHED new requests get 503 and HTTP/1 connections that send
+# more bytes are closed.
+HEAP_RESET_FROM = 0.85
+HEAP_SHRINK = 0.90
+HEAP_SHED = 0.95
 CLUSTER_HEADER = "x-prefix-router-cluster"
 DEBUG_HEADER = "x-prefix-router-decision"
 PEER_SECRET_HEADER = "x-prefix-router-peer-secret"
@@ -149,6 +161,17 @@ class Options:
     health_interval: str = "5s"
     health_timeout: str = "2s"
     stream_idle_timeout: str = "300s"
+    # The whole request (headers and body) must arrive within request_timeout, its headers within
+    # request_headers_timeout: the filter holds every inference request until its body ends, so a
+    # client trickling a body would otherwise pin up to 16 MiB for as long as it likes. Both stop
+    # counting once the request is received (or a response starts): streamed answers are not cut.
+    request_timeout: str = "60s"
+    request_headers_timeout: str = "10s"
+    # HTTP/2 streams per downstream connection (Envoy's default is 2^31 - 1)
+    max_concurrent_streams: int = 100
+    # the fixed_heap overload monitor's 100% (MiB): keep it ~512 MiB under the container's memory
+    # limit (V8's Wasm memory and the binary are outside tcmalloc's heap)
+    max_heap_mib: int = 1536
     per_try_idle_timeout: str = "180s"
     fallbacks: int = 3
     max_requests: int = 1024
@@ -160,6 +183,11 @@ class Options:
     peers: list[HostPort] = field(default_factory=list)
     peer_listen: HostPort | None = None
     peer_secret: str | None = None
+    # plugin hash_key (keyed block hashes and buckets, docs/design.md "Index poisoning"): required in
+    # the production shape; profile() generates one for a production config without peers (one
+    # replica: the key only has to live as long as the index, which a restart empties anyway)
+    hash_key: str | None = None
+    hash_key_generated: bool = False
     # merged (recursively) into the generated plugin configuration: policy parameters, index,
     # unknown_model, passthrough_cluster, ... (filter/src/config.rs is the schema)
     plugin: dict = field(default_factory=dict)
@@ -207,7 +235,16 @@ def profile(name: str, **overrides) -> Options:
         if k not in known:
             raise ConfigError(k, "not an option")
     opts = Options(**{**copy.deepcopy(defaults), **overrides})
+    if (opts.shape == "production" and opts.hash_key is None and not opts.peers
+            and opts.peer_listen is None and opts.peer_secret is None):
+        opts.hash_key = generate_hash_key()
+        opts.hash_key_generated = True
     return opts
+
+
+def generate_hash_key() -> str:
+    """A fresh random hash_key (64 hex characters, 256 bits)."""
+    return secrets.token_hex(32)
 
 
 def validate(o: Options) -> None:
@@ -242,9 +279,15 @@ def validate(o: Options) -> None:
     if o.stats_listen is not None:
         _check_hostport(o.stats_listen, "--stats-listen", allow_zero=True)
     for opt, v in (("--health-interval", o.health_interval), ("--health-timeout", o.health_timeout), ("--stream-idle-timeout", o.stream_idle_timeout),
-                   ("--per-try-idle-timeout", o.per_try_idle_timeout)):
+                   ("--per-try-idle-timeout", o.per_try_idle_timeout), ("--request-timeout", o.request_timeout),
+                   ("--request-headers-timeout", o.request_headers_timeout)):
         if not isinstance(v, str) or not DURATION_RE.match(v):
             raise ConfigError(opt, f"expected a duration in seconds like 5s or 0.5s, got {v!r}")
+    for opt, v in (("--request-timeout", o.request_timeout), ("--request-headers-timeout", o.request_headers_timeout)):
+        if float(v[:-1]) <= 0:
+            raise ConfigError(opt, f"must be > 0 (0 would let a client hold a request and its buffered body forever), got {v!r}")
+    _int_range("--max-concurrent-streams", o.max_concurrent_streams, 1, 2**31 - 1, "HTTP/2 streams per connection")
+    _int_range("--max-heap-mib", o.max_heap_mib, 64, 10**7, "the heap size the overload actions are relative to, MiB")
     _int_range("--rate-limit", o.rate_limit, 0, 10**9, "0 = no rate limit")
     _int_range("--rate-limit-per-client", o.rate_limit_per_client, 0, 10**9, "0 = no per-client limit")
     _int_range("--rate-limit-clients", o.rate_limit_clients, 1, 10**7, "per-client buckets kept")
@@ -265,6 +308,14 @@ def validate(o: Options) -> None:
         raise ConfigError("--peer-secret / --peer-secret-file", "only used with --peers or --peer-listen")
     if o.peer_listen is not None:
         _check_hostport(o.peer_listen, "--peer-listen", allow_zero=True)
+    if o.hash_key is not None and o.hash_key != HASH_KEY_PLACEHOLDER:
+        check_secret(o.hash_key, "--hash-key")
+    if o.shape == "production" and o.hash_key is None:
+        raise ConfigError(
+            "--hash-key-file",
+            "replicas that share an index (--peers / --peer-listen) need the same hash key: give "
+            "--hash-key-file PATH (at least 16 characters, the same file on every replica), or "
+            f"--hash-key-placeholder to write {HASH_KEY_PLACEHOLDER} and replace it at deploy time")
     clusters = _worker_names(o)
     reserved = {PEER_PREFIX + str(i) for i in range(len(o.peers))} | {"admin"}
     if _poll_clusters(o):
@@ -490,6 +541,8 @@ def plugin_config(o: Options) -> dict:
             plugin["load_poll"] = {"interval_ms": 0}
     if o.peer_secret is not None:
         plugin["peers"] = {"clusters": [PEER_PREFIX + str(i) for i in range(len(o.peers))], "secret": o.peer_secret}
+    if o.hash_key is not None:
+        plugin["hash_key"] = o.hash_key
     return merge(plugin, o.plugin)
 
 
@@ -528,13 +581,51 @@ def admin(o: Options) -> dict:
 
 
 def overload_manager(o: Options) -> dict:
-    return {"resource_monitors": [{
-        "name": "envoy.resource_monitors.global_downstream_max_connections",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-            "max_active_downstream_connections": o.max_connections,
-        },
-    }]}
+    """Envoy's overload manager: a connection cap, and a heap bound. Bodies are buffered until they
+    end (the filter needs them whole), so connections x streams x 16 MiB is far above any memory
+    limit; the fixed_heap monitor sheds before the OOM killer would take every stream with it."""
+    heap = "envoy.resource_monitors.fixed_heap"
+    mib = o.max_heap_mib
+    return {
+        "#": "Heap pressure is sampled every refresh_interval: what can arrive between two samples is\n"
+             "the overshoot past a threshold.",
+        "refresh_interval": "0.25s",
+        "resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": o.max_connections,
+            },
+        }, {
+            "#": f"Pressure = tcmalloc's reserved heap / {mib} MiB (keep it ~512 MiB under the memory limit:\n"
+                 "V8's Wasm memory is outside this heap).",
+            "name": heap,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                "max_heap_size_bytes": mib << 20,
+            },
+        }],
+        "#b": "Track streams buffering >= 1 MiB (2^20) so the largest can be reset.",
+        "buffer_factory_config": {"minimum_account_to_track_power_of_two": 20},
+        "actions": [
+            {"#": f"From {HEAP_RESET_FROM:.0%} ({int(mib * HEAP_RESET_FROM)} MiB): reset the HTTP/2 streams buffering the most (>= 128 MiB\n"
+                  f"first, every stream >= 1 MiB at {HEAP_SHED:.0%}). Envoy resets HTTP/2 streams only.",
+             "name": "envoy.overload_actions.reset_high_memory_stream",
+             "triggers": [{"name": heap, "scaled": {"scaling_threshold": HEAP_RESET_FROM,
+                                                    "saturation_threshold": HEAP_SHED}}]},
+            {"#": "Return freed memory to the system so the pressure reads what is really held.",
+             "name": "envoy.overload_actions.shrink_heap",
+             "triggers": [{"name": heap, "threshold": {"value": HEAP_SHRINK}}]},
+            {"#": f"From {HEAP_SHED:.0%} ({int(mib * HEAP_SHED)} MiB): new requests get 503 (HTTP/2; HTTP/1 ones meet the load\n"
+                  "shed point below first).",
+             "name": "envoy.overload_actions.stop_accepting_requests",
+             "triggers": [{"name": heap, "threshold": {"value": HEAP_SHED}}]},
+        ],
+        "#l": f"From {HEAP_SHED:.0%}: an HTTP/1 connection that sends more bytes is answered (500) and closed,\n"
+              "new requests included (the HTTP/1 counterpart of the stream reset: a held body stops growing).",
+        "loadshed_points": [{"name": "envoy.load_shed_points.http1_server_abort_dispatch",
+                             "triggers": [{"name": heap, "threshold": {"value": HEAP_SHED}}]}],
+    }
 
 
 def simple_cluster(w: Worker) -> dict:
@@ -905,11 +996,16 @@ def http_connection_manager(o: Options, filters: list) -> dict:
         "normalize_path": True,
         "merge_slashes": True,
         "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
-        "#t": "Generations stream for minutes: no overall deadline; a stream with no bytes either way\n"
-              f"for {o.stream_idle_timeout} is dropped.",
-        "request_timeout": "0s",
+        "#t": f"The filter holds a request until its body ends: the whole request must arrive within\n"
+              f"{o.request_timeout} (headers within {o.request_headers_timeout}), else 408 and the buffered body is freed.\n"
+              "Neither counts once the request is received, so generations still stream for minutes;\n"
+              f"a stream with no bytes either way for {o.stream_idle_timeout} is dropped.",
+        "request_timeout": o.request_timeout,
+        "request_headers_timeout": o.request_headers_timeout,
         "stream_idle_timeout": o.stream_idle_timeout,
         "common_http_protocol_options": {"idle_timeout": "3600s"},
+        "#h": f"HTTP/2: at most {o.max_concurrent_streams} streams per connection (each may buffer a 16 MiB body).",
+        "http2_protocol_options": {"max_concurrent_streams": o.max_concurrent_streams},
         "#l": f"A body over the {MIB16 >> 20} MiB buffer limit is answered by Envoy itself (413, text); OpenAI\n"
               "clients expect a JSON error body. Only 413: the filter's own replies keep their body.",
         "local_reply_config": local_reply_413(),
@@ -1019,7 +1115,7 @@ def config(o: Options, comments: bool = False) -> dict:
         listeners.append(peers_listener(o, plugin))
     doc = {
         "admin": admin(o),
-        "#o": "Cap downstream connections (each streaming generation holds one).",
+        "#o": "Cap downstream connections (each streaming generation holds one) and the heap.",
         "overload_manager": overload_manager(o),
         "static_resources": {"listeners": listeners, "clusters": clusters(o)},
     }
@@ -1051,7 +1147,15 @@ def header(o: Options) -> str:
         lines.append(f"Scale-out: index records sent to {len(o.peers)} peer(s); "
                      + (f"peer listener on {o.peer_listen[0]}:{o.peer_listen[1]}" if o.peer_listen else "no peer listener")
                      + ". The plugin configuration holds the shared peer secret: protect this file.")
+    if o.hash_key == HASH_KEY_PLACEHOLDER:
+        lines.append(f"hash_key is the placeholder {HASH_KEY_PLACEHOLDER}: replace it with the secret key (16+ printable\n"
+                     "characters, the same on every replica) when deploying; the filter refuses the placeholder.")
+    elif o.hash_key_generated:
+        lines.append("hash_key: a random key generated for this file (one replica; every run of envoy/gen makes a new one).")
+    if o.hash_key is not None and o.hash_key != HASH_KEY_PLACEHOLDER:
+        lines.append("The plugin configuration holds the secret hash_key: protect this file.")
     lines.append("Layout and rationale: prkit/envoy_config.py; options: envoy/gen --help.")
+    lines = [part for line in lines for part in (line.split("\n") if line else [line])]
     return "".join(f"# {line}\n" if line else "#\n" for line in lines)
 
 
@@ -1255,6 +1359,16 @@ def arg_parser() -> argparse.ArgumentParser:
                     "was busy, e.g. compiling the Wasm module, fails when it resumes)")
     ap.add_argument("--stream-idle-timeout", metavar="DURATION", help="(300s)")
     ap.add_argument("--per-try-idle-timeout", metavar="DURATION", help="(180s)")
+    ap.add_argument("--request-timeout", metavar="DURATION",
+                    help="the whole request (headers and body) must arrive within this, else 408; stops "
+                    "counting once it has (60s; > 0)")
+    ap.add_argument("--request-headers-timeout", metavar="DURATION",
+                    help="the request headers must arrive within this (10s; > 0)")
+    ap.add_argument("--max-concurrent-streams", metavar="N", help="HTTP/2 streams per downstream connection (100)")
+    ap.add_argument("--max-heap-mib", metavar="MIB",
+                    help="heap size of the overload manager's fixed_heap monitor (1536): from 85%% HTTP/2 "
+                    "streams buffering >= 1 MiB are reset, from 95%% new requests get 503 and HTTP/1 "
+                    "connections sending more are closed; keep it ~512 MiB under the memory limit")
     ap.add_argument("--fallbacks", metavar="N",
                     help="workers of the same model each worker cluster falls back to (3)")
     ap.add_argument("--max-requests", metavar="N", help="circuit breaker per worker cluster (1024)")
@@ -1268,6 +1382,15 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-listen", metavar="HOST:PORT", help="listener for peers' index records")
     ap.add_argument("--peer-secret", metavar="SECRET", help="shared peer secret (>= 16 characters; prefer --peer-secret-file)")
     ap.add_argument("--peer-secret-file", metavar="PATH", help="file holding the shared peer secret (whitespace stripped)")
+    hk = ap.add_mutually_exclusive_group()
+    hk.add_argument("--hash-key-file", metavar="PATH",
+                    help="file holding the plugin's hash_key (>= 16 printable characters, whitespace stripped; "
+                    "the same on every replica). Production profiles without --peers generate a random key "
+                    "when no key is given")
+    hk.add_argument("--hash-key", metavar="KEY", help="the hash_key itself (prefer --hash-key-file)")
+    hk.add_argument("--hash-key-placeholder", action="store_true",
+                    help=f"write {HASH_KEY_PLACEHOLDER} as hash_key, to be replaced at deploy time (the filter "
+                    "refuses the placeholder itself)")
     # the plugin configuration (filter/src/config.rs; docs/configuration.md)
     ap.add_argument("--policy", metavar="NAME", help="policy.name (cache_aware, round_robin, ...)")
     ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
@@ -1319,13 +1442,15 @@ def options_from_args(argv: list[str]) -> Options:
         v = getattr(a, key)
         if v is not None:
             over[key] = None if allow_none and v == "none" else parse_hostport(v, opt, allow_zero=True)
-    for key in ("wasm", "debug_header", "access_log", "health_interval", "health_timeout", "stream_idle_timeout", "per_try_idle_timeout"):
+    for key in ("wasm", "debug_header", "access_log", "health_interval", "health_timeout", "stream_idle_timeout",
+                "per_try_idle_timeout", "request_timeout", "request_headers_timeout"):
         if getattr(a, key) is not None:
             over[key] = getattr(a, key)
     for opt, key in (("--rate-limit", "rate_limit"), ("--rate-limit-per-client", "rate_limit_per_client"),
                      ("--rate-limit-clients", "rate_limit_clients"), ("--fallbacks", "fallbacks"), ("--max-requests", "max_requests"),
                      ("--max-ejection-percent", "max_ejection_percent"), ("--max-connections", "max_connections"),
-                     ("--load-poll-ms", "load_poll_ms")):
+                     ("--load-poll-ms", "load_poll_ms"), ("--max-concurrent-streams", "max_concurrent_streams"),
+                     ("--max-heap-mib", "max_heap_mib")):
         v = _int_opt(opt, getattr(a, key))
         if v is not None:
             over[key] = v
@@ -1342,6 +1467,17 @@ def options_from_args(argv: list[str]) -> Options:
             raise ConfigError(opt, f"cannot read the secret: {e}") from None
     elif a.peer_secret is not None:
         over["peer_secret"] = check_secret(a.peer_secret, "--peer-secret")
+    if a.hash_key_file is not None:
+        opt = f"--hash-key-file {a.hash_key_file}"
+        try:
+            with open(a.hash_key_file, encoding="utf-8") as f:
+                over["hash_key"] = check_secret(f.read().strip(), opt)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(opt, f"cannot read the key: {e}") from None
+    elif a.hash_key is not None:
+        over["hash_key"] = check_secret(a.hash_key, "--hash-key")
+    elif a.hash_key_placeholder:
+        over["hash_key"] = HASH_KEY_PLACEHOLDER
 
     plugin: dict = copy.deepcopy(_PROFILE_DEFAULTS[a.profile].get("plugin", {}))
     if a.plugin_json is not None:
@@ -1435,6 +1571,7 @@ def plain_proxy(listen: HostPort, admin_addr: HostPort, pools: dict[str, list[Ho
     cap and access log (`log`) as the filter's configs, so only the routing differs. Render with
     dump()."""
     first = next(iter(pools))
+    defaults = Options()
     route = {"timeout": "0s", "idle_timeout": "300s"}
     routes = [{"match": {"prefix": "/", "headers": [{"name": "x-model", "string_match": {"exact": model}}]},
                "route": {"cluster": cluster, **route}, "request_body_buffer_limit": MIB16}
@@ -1451,15 +1588,17 @@ def plain_proxy(listen: HostPort, admin_addr: HostPort, pools: dict[str, list[Ho
         clusters.append(c)
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "ingress_http", "codec_type": "AUTO", "request_timeout": "0s",
+        "stat_prefix": "ingress_http", "codec_type": "AUTO", "request_timeout": defaults.request_timeout,
+        "request_headers_timeout": defaults.request_headers_timeout,
         "stream_idle_timeout": "300s", "common_http_protocol_options": {"idle_timeout": "3600s"},
+        "http2_protocol_options": {"max_concurrent_streams": defaults.max_concurrent_streams},
         **({"access_log": access_log()} if log else {}),
         "route_config": {"name": "plain", "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": [*(http_filters or []), router_filter()],
     }
     return strip_comments({
         "admin": {"address": socket_address(admin_addr)},
-        "overload_manager": overload_manager(Options()),
+        "overload_manager": overload_manager(defaults),
         "static_resources": {
             "listeners": [{"name": "ingress", "address": socket_address(listen),
                            "per_connection_buffer_limit_bytes": MIB16,

@@ -5,12 +5,14 @@ that every referenced file exists, and the Envoy config it mounts passes `envoy 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, envoy_validate, with_local_wasm, yaml_doc
+from .conftest import REPO, envoy_binary, envoy_validate, with_local_wasm, yaml_doc
 
 COMPOSE = REPO / "docker-compose.yml"
 
@@ -132,7 +134,45 @@ def test_every_mounted_envoy_config_validates(project, tmp_path):
     for c in configs:
         text = open(c).read()
         # validate mode does not resolve the STRICT_DNS names (w0..w3 exist only in the compose network)
-        envoy_validate(with_local_wasm(text, "/etc/prefix-router/prefix_router.wasm"), tmp_path, "compose.yaml")
+        envoy_validate(with_local_wasm(text, "/etc/prefix-router/prefix_router.wasm")
+                       .replace('"hash_key": "__HASH_KEY__"', '"hash_key": "' + "k" * 32 + '"'), tmp_path, "compose.yaml")
+
+
+def run_envoy_command(project, tmp_path, *envoy_args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The envoy service's command, run here: container paths mapped to the mounted files (the
+    config with the local .wasm), `envoy_args` appended (e.g. --mode validate). Returns the result
+    and the rendered config."""
+    envoy = project["services"]["envoy"]
+    mounts = {v["target"]: v["source"] for v in envoy["volumes"] if v["type"] == "bind"}
+    template = tmp_path / "template.yaml"
+    template.write_text(with_local_wasm(Path(mounts["/etc/envoy/envoy.yaml"]).read_text(),
+                                        "/etc/prefix-router/prefix_router.wasm"))
+    rendered = tmp_path / "rendered.yaml"
+    paths = {"/etc/envoy/envoy.yaml": str(template), "/tmp/envoy.yaml": str(rendered),
+             **{t: s for t, s in mounts.items() if t != "/etc/envoy/envoy.yaml"}}
+    cmd = [paths.get(a, a) for a in envoy["command"]]
+    assert cmd[0] == "sh" and cmd[1] == str(REPO / "docker" / "envoy-start.sh"), cmd
+    r = subprocess.run([*cmd, *envoy_args, "--log-level", "warn"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "ENVOY": str(envoy_binary())})
+    return r, rendered
+
+
+def test_envoy_command_starts_with_a_fresh_hash_key(project, tmp_path):
+    """envoy/compose.yaml holds the hash_key placeholder; the service's command writes a random key
+    into a private copy and starts Envoy on it (here: --mode validate, which runs the filter's
+    config check), a new key each start."""
+    keys = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        r, rendered = run_envoy_command(project, d, "--mode", "validate")
+        assert r.returncode == 0 and " OK" in r.stdout + r.stderr, r.stdout + r.stderr
+        (key,) = re.findall(r'"hash_key": "([^"]*)"', rendered.read_text())[:1]
+        assert re.fullmatch(r"[0-9a-f]{64}", key), key
+        assert rendered.stat().st_mode & 0o077 == 0  # owner only: it holds the key
+        keys.append(key)
+    assert keys[0] != keys[1]
+    assert '"hash_key": "__HASH_KEY__"' not in rendered.read_text()
 
 
 def test_sim_workers(project):

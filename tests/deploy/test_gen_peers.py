@@ -14,6 +14,7 @@ import pytest
 from .conftest import GEN, envoy_validate, run_gen, wasm_path, yaml_doc
 
 SECRET = "s3cr3t-0123456789abcdef"
+HASH_KEY = "h4sh-k3y-0123456789abcdef"  # replicas sharing an index need one key (tests/deploy/test_hash_key.py)
 PEERS = "http://10.0.0.2:15100,http://envoy-1.prefix-router-peers.default.svc:15100"
 
 
@@ -42,7 +43,7 @@ def wasm_config(listener: dict) -> dict:
 
 def test_peers_config_validates_and_listeners_share_the_vm(composecheck, tmp_path):
     args = ["--model", "m=10.0.0.1:8000,w1.llm.svc:8000", "--peers", PEERS,
-            "--peer-listen", "127.0.0.1:0", "--peer-secret", SECRET, "--load-poll-ms", "50"]
+            "--peer-listen", "127.0.0.1:0", "--peer-secret", SECRET, "--load-poll-ms", "50", "--hash-key", HASH_KEY]
     text = run_gen(*args, "--wasm", str(wasm_path()))
     envoy_validate(text, tmp_path)
     doc = as_json(composecheck, text, tmp_path)
@@ -88,7 +89,7 @@ def test_secret_file_is_stripped_and_receive_only_listener(composecheck, tmp_pat
     f = tmp_path / "secret"
     f.write_text(f"  {SECRET}\n\n")
     text = run_gen("--model", "m=10.0.0.1:8000", "--peer-listen", "127.0.0.1:15100",
-                   "--peer-secret-file", str(f), "--load-poll-ms", "0", "--wasm", str(wasm_path()))
+                   "--peer-secret-file", str(f), "--load-poll-ms", "0", "--wasm", str(wasm_path()), "--hash-key", HASH_KEY)
     envoy_validate(text, tmp_path)
     doc = as_json(composecheck, text, tmp_path)
     listeners = {li["name"]: li for li in doc["static_resources"]["listeners"]}
@@ -142,7 +143,7 @@ def test_native_renders_the_dynamic_module_on_both_listeners(composecheck, tmp_p
     the peers listener (same module: its shared data is process-wide), the peers listener's with
     `peer_listener`; no .wasm anywhere; `--wasm` with it is an error naming `--native`."""
     args = ["--model", "m=10.0.0.1:8000,w1.llm.svc:8000", "--peers", PEERS,
-            "--peer-listen", "127.0.0.1:0", "--peer-secret", SECRET, "--native"]
+            "--peer-listen", "127.0.0.1:0", "--peer-secret", SECRET, "--native", "--hash-key", HASH_KEY]
     text = run_gen(*args)
     assert "envoy.filters.http.wasm" not in text and ".wasm" not in text
     assert "ENVOY_DYNAMIC_MODULES_SEARCH_PATH" in text  # the header says how to start it

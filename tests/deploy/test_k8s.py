@@ -14,7 +14,7 @@ from .test_ingress import plugin_config
 K8S = REPO / "envoy" / "k8s"
 PLUGIN_KEYS = {"models", "default_model", "unknown_model", "passthrough_cluster", "cluster_header",
                "debug_header", "text_block_bytes", "token_block_size", "max_prompt_blocks", "index",
-               "policy", "load_poll", "peers", "peer_listener"}
+               "policy", "load_poll", "peers", "peer_listener", "hash_key"}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,8 @@ def by_kind(docs, name, kind):
 
 def check_plugin_config(cfg: dict) -> list[str]:
     assert set(cfg) <= PLUGIN_KEYS, set(cfg) - PLUGIN_KEYS
+    # keyed hashes: the placeholder, replaced at deploy time (the filter refuses it as it is)
+    assert cfg["hash_key"] == "__HASH_KEY__"
     assert cfg["cluster_header"] == "x-prefix-router-cluster"
     assert cfg["default_model"] in cfg["models"]
     assert cfg["policy"]["name"] in ("cache_aware", "round_robin", "random")
@@ -199,7 +201,8 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     (init,) = pod["initContainers"]
     script = init["command"][-1]
     assert f"gsub(/{placeholder}/, s)" in script
-    assert "/secret/secret /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
+    assert plugin["hash_key"] == "__HASH_KEY__"  # replaced from the Secret prefix-router-hash-key
+    assert "/secret/secret /hash-key/key /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
     assert "cp /wasm/prefix_router.wasm /etc/prefix-router/prefix_router.wasm" in script
     wasm = [f for li in cfg["static_resources"]["listeners"] for f in li["filter_chains"][0]["filters"][0]
             ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
@@ -208,14 +211,16 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     assert envoy["args"][:2] == ["-c", "/etc/prefix-router/envoy.yaml"]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["peer-secret"]["secret"]["secretName"] == "prefix-router-peer-secret"
+    assert vols["hash-key"]["secret"]["secretName"] == "prefix-router-hash-key"
     assert vols["config"]["configMap"]["name"] == "prefix-router-envoy"
     assert vols["run"]["emptyDir"]["medium"] == "Memory"
     mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
-    assert mounts == {"config": "/config", "peer-secret": "/secret", "run": "/etc/prefix-router"}
+    assert mounts == {"config": "/config", "peer-secret": "/secret", "hash-key": "/hash-key", "run": "/etc/prefix-router"}
     assert {m["name"]: m["mountPath"] for m in envoy["volumeMounts"]} == {"run": "/etc/prefix-router"}
     header = (REPO / "envoy" / "k8s" / "statefulset.yaml").read_text()
     assert "--from-file=envoy.yaml=envoy/scale-out.yaml" in header
     assert "create secret generic prefix-router-peer-secret --from-literal=secret=" in header
+    assert "create secret generic prefix-router-hash-key --from-literal=key=" in header
     # the peer port is open to prefix-router pods only
     netpol = by_kind(docs, "statefulset.yaml", "NetworkPolicy")["spec"]
     assert netpol["podSelector"]["matchLabels"] == labels
@@ -228,3 +233,45 @@ def test_readme_publishing_steps():
     for needle in ("oras push", "--target oci", "application/vnd.module.wasm.content.layer.v1+wasm",
                    "sha256sum", "allow_on_headers_stop_iteration"):
         assert needle in text, needle
+
+
+def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
+    """The StatefulSet's init container script, run here with its absolute paths mapped into
+    tmp_path (the ConfigMap = envoy/scale-out.yaml with the local .wasm path, the two Secrets)."""
+    from .conftest import wasm_path, with_local_wasm
+
+    pod = by_kind(docs, "statefulset.yaml", "StatefulSet")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][:2] == ["sh", "-c"]
+    script = init["command"][-1]
+    for d in ("wasm", "config", "secret", "hash-key", "run"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "wasm" / "prefix_router.wasm").write_bytes(b"\0asm")
+    (tmp_path / "config" / "envoy.yaml").write_text(
+        with_local_wasm((REPO / "envoy" / "scale-out.yaml").read_text(), "/etc/prefix-router/prefix_router.wasm"))
+    (tmp_path / "secret" / "secret").write_text(peer_secret + "\n")
+    (tmp_path / "hash-key" / "key").write_text(hash_key + "\n")
+    for path, local in (("/etc/prefix-router/", "run/"), ("/wasm/", "wasm/"), ("/config/", "config/"),
+                        ("/secret/", "secret/"), ("/hash-key/", "hash-key/")):
+        script = script.replace(" " + path, f" {tmp_path}/{local}")
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    out = tmp_path / "run" / "envoy.yaml"
+    return r, (out.read_text() if out.exists() else "")
+
+
+def test_statefulset_init_writes_both_secrets_into_the_config(docs, tmp_path):
+    """The init container really replaces both placeholders from the Secrets' files, and the
+    result passes `envoy --mode validate` (which runs the filter's config check)."""
+    from .conftest import envoy_validate
+
+    r, text = _init_script_here(docs, tmp_path, "p" * 32, "0123456789abcdef0123456789abcdef")
+    assert r.returncode == 0, r.stderr
+    assert "__HASH_KEY__" not in text.split("\n\n", 1)[1] and "__PREFIX_ROUTER_PEER_SECRET__" not in text.split("\n\n", 1)[1]
+    plugin = plugin_config(text)
+    assert plugin["hash_key"] == "0123456789abcdef0123456789abcdef" and plugin["peers"]["secret"] == "p" * 32
+    envoy_validate(text, tmp_path)
+
+
+def test_statefulset_init_refuses_a_short_hash_key(docs, tmp_path):
+    r, _ = _init_script_here(docs, tmp_path, "p" * 32, "short")
+    assert r.returncode != 0 and "prefix-router-hash-key" in r.stderr

@@ -132,6 +132,7 @@ class Fleet:
         self.names = list(FLEET_NAMES)
         self.pool = WorkerPool(self.names)
         self.secret = secrets.token_hex(16)
+        self.hash_key = secrets.token_hex(32)  # the same on every replica (they exchange hashes)
         self.tmp = tmp
         self.replicas: dict[str, Replica] = {}
         peer_ports = [free_port() for _ in REPLICAS]
@@ -143,7 +144,8 @@ class Fleet:
                     "--listen", f"127.0.0.1:{listener}", "--admin", f"127.0.0.1:{admin}",
                     "--stats-listen", "none", "--rate-limit", "0", "--debug-header",
                     "--wasm", str(wasm_path()), "--load-poll-ms", str(POLL_MS), "--health-timeout", "10s",
-                    "--peers", peers, "--peer-listen", f"127.0.0.1:{peer_port}", "--peer-secret", self.secret]
+                    "--peers", peers, "--peer-listen", f"127.0.0.1:{peer_port}", "--peer-secret", self.secret,
+                    "--hash-key", self.hash_key]
             r = subprocess.run(args, capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
             # gen names the worker clusters <model>_<i> in --model order: the fake workers' names.
