@@ -542,6 +542,21 @@ def trace_scaled_sim_args(block_tokens: int) -> list[str]:
     return ["--chunked-prefill-size", str(chunk), "--decode-kv-ms-per-1k-tokens", f"{KV_READ_MS_PER_1K * f:g}"]
 
 
+# The filter's token-denominated policy defaults (filter/src/config.rs): a replay at another token
+# scale scales them as it scales the simulator (trace_scaled_policy).
+FILTER_TOKEN_DEFAULTS = {"request_cost_tokens": 64, "slack_full_tokens": 8192, "prefill_slack_full_tokens": 2048}
+
+
+def trace_scaled_policy(block_tokens: int) -> dict:
+    """prefix-router policy values in the replay's token units: a scaled token stands for
+    512 / block_tokens real ones (as in trace_scaled_sim_args), so a request in flight costs, and
+    a holder earns its full load slack at, the same real-token amounts as in production. Without
+    it a 2-block shared prefix (1024 real tokens, 64 scaled) weighs no more than one request in
+    flight (64), and conversations leave idle holders for a replay artefact."""
+    f = 512 / block_tokens
+    return {k: max(1, round(v / f)) for k, v in FILTER_TOKEN_DEFAULTS.items()}
+
+
 def trace_setup(name: str, requests: int, speed: float, block_tokens: int, api: str, workers: int,
                 workdir: Path) -> dict:
     """The first `requests` requests of trace `name`: writes the replay plan (prkit.trace) to
@@ -615,6 +630,19 @@ def _reason(header: str | None) -> str:
     return m.group(1) if m else "-"
 
 
+def _holder_state(header: str | None) -> str:
+    """The deepest holder's state as the filter's decision saw it (`holder_load=reqs/capacity/
+    queued prefill tokens` in the debug header): `saturated` (at its running-request capacity),
+    `queued` (prefill tokens waiting), `free` (neither), `-` (no holder, or no header)."""
+    m = re.search(r"holder_load=(\d+)/(\d+)/(\d+)", header or "")
+    if not m:
+        return "-"
+    reqs, cap, tokens = (int(x) for x in m.groups())
+    if cap and reqs >= cap:
+        return "saturated"
+    return "queued" if tokens else "free"
+
+
 def trace_stats(row: dict, t: dict) -> dict:
     """The replay's numbers beside the workers' hit rate: the offline bounds and the router's share
     of them, holder follow (prkit.trace.holder_follow on the workers the `x-worker-id` headers
@@ -624,9 +652,13 @@ def trace_stats(row: dict, t: dict) -> dict:
     hf = tr.holder_follow(t["hash_seqs"], workers)
     groups = {"followed": Counter(), "not_followed": Counter(), "not_eligible": Counter()}
     eligible = dict(zip(hf.eligible, hf.followed_latest))
+    states = {"followed": Counter(), "not_followed": Counter()}
     for i, r in recs.items():
         g = "not_eligible" if i not in eligible else ("followed" if eligible[i] else "not_followed")
         groups[g][_reason(r.get("d"))] += 1
+        if g != "not_eligible":
+            states[g][_holder_state(r.get("d"))] += 1
+    free_followed, free_not = states["followed"]["free"], states["not_followed"]["free"]
     total = sum(t["prompt_tokens"])
     inf = sum(t["infinite"]) / total
     lru = sum(t["pooled_lru"]) / total
@@ -644,6 +676,9 @@ def trace_stats(row: dict, t: dict) -> dict:
         "follow_earliest": hf.rate("earliest"),
         "follow_any": hf.rate("any"),
         "reasons": {g: dict(c.most_common()) for g, c in groups.items()},
+        "holder_states": {g: dict(c.most_common()) for g, c in states.items()},
+        "free_eligible": free_followed + free_not,
+        "follow_free": free_followed / (free_followed + free_not) if free_followed + free_not else 0.0,
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
         "lateness_max_ms": max(late, default=0.0),
@@ -679,12 +714,18 @@ def trace_reasons_table(rows: list[dict]) -> str:
     def fmt(c: dict) -> str:
         return ", ".join(f"{k} {v}" for k, v in c.items()) or "none"
 
-    lines = ["| router | followed the latest holder | eligible, did not follow | not eligible |", "|---|---|---|---|"]
+    lines = ["| router | followed the latest holder | eligible, did not follow | not eligible "
+             "| holder state: followed / did not follow | follow where the holder was free |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         g = r["trace"]["reasons"]
         if all(set(c) <= {"-"} for c in g.values()):
             continue
-        lines.append(f"| {r['label']} | {fmt(g['followed'])} | {fmt(g['not_followed'])} | {fmt(g['not_eligible'])} |")
+        st = r["trace"].get("holder_states", {})
+        free = (f"{r['trace']['follow_free']:.0%} (of {r['trace']['free_eligible']})"
+                if r["trace"].get("free_eligible") else "-")
+        lines.append(f"| {r['label']} | {fmt(g['followed'])} | {fmt(g['not_followed'])} | {fmt(g['not_eligible'])} "
+                     f"| {fmt(st.get('followed', {}))} / {fmt(st.get('not_followed', {}))} | {free} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -839,7 +880,13 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         reasons = trace_reasons_table(rows)
         md += [*trace_notes(rows, trace), "", trace_table(rows), ""]
         if reasons:
-            md += ["Decision reasons (`x-prefix-router-decision`) by holder-follow group:", "", reasons, ""]
+            md += ["Decision reasons (`x-prefix-router-decision`) by holder-follow group, and the state of the "
+                   "deepest holder the decision saw (its `holder_load`): `saturated` = at its "
+                   "`max_running_requests`, `queued` = prefill tokens waiting there (polled "
+                   "`num_waiting_uncached_tokens` + this Envoy's prompts without a first token), `free` = "
+                   "neither, `-` = no holder in the index. \"Follow where the holder was free\": of the "
+                   "eligible requests whose holder was free, the share sent to the latest holder.", "",
+                   reasons, ""]
     else:
         md += [table(rows), ""]
     for r in rows:
@@ -924,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_args = ["--max-total-tokens", str(kv), "--time-scale", str(ts), *scen["sim"]]
     if trace:
         sim_args += ["--context-length", str(trace["context"]), *trace_scaled_sim_args(trace["block_tokens"])]
+        policy = {**trace_scaled_policy(trace["block_tokens"]), **policy}
     envs = [f"{k}={os.environ[k]}" for k in ("PREFIX_ROUTER_WASM", "SGLANG_SIM_BIN", "ENVOY_GEN") if os.environ.get(k)]
     command = " ".join(envs + ["load/compare"]) + " " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
                                          for a in (argv if argv is not None else sys.argv[1:]))

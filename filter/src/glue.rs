@@ -1076,6 +1076,22 @@ impl Stream {
             if let Some(dec) = &self.decode {
                 let _ = write!(v, "; decode={}", r.cluster(dec));
             }
+            if let Some(hl) = d.holder {
+                // The deepest holder's load as the decision saw it: requests / capacity (0: not
+                // reported) / queued prefill tokens.
+                let at = Decision {
+                    worker: hl.worker,
+                    ..*d
+                };
+                let _ = write!(
+                    v,
+                    "; holder={}; holder_load={}/{}/{}",
+                    r.cluster(&at),
+                    hl.reqs,
+                    hl.capacity,
+                    hl.tokens
+                );
+            }
             h.add_header(Map::ResponseHeaders, name, &v);
         }
         Action::Continue

@@ -425,6 +425,7 @@ pub fn decode_decision<S: Store>(
         index: Default::default(),
         probes: 0,
         truncated: false,
+        holder: None,
     })
 }
 

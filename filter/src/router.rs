@@ -60,6 +60,19 @@ pub struct Decision {
     pub index: WriteStats,
     pub probes: u32,
     pub truncated: bool,
+    /// The deepest holder's load as the decision saw it (for the debug header); `None` when
+    /// nobody held the prompt.
+    pub holder: Option<HolderLoad>,
+}
+
+/// A worker's load as one decision saw it: requests in flight, its running-request capacity
+/// (0: not reported) and its queued prefill tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HolderLoad {
+    pub worker: u16,
+    pub reqs: u32,
+    pub capacity: u32,
+    pub tokens: u32,
 }
 
 /// The filter's answer for an inference request.
@@ -455,6 +468,7 @@ impl Router {
             None
         };
         let mut sampled = false;
+        let mut holder = None;
         let (w, tok, reason) = self
             .ledger
             .decide(store, cfg, mi, now, |reqs, tokens, capacity| {
@@ -480,6 +494,18 @@ impl Router {
                     recent,
                 };
                 let (w, reason) = policy.choose(&cfg.policy, &inp);
+                if deepest > 0 {
+                    // The first worker holding the deepest match (what the debug header shows).
+                    holder = matched
+                        .iter()
+                        .position(|&m| m == deepest)
+                        .map(|h| HolderLoad {
+                            worker: h as u16,
+                            reqs: reqs.get(h).copied().unwrap_or(0),
+                            capacity: capacity.get(h).copied().unwrap_or(0),
+                            tokens: tokens.get(h).copied().unwrap_or(0),
+                        });
+                }
                 let tok = if uses_index {
                     policy::charged_tokens(&cfg.policy, &inp, w).max(1)
                 } else {
@@ -493,6 +519,7 @@ impl Router {
             charged_reqs: 1,
             charged_tokens: tok,
             probes: self.matches.probes,
+            holder,
             ..plain(mi, w, reason)
         };
         if uses_index {
@@ -681,6 +708,7 @@ fn plain(model: usize, worker: usize, reason: Reason) -> Decision {
         index: WriteStats::default(),
         probes: 0,
         truncated: false,
+        holder: None,
     }
 }
 

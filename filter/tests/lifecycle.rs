@@ -497,7 +497,34 @@ fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
         .map(|e| e.1.clone())
         .expect("debug header on the response");
     assert!(v.starts_with(&format!("worker={worker}; reason=")), "{v}");
-    assert!(v.contains("; total="), "{v}");
+    assert!(
+        v.contains("; total=") && !v.contains("holder="),
+        "nobody held it: {v}"
+    );
+    s.on_done(&h);
+    // A prompt served before: its holder and that holder's load as the decision saw it (the
+    // first request is over: nothing in flight, nothing queued; capacity not polled).
+    let long = chat(&"debug: a prompt long enough for a few blocks. ".repeat(40));
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &long);
+    let worker = request_header(&h, "x-prefix-router-cluster").expect("routed");
+    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    s.on_response_headers(&h);
+    s.on_done(&h);
+    h.state.borrow_mut().response_headers.clear();
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &long);
+    s.on_response_headers(&h);
+    let v = h
+        .state
+        .borrow()
+        .response_headers
+        .iter()
+        .find(|e| e.0 == "x-debug")
+        .map(|e| e.1.clone())
+        .expect("debug header on the response");
+    assert!(
+        v.ends_with(&format!("; holder={worker}; holder_load=0/0/0")),
+        "{v}"
+    );
     s.on_done(&h);
 
     let (h, root) = configured(&config(""));

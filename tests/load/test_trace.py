@@ -187,3 +187,28 @@ def test_replay_plan_times_blocks_and_texts():
     assert plan["texts"] == [tr.block_text(1, 8), tr.block_text(2, 8), tr.block_text(3, 8)]
     # Pin key: the second hash id (the first is the prompt every conversation shares).
     assert [r["k"] for r in plan["requests"]] == ["h2", "h3"]
+
+
+# --- load/compare's replay report ----------------------------------------------------------------
+
+
+def test_replay_scales_the_routers_token_constants_like_the_simulator():
+    from load import compare
+
+    # 32-token blocks stand for 512 real tokens: every token amount shrinks 16-fold.
+    p = compare.trace_scaled_policy(32)
+    assert p == {k: round(v / 16) for k, v in compare.FILTER_TOKEN_DEFAULTS.items()}
+    assert compare.trace_scaled_policy(512) == compare.FILTER_TOKEN_DEFAULTS
+    assert all(v >= 1 for v in compare.trace_scaled_policy(1).values())
+
+
+def test_holder_state_from_the_decision_header():
+    from load import compare
+
+    hs = compare._holder_state
+    assert hs("worker=w1; reason=load_spill; matched=2; total=8; holder=w3; holder_load=16/16/0") == "saturated"
+    assert hs("worker=w1; reason=load_spill; matched=2; total=8; holder=w3; holder_load=3/16/900") == "queued"
+    assert hs("worker=w3; reason=prefix_hit; matched=2; total=8; holder=w3; holder_load=3/16/0") == "free"
+    assert hs("worker=w3; reason=prefix_hit; matched=2; total=8; holder=w3; holder_load=30/0/0") == "free"
+    assert hs("worker=w3; reason=hash_affinity; matched=0; total=8") == "-"
+    assert hs(None) == "-"
