@@ -11,12 +11,34 @@
 //! hand their records to it through shared data ([`RELAY_KEY`], bounded by `max_batch` too) and
 //! it sends them with its own batch.
 //!
+//! **Wire format (v2).** One batch is `"PRr2"`, the sender (u64), its sequence number (u64,
+//! +1 per batch), the sender's wall clock in ms (u64), the records, then HMAC-SHA256 of all of
+//! that keyed by `peers.secret` (32 bytes); integers little-endian. The secret itself never
+//! travels: a captured batch proves nothing about it and cannot be altered. The sender is unique
+//! per VM (its lease id in this Envoy and its start time in nanoseconds) and its sequence starts
+//! at 1 with each configuration, so a restarted or reconfigured VM is a new sender.
+//!
 //! **Receiving.** Only the filter on the peer listener (`peer_listener: true`) accepts batches, at
-//! `POST /prefix-router/v1/records` with the shared secret in `x-prefix-router-peer-secret`
-//! (compared in constant time). Each record is applied as a holder write with the receiver's own
+//! `POST /prefix-router/v1/records`. [`open`] checks the form and size (at most `max_batch`
+//! records), the MAC (constant time) and the timestamp (within `peers.window_s` of the
+//! receiver's wall clock, either way: replicas' clocks must agree within it, which NTP does);
+//! [`admit`] then refuses a (sender, sequence) already accepted (a 64-wide window below the
+//! sender's highest, RFC 4303 style, so batches reordered on the way still count once) and cuts
+//! the batch at the sender's record budget (`peers.max_records_per_s`, a token bucket one second
+//! deep). Both live in one shared-data sender table (all VMs of this Envoy, one read and one CAS
+//! per batch, at most [`MAX_SENDERS`] live senders; a sender whose newest batch left the window is
+//! forgotten, safely: its batches are stale from then on). A replayed batch is refused inside the
+//! window by the table and after it by its timestamp. Refusals answer 400 (not a batch), 403
+//! (old protocol, wrong MAC, stale, replay), 429 (over budget: the records within it are applied;
+//! table full) or 503 (table contention), each counted and named in the response code details.
+//! Each accepted record is applied as a holder write with the receiver's own
 //! clock, exactly as a local decision would write it; records naming a model or worker this
-//! replica does not have are ignored. A batch is bounded by `max_batch` records, so one peer
-//! request can write at most that many index entries. Received records are not forwarded again.
+//! replica does not have are ignored. Received records are not forwarded again.
+//!
+//! **Clocks.** The window compares wall clocks of two machines: a replica whose clock is off by
+//! more than `window_s` has its batches refused (and counted as stale) until NTP brings it back;
+//! nothing is lost for good, the sender's sequence goes on. The budget runs on the receiver's
+//! clock and restarts from a clock that stepped back.
 //!
 //! **Staleness.** A record reaches a peer's shared data within `flush_ms` (default 100 ms) plus
 //! one round trip; the peer's VMs see it at their next probe, or after their probe cache entry
