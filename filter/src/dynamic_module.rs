@@ -645,6 +645,15 @@ impl Host for Native<'_> {
         });
     }
     fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.local_reply_details(status, "prefix_router", headers, body);
+    }
+    fn local_reply_details(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) {
         if self.filter.is_null() {
             return;
         }
@@ -657,7 +666,7 @@ impl Host for Native<'_> {
                 pairs.as_ptr(),
                 pairs.len(),
                 Buf::of(body),
-                Buf::of(b"prefix_router"),
+                Buf::of(details.as_bytes()),
             );
         }
     }
