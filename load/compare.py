@@ -14,7 +14,9 @@ seconds after the start (X default 16) whether or not earlier ones finished. Eac
 block becomes a fixed text of N tokens (default 32; the last, partial block and the output in
 proportion), as prkit.trace builds it. Fleet: 8 workers, --max-running-requests 16,
 --decode-base-ms 10, chunked prefill and the decode step's KV read scaled to the replay's token
-scale (trace_scaled_sim_args: 512 and 0.56 ms per 1k tokens at 32 tokens a block), KV per worker such that the fleet holds about a fifth of the slice's distinct
+scale (trace_scaled_sim_args: 512 and 0.56 ms per 1k tokens at 32 tokens a block), and so are
+prefix-router's token-denominated policy constants (trace_scaled_policy; --policy overrides them),
+KV per worker such that the fleet holds about a fifth of the slice's distinct
 prompt-block tokens (at least twice the largest request), --context-length to fit the largest
 request. prefix-router runs with its decision header. Writes `load/results/trace-<name>.md`: per
 router the hit rate and its share of two offline bounds over the same requests (one infinite prefix
