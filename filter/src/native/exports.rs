@@ -345,3 +345,254 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout
 }
 
 envoy_noop_hooks!();
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::FakeEnvoy;
+    use super::*;
+
+    const WORKERS: [&str; 3] = ["w0", "w1", "w2"];
+
+    /// A config of one model (named per test: the process store is shared by every test).
+    fn json(model: &str, extra: &str) -> String {
+        format!(
+            r#"{{"models":{{"{model}":{{"workers":["w0","w1","w2"]}}}},"load_poll":{{"interval_ms":0}}{extra}}}"#
+        )
+    }
+
+    fn chat(model: &str, user: &str) -> Vec<u8> {
+        format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"{user}"}}]}}"#)
+            .into_bytes()
+    }
+
+    /// A fake Envoy and a config the module made on it; destroys the config (stopping any
+    /// timer thread) before the fake goes.
+    struct Loaded {
+        fake: Box<FakeEnvoy>,
+        config: *const c_void,
+    }
+
+    impl Loaded {
+        fn new(json: &str) -> Loaded {
+            let fake = Box::new(FakeEnvoy::new());
+            // SAFETY: the fake outlives the config (`Drop`).
+            let config = unsafe { config_new::<FakeEnvoy>(fake.ptr(), Buf::of(json.as_bytes())) };
+            assert!(!config.is_null(), "refused: {json}");
+            Loaded { fake, config }
+        }
+        fn stream(&self) -> ModuleFilter {
+            // SAFETY: a live config.
+            unsafe { filter_new::<FakeEnvoy>(self.config, self.fake.ptr()) }
+        }
+        fn f(&self) -> EnvoyFilter {
+            self.fake.ptr()
+        }
+        /// The sum of metrics whose names start with `prefix`.
+        fn sum(&self, prefix: &str) -> i64 {
+            let s = self.fake.state();
+            let ids = s.defined.iter().enumerate();
+            ids.filter(|(_, (n, _))| n.starts_with(prefix))
+                .map(|(i, _)| s.values.get(&(i + 1)).copied().unwrap_or(0))
+                .sum()
+        }
+    }
+
+    impl Drop for Loaded {
+        fn drop(&mut self) {
+            // SAFETY: made by `config_new`, destroyed once.
+            unsafe { config_destroy(self.config) };
+        }
+    }
+
+    #[test]
+    fn a_bad_config_fails_the_load_and_a_good_one_defines_every_metric_then() {
+        let fake = FakeEnvoy::new();
+        for bad in [&b"{"[..], br#"{"models":{},"nope":1}"#, b""] {
+            // SAFETY: the fake is alive; no config is made.
+            let c = unsafe { config_new::<FakeEnvoy>(fake.ptr(), Buf::of(bad)) };
+            assert!(c.is_null());
+        }
+        assert!(fake.state().defined.is_empty());
+        let l = Loaded::new(&json("m-load", ""));
+        let defined = l.fake.state().defined.clone();
+        let names: Vec<&str> = defined.iter().map(|d| d.0.as_str()).collect();
+        assert!(
+            names.contains(&"prefix_router.requests.prefix_hit"),
+            "{names:?}"
+        );
+        for w in WORKERS {
+            assert!(names.contains(&format!("prefix_router.inflight_requests.{w}").as_str()));
+        }
+        // SAFETY: a live config.
+        let c = unsafe { &*(l.config as *const ModuleConfig) };
+        assert_eq!(c.metrics.len(), defined.len());
+        assert!(c._timer.is_none(), "polling off: no timer thread");
+        assert_eq!(l.fake.count("scheduler_new"), 0);
+    }
+
+    #[test]
+    fn a_request_is_routed_through_the_hooks_and_released_once_at_its_end() {
+        let l = Loaded::new(&json("m-route", ""));
+        let body = chat("m-route", "hello");
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[("x-prefix-router-cluster", "spoofed")],
+            &body,
+        );
+        let m = l.stream();
+        assert!(!m.is_null());
+        let f = l.f();
+        // SAFETY: `m` is a live stream of the fake, hooks in Envoy's order.
+        unsafe {
+            assert_eq!(request_headers::<FakeEnvoy>(f, m, false), STOP);
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), CONTINUE);
+        }
+        let cluster = l.fake.request_header("x-prefix-router-cluster");
+        assert_eq!(cluster.len(), 1, "{cluster:?}");
+        assert!(WORKERS.contains(&cluster[0].as_str()), "{cluster:?}");
+        assert!(l.fake.count("clear_route_cache") >= 1);
+        assert_eq!(l.sum("prefix_router.inflight_requests."), 1);
+        // SAFETY: as above.
+        unsafe {
+            l.fake.state().response_headers = vec![(b":status".to_vec(), b"200".to_vec())];
+            assert_eq!(response_headers::<FakeEnvoy>(f, m), CONTINUE);
+            stream_complete::<FakeEnvoy>(f, m);
+            assert_eq!(l.sum("prefix_router.inflight_requests."), 0);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(
+            l.sum("prefix_router.inflight_requests."),
+            0,
+            "released once"
+        );
+        assert_eq!(l.sum("prefix_router.requests."), 1);
+        assert!(l.fake.state().replies.is_empty());
+    }
+
+    #[test]
+    fn a_stream_destroyed_without_completing_is_released_at_destroy() {
+        let l = Loaded::new(&json("m-destroy", ""));
+        l.fake
+            .request("POST", "/v1/chat/completions", &[], &chat("m-destroy", "x"));
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream of the fake.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            request_body::<FakeEnvoy>(f, m, true);
+            assert_eq!(l.sum("prefix_router.inflight_requests."), 1);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(l.sum("prefix_router.inflight_requests."), 0);
+    }
+
+    #[test]
+    fn a_filter_answers_locally_through_envoys_send_response() {
+        let l = Loaded::new(&json("m-reply", r#","unknown_model":"reject""#));
+        l.fake
+            .request("POST", "/v1/chat/completions", &[], &chat("nobody", "x"));
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream of the fake.
+        let st = unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            let st = request_body::<FakeEnvoy>(f, m, true);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+            st
+        };
+        assert_eq!(st, STOP);
+        let replies = l.fake.state().replies.clone();
+        assert_eq!(replies.len(), 1, "{replies:?}");
+        let (status, headers, body, details) = &replies[0];
+        assert_eq!(*status, 404);
+        assert!(
+            headers.iter().any(|(k, _)| k == "content-type"),
+            "{headers:?}"
+        );
+        assert!(body.starts_with(b"{"), "{body:?}");
+        assert_eq!(details, "prefix_router");
+        assert!(l.fake.request_header("x-prefix-router-cluster").is_empty());
+    }
+
+    #[test]
+    fn hooks_with_null_pointers_continue_and_touch_nothing() {
+        let fake = FakeEnvoy::new();
+        // SAFETY: NULL is what the hooks guard against.
+        unsafe {
+            let null = std::ptr::null();
+            let m = filter_new::<FakeEnvoy>(null, fake.ptr());
+            assert!(!m.is_null(), "never NULL: Envoy would close the stream");
+            assert_eq!(request_headers::<FakeEnvoy>(fake.ptr(), m, false), CONTINUE);
+            assert_eq!(request_body::<FakeEnvoy>(fake.ptr(), m, true), CONTINUE);
+            assert_eq!(response_headers::<FakeEnvoy>(fake.ptr(), m), CONTINUE);
+            stream_complete::<FakeEnvoy>(fake.ptr(), m);
+            filter_destroy::<FakeEnvoy>(m);
+            assert_eq!(
+                request_headers::<FakeEnvoy>(fake.ptr(), null, true),
+                CONTINUE
+            );
+            stream_complete::<FakeEnvoy>(fake.ptr(), null);
+            filter_destroy::<FakeEnvoy>(null);
+            config_scheduled::<FakeEnvoy>(null);
+            config_callout_done::<FakeEnvoy>(null, 1, std::ptr::null(), 3, std::ptr::null(), 2);
+            config_destroy(null);
+        }
+        assert!(fake.state().log.is_empty());
+    }
+
+    #[test]
+    fn with_polls_the_timer_ticks_the_main_thread_which_makes_the_calls() {
+        let cfg =
+            r#"{"models":{"m-poll":{"workers":["w0","w1","w2"]}},"load_poll":{"interval_ms":100}}"#;
+        let l = Loaded::new(cfg);
+        assert_eq!(l.fake.state().schedulers, 1);
+        // Streams on worker threads never call.
+        l.fake.request("GET", "/v1/models", &[], b"");
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream, then the config's main-thread hooks.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, true);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(l.fake.count("http_callout"), 0);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while l.fake.count("http_callout") == 0 {
+            assert!(std::time::Instant::now() < deadline, "no poll started");
+            // SAFETY: the config is alive; this test thread plays Envoy's main thread.
+            unsafe { config_scheduled::<FakeEnvoy>(l.config) };
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let call = l.fake.state().callouts[0].clone();
+        assert!(WORKERS.contains(&call.1.as_str()), "{call:?}");
+        // The answer (headers and chunks in the hook's arguments) goes to the main root.
+        let (k, v) = (b":status".to_vec(), b"200".to_vec());
+        let headers = [Pair {
+            key: Buf::of(&k),
+            value: Buf::of(&v),
+        }];
+        let body = br#"[{"dp_rank":0,"num_reqs":2,"num_waiting_reqs":0,"num_tokens":10}]"#;
+        let chunks = [Buf::of(body)];
+        // SAFETY: as above; the arrays outlive the call.
+        unsafe {
+            config_callout_done::<FakeEnvoy>(
+                l.config,
+                call.0,
+                headers.as_ptr(),
+                1,
+                chunks.as_ptr(),
+                1,
+            )
+        };
+        // Counted (metrics go out every few ticks).
+        for _ in 0..8 {
+            // SAFETY: as above.
+            unsafe { config_scheduled::<FakeEnvoy>(l.config) };
+        }
+        assert!(
+            l.sum("prefix_router.load_poll.answers") >= 1,
+            "the answer was counted"
+        );
+        drop(l); // joins the timer, deletes the scheduler
+    }
+}

@@ -410,3 +410,353 @@ impl<A: Abi> Host for Native<'_, A> {
         self.main
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::FakeEnvoy;
+    use super::*;
+
+    /// A config on `fake` with `metrics` already defined (Envoy ids as given).
+    fn config(fake: &FakeEnvoy, json: &str, metrics: Vec<Defined>) -> ModuleConfig {
+        ModuleConfig {
+            id: 0,
+            json: json.as_bytes().to_vec(),
+            envoy: fake.ptr(),
+            _timer: None,
+            metrics,
+        }
+    }
+
+    fn stream<'a>(fake: &FakeEnvoy, c: &'a ModuleConfig) -> Native<'a, FakeEnvoy> {
+        Native::new(fake.ptr(), c)
+    }
+
+    #[test]
+    fn headers_are_read_from_envoys_pairs_and_none_without_a_stream() {
+        let fake = FakeEnvoy::new();
+        fake.request("POST", "/v1/completions", &[("x-a", "1"), ("x-b", "")], b"");
+        fake.state().response_headers = vec![(b":status".to_vec(), b"200".to_vec())];
+        let c = config(&fake, "{}", vec![]);
+        let h = stream(&fake, &c);
+        assert_eq!(
+            h.header(Map::RequestHeaders, "x-a").as_deref(),
+            Some(&b"1"[..])
+        );
+        assert_eq!(
+            h.header(Map::RequestHeaders, "x-b").as_deref(),
+            Some(&b""[..])
+        );
+        assert_eq!(h.header(Map::RequestHeaders, "x-c"), None);
+        assert_eq!(
+            h.header(Map::ResponseHeaders, ":status").as_deref(),
+            Some(&b"200"[..])
+        );
+        // Two callbacks per read: the size, then the pairs.
+        assert_eq!(fake.count("get_headers_size"), 4);
+        assert_eq!(fake.count("get_headers"), 4);
+        // No stream (a config hook): nothing is asked of Envoy.
+        let none = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        assert_eq!(none.header(Map::RequestHeaders, "x-a"), None);
+        assert_eq!(fake.count("get_headers_size"), 4);
+    }
+
+    #[test]
+    fn header_pairs_encode_the_whole_map_and_an_empty_one_on_failure() {
+        let fake = FakeEnvoy::new();
+        fake.request("GET", "/", &[("x-a", "1")], b"");
+        let c = config(&fake, "{}", vec![]);
+        let h = stream(&fake, &c);
+        let want = crate::header_pairs::encode(&[
+            (&b":method"[..], &b"GET"[..]),
+            (b":path", b"/"),
+            (b"x-a", b"1"),
+        ]);
+        assert_eq!(h.header_pairs(Map::RequestHeaders), want);
+        let empty = crate::header_pairs::encode::<&[u8], &[u8]>(&[]);
+        // Envoy refusing the copy, an empty map, a map the ABI has no number for, no stream.
+        fake.state().headers_fail = true;
+        assert_eq!(h.header_pairs(Map::RequestHeaders), empty);
+        assert_eq!(h.header(Map::RequestHeaders, "x-a"), None);
+        assert_eq!(h.header_pairs(Map::ResponseHeaders), empty);
+        assert_eq!(h.header_pairs(Map::HttpCallResponseHeaders), empty);
+        let none = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        assert_eq!(none.header_pairs(Map::RequestHeaders), empty);
+    }
+
+    #[test]
+    fn request_header_changes_clear_the_route_cache_and_response_ones_do_not() {
+        let fake = FakeEnvoy::new();
+        fake.request(
+            "POST",
+            "/v1/completions",
+            &[("x-c", "a"), ("x-c", "b")],
+            b"",
+        );
+        let c = config(&fake, "{}", vec![]);
+        let h = stream(&fake, &c);
+        h.add_header(Map::RequestHeaders, "x-c", "c");
+        assert_eq!(fake.request_header("x-c"), ["a", "b", "c"]);
+        h.replace_header(Map::RequestHeaders, "x-c", "d");
+        assert_eq!(fake.request_header("x-c"), ["d"]);
+        h.remove_header(Map::RequestHeaders, "x-c");
+        assert!(fake.request_header("x-c").is_empty());
+        assert_eq!(
+            fake.state().log[..],
+            [
+                "add_header",
+                "clear_route_cache",
+                "set_header",
+                "clear_route_cache",
+                "set_header",
+                "clear_route_cache"
+            ]
+        );
+        h.add_header(Map::ResponseHeaders, "x-d", "1");
+        h.replace_header(Map::ResponseHeaders, "x-d", "2");
+        assert_eq!(fake.count("clear_route_cache"), 3);
+        assert_eq!(
+            fake.state().response_headers,
+            [(b"x-d".to_vec(), b"2".to_vec())]
+        );
+        // Call answers' headers are read-only, and no stream means no change.
+        h.add_header(Map::HttpCallResponseHeaders, "x-e", "1");
+        Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c).add_header(
+            Map::RequestHeaders,
+            "x-e",
+            "1",
+        );
+        assert_eq!(fake.state().log.len(), 8);
+    }
+
+    #[test]
+    fn the_body_is_the_buffered_one_when_there_is_one_and_is_cut_at_max() {
+        let fake = FakeEnvoy::new();
+        let c = config(&fake, r#"{"json":1}"#, vec![]);
+        let h = stream(&fake, &c);
+        assert!(h.buffer(Buffer::RequestBody, usize::MAX).is_empty());
+        fake.state().received = vec![b"last".to_vec()];
+        assert_eq!(h.buffer(Buffer::RequestBody, usize::MAX), b"last");
+        // Envoy has appended the last chunk to the buffered body: the received one is not
+        // read again.
+        fake.state().buffered = vec![b"abc".to_vec(), b"def".to_vec(), b"last".to_vec()];
+        assert_eq!(h.buffer(Buffer::RequestBody, usize::MAX), b"abcdeflast");
+        assert_eq!(h.buffer(Buffer::RequestBody, 4), b"abcd");
+        assert_eq!(h.buffer(Buffer::RequestBody, 0), b"");
+        assert_eq!(h.buffer(Buffer::PluginConfiguration, 100), br#"{"json":1}"#);
+        assert_eq!(h.buffer(Buffer::PluginConfiguration, 3), br#"{"j"#);
+        let none = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        assert!(none.buffer(Buffer::RequestBody, 100).is_empty());
+    }
+
+    #[test]
+    fn a_call_answer_is_read_from_the_hooks_headers_and_chunks() {
+        let fake = FakeEnvoy::new();
+        let c = config(&fake, "{}", vec![]);
+        let (k, v) = (b":status".to_vec(), b"200".to_vec());
+        let headers = [Pair {
+            key: Buf::of(&k),
+            value: Buf::of(&v),
+        }];
+        let chunks = [Buf::of(b"[{\"a\""), Buf::NULL, Buf::of(b":1}]")];
+        let h = Native::<FakeEnvoy> {
+            main: true,
+            call_headers: &headers,
+            call_body: &chunks,
+            ..Native::new(std::ptr::null_mut(), &c)
+        };
+        assert_eq!(
+            h.header(Map::HttpCallResponseHeaders, ":status").as_deref(),
+            Some(&b"200"[..])
+        );
+        assert_eq!(h.header(Map::HttpCallResponseHeaders, "x"), None);
+        assert_eq!(
+            h.buffer(Buffer::HttpCallResponseBody, usize::MAX),
+            b"[{\"a\":1}]"
+        );
+        assert_eq!(h.buffer(Buffer::HttpCallResponseBody, 6), b"[{\"a\":");
+        assert!(fake.state().log.is_empty(), "all in the hook's arguments");
+    }
+
+    #[test]
+    fn a_rewritten_body_replaces_the_buffered_body_or_else_the_received_chunk() {
+        let fake = FakeEnvoy::new();
+        let c = config(&fake, "{}", vec![]);
+        let h = stream(&fake, &c);
+        fake.state().buffered = vec![b"ab".to_vec(), b"cd".to_vec()];
+        fake.state().received = vec![b"cd".to_vec()];
+        h.set_buffer(Buffer::RequestBody, 4, b"new");
+        assert_eq!(fake.state().buffered, [b"new".to_vec()]);
+        assert!(fake.state().received.is_empty());
+        fake.state().buffered.clear();
+        fake.state().received = vec![b"one".to_vec()];
+        h.set_buffer(Buffer::RequestBody, 3, b"two");
+        assert_eq!(fake.state().received, [b"two".to_vec()]);
+        assert!(fake.state().buffered.is_empty());
+        // Envoy refusing the append is logged, not fatal; other buffers are not written.
+        fake.state().append_fails = true;
+        h.set_buffer(Buffer::RequestBody, 3, b"three");
+        let before = fake.state().log.len();
+        h.set_buffer(Buffer::HttpCallResponseBody, 3, b"x");
+        Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c).set_buffer(Buffer::RequestBody, 3, b"x");
+        assert_eq!(fake.state().log.len(), before);
+    }
+
+    #[test]
+    fn metrics_are_defined_only_while_the_config_is_created_and_found_by_name_after() {
+        let fake = FakeEnvoy::new();
+        let defined = RefCell::new(Vec::new());
+        let h = Native::<FakeEnvoy>::defining(fake.ptr(), b"{}", &defined);
+        assert_eq!(h.define_metric(MetricKind::Counter, "a"), 1);
+        assert_eq!(h.define_metric(MetricKind::Gauge, "b"), 2);
+        assert_eq!(h.define_metric(MetricKind::Counter, "a"), 1, "defined once");
+        fake.state().define_rc = 1; // Envoy refuses: the glue's id exists, Envoy's is 0
+        assert_eq!(h.define_metric(MetricKind::Counter, "c"), 3);
+        assert_eq!(fake.count("define_counter"), 2);
+        assert_eq!(fake.count("define_gauge"), 1);
+        let metrics = defined.into_inner();
+        assert_eq!(
+            metrics,
+            [
+                ("a".to_string(), MetricKind::Counter, 1),
+                ("b".to_string(), MetricKind::Gauge, 2),
+                ("c".to_string(), MetricKind::Counter, 0),
+            ]
+        );
+        // A worker thread's root: ids by name, never a define call.
+        let c = config(&fake, "{}", metrics);
+        let w = stream(&fake, &c);
+        assert_eq!(w.define_metric(MetricKind::Gauge, "b"), 2);
+        assert_eq!(w.define_metric(MetricKind::Counter, "zzz"), 0);
+        assert_eq!(fake.count("define_counter") + fake.count("define_gauge"), 3);
+    }
+
+    #[test]
+    fn metric_updates_go_to_the_config_and_skip_what_envoy_cannot_take() {
+        let fake = FakeEnvoy::new();
+        fake.state().defined = vec![
+            ("a".into(), MetricKind::Counter),
+            ("b".into(), MetricKind::Gauge),
+        ];
+        let metrics = vec![
+            ("a".to_string(), MetricKind::Counter, 1),
+            ("b".to_string(), MetricKind::Gauge, 2),
+            ("c".to_string(), MetricKind::Counter, 0), // refused by Envoy
+        ];
+        let c = config(&fake, "{}", metrics);
+        // Metrics are the config's: a hook without a stream updates them too.
+        let h = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        h.increment_metric(1, 3);
+        h.increment_metric(1, -1); // counters only go up
+        h.increment_metric(2, 5);
+        h.increment_metric(2, -2);
+        assert_eq!(fake.metric("a"), Some(3));
+        assert_eq!(fake.metric("b"), Some(3));
+        h.record_metric(2, 7);
+        h.record_metric(1, 9); // a counter is never set
+        assert_eq!(fake.metric("b"), Some(7));
+        assert_eq!(fake.metric("a"), Some(3));
+        let before = fake.state().log.len();
+        for id in [0, 3, 4, u32::MAX] {
+            h.increment_metric(id, 1);
+            h.record_metric(id, 1);
+        }
+        assert_eq!(fake.state().log.len(), before, "unknown or refused ids");
+        assert_eq!(
+            fake.state().log[..],
+            [
+                "increment_counter",
+                "increment_gauge",
+                "decrement_gauge",
+                "set_gauge"
+            ]
+        );
+        // A config without Envoy's pointer never calls.
+        let mut orphan = config(&fake, "{}", c.metrics.clone());
+        orphan.envoy = std::ptr::null_mut();
+        Native::<FakeEnvoy>::new(std::ptr::null_mut(), &orphan).increment_metric(1, 1);
+        assert_eq!(fake.state().log.len(), before);
+    }
+
+    #[test]
+    fn a_local_reply_is_sent_once_with_its_headers_body_and_details() {
+        let fake = FakeEnvoy::new();
+        let c = config(&fake, "{}", vec![]);
+        let h = stream(&fake, &c);
+        assert!(!h.replied.get());
+        h.local_reply(404, &[("content-type", "application/json")], b"{}");
+        assert!(h.replied.get());
+        assert_eq!(
+            fake.state().replies,
+            [(
+                404,
+                vec![("content-type".to_string(), "application/json".to_string())],
+                b"{}".to_vec(),
+                "prefix_router".to_string()
+            )]
+        );
+        let none = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        none.local_reply(500, &[], b"");
+        assert!(!none.replied.get());
+        assert_eq!(fake.state().replies.len(), 1);
+    }
+
+    #[test]
+    fn calls_start_only_on_the_main_thread_and_envoys_refusal_is_an_error() {
+        let fake = FakeEnvoy::new();
+        let c = config(&fake, "{}", vec![]);
+        let worker = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        assert!(!worker.can_call());
+        let headers = [(":method", "GET"), (":path", "/v1/loads")];
+        assert_eq!(
+            worker.http_call("w0", &headers, None, 250),
+            Err(CallRefused)
+        );
+        assert_eq!(fake.count("http_callout"), 0);
+        let main = Native::<FakeEnvoy> {
+            main: true,
+            ..Native::new(std::ptr::null_mut(), &c)
+        };
+        assert!(main.can_call());
+        assert_eq!(main.http_call("w0", &headers, None, 250), Ok(1));
+        assert_eq!(main.http_call("w1", &[], Some(b"{}"), 100), Ok(2));
+        let calls = fake.state().callouts.clone();
+        assert_eq!(
+            calls[0],
+            (
+                1,
+                "w0".to_string(),
+                vec![
+                    (":method".to_string(), "GET".to_string()),
+                    (":path".to_string(), "/v1/loads".to_string())
+                ],
+                vec![],
+                250
+            )
+        );
+        assert_eq!(calls[1].3, b"{}");
+        fake.state().callout_rc = 2; // unknown cluster
+        assert_eq!(
+            main.http_call("nope", &headers, None, 250),
+            Err(CallRefused)
+        );
+        assert_eq!(fake.state().callouts.len(), 2);
+    }
+
+    #[test]
+    fn shared_data_is_the_process_store_and_keeps_its_cas_contract() {
+        let fake = FakeEnvoy::new();
+        let c = config(&fake, "{}", vec![]);
+        let a = stream(&fake, &c);
+        let b = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
+        let mut out = Vec::new();
+        assert_eq!(a.get("native-host-test-k", &mut out), None);
+        a.set("native-host-test-k", b"1", 0).unwrap();
+        let cas = b.get("native-host-test-k", &mut out).unwrap();
+        assert_eq!(out, b"1", "one store for every host of the process");
+        b.set("native-host-test-k", b"2", cas).unwrap();
+        assert_eq!(a.set("native-host-test-k", b"3", cas), Err(CasMismatch));
+        assert!(!a.leases_expire());
+        assert!(fake.state().log.is_empty(), "never an Envoy call");
+        assert!(a.eager_flush());
+    }
+}

@@ -40,3 +40,6 @@ mod ffi;
 mod host;
 mod roots;
 mod timer;
+
+#[cfg(test)]
+mod fake;

@@ -82,3 +82,36 @@ impl Drop for Timer {
         unsafe { (self.delete)(self.scheduler.0) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::fake::FakeEnvoy;
+    use super::*;
+
+    #[test]
+    fn the_timer_commits_every_tick_and_stops_before_its_scheduler_is_deleted() {
+        let fake = FakeEnvoy::new();
+        // SAFETY: the fake outlives the timer (dropped below).
+        let t = unsafe { Timer::start::<FakeEnvoy>(fake.ptr(), Duration::from_millis(5)) };
+        let t = t.expect("a scheduler");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while fake.commits.load(Ordering::Relaxed) < 3 {
+            assert!(std::time::Instant::now() < deadline, "no commits");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(t);
+        let after = fake.commits.load(Ordering::Relaxed);
+        assert_eq!(fake.state().schedulers_deleted, 1);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(fake.commits.load(Ordering::Relaxed), after, "joined");
+    }
+
+    #[test]
+    fn no_scheduler_no_timer() {
+        let fake = FakeEnvoy::new();
+        fake.state().no_scheduler = true;
+        // SAFETY: the fake is alive; no timer is made.
+        assert!(unsafe { Timer::start::<FakeEnvoy>(fake.ptr(), TICK) }.is_none());
+        assert_eq!(fake.state().schedulers_deleted, 0);
+    }
+}
