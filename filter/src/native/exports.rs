@@ -14,11 +14,13 @@
 //! calls, each one pointer check and a [`Native`] on the stack before the glue runs.
 
 use super::ffi::{Abi, Buf, Envoy, EnvoyFilter, ModuleFilter, Pair, ABI_VERSION, CONTINUE, STOP};
-use super::host::Native;
+use super::guard;
+use super::host::{define, Native};
 use super::roots::{self, with_root, ModuleConfig};
 use super::timer::{Timer, TICK};
 use crate::config::Config;
 use crate::glue::{Action, Root, Stream};
+use crate::host::{Host, MetricKind};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,29 +29,86 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub(crate) struct Filter {
     config: *const ModuleConfig,
     stream: Option<Stream>,
+    /// A hook of this stream panicked (or its creation did): its request hooks fail closed
+    /// without entering the glue again.
+    failed: bool,
+    /// Envoy has been asked to answer this stream locally (by the glue or by the guard).
+    answered: bool,
 }
 
-/// Runs `f` on the stream behind `m` with a host over `envoy`.
+/// The answer of a stream whose hook panicked (OpenAI-style, as the glue's own errors).
+const FAILED_BODY: &[u8] =
+    br#"{"object":"error","message":"prefix-router failed on this request","type":"InternalServerError","code":500}"#;
+
+/// Counts a caught panic on the config's Envoy counter (the process count is the guard's).
+fn count_panic<A: Abi>(c: &ModuleConfig) {
+    if c.panics != 0 && !c.envoy.is_null() {
+        // SAFETY: Envoy's live config pointer; metric updates are allowed from any thread.
+        unsafe { A::increment_counter(c.envoy, c.panics, std::ptr::null(), 0, 1) };
+    }
+}
+
+/// Which request hook runs (a failed stream's answer differs only in what it stops).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Request,
+    Response,
+}
+
+/// Runs `f` on the stream behind `m` with a host over `envoy`, under the panic guard: a stream
+/// without glue state (unconfigured root) continues; a failed stream, or one whose `f` panics,
+/// fails closed in the request phase (a local 500 unless one was sent, then stop) and continues
+/// in the response phase (the answer, the worker's or ours, must get out).
 ///
 /// # Safety
 /// `m` is a pointer [`envoy_dynamic_module_on_http_filter_new`] returned and Envoy has not
 /// destroyed yet; Envoy never runs two hooks of one stream at once.
-unsafe fn with_stream<A: Abi, R>(
+unsafe fn on_stream<A: Abi>(
+    hook: &'static str,
+    phase: Phase,
     envoy: EnvoyFilter,
     m: ModuleFilter,
-    default: R,
-    f: impl FnOnce(&mut Stream, &Native<A>) -> R,
-) -> R {
+    f: impl FnOnce(&mut Stream, &Native<A>) -> Action,
+) -> u32 {
     let Some(filter) = (m as *mut Filter).as_mut() else {
-        return default;
+        return CONTINUE;
     };
     let Some(config) = filter.config.as_ref() else {
-        return default;
+        return CONTINUE;
     };
     let h = Native::new(envoy, config);
-    match filter.stream.as_mut() {
-        Some(s) => f(s, &h),
-        None => default,
+    if !filter.failed {
+        let Some(stream) = filter.stream.as_mut() else {
+            return CONTINUE;
+        };
+        if let Some(a) = guard::catch(hook, || f(stream, &h)) {
+            filter.answered |= h.replied.get();
+            return status(a);
+        }
+        count_panic::<A>(config);
+        filter.failed = true;
+        filter.answered |= h.replied.get();
+    }
+    if phase == Phase::Response {
+        return CONTINUE;
+    }
+    if !filter.answered {
+        filter.answered = true;
+        // Outside the guard: `local_reply` only copies into Envoy (its one allocation, the
+        // header array, is on this failure path only).
+        h.local_reply(500, &[("content-type", "application/json")], FAILED_BODY);
+    }
+    STOP
+}
+
+/// Ends the stream behind `m` (its load charge released, once: the stream is taken), under the
+/// panic guard; a failed stream is ended too, so that what it charged is released.
+unsafe fn end_stream<A: Abi>(hook: &'static str, envoy: EnvoyFilter, filter: &mut Filter) {
+    if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
+        let h = Native::<A>::new(envoy, config);
+        if guard::catch(hook, || s.on_done(&h)).is_none() {
+            count_panic::<A>(config);
+        }
     }
 }
 
@@ -72,8 +131,15 @@ unsafe fn parts<'a, T>(p: *const T, n: usize) -> &'a [T] {
     }
 }
 
-/// See [`envoy_dynamic_module_on_http_filter_config_new`].
+/// See [`envoy_dynamic_module_on_http_filter_config_new`]. A panic refuses the config (NULL).
 pub(crate) unsafe fn config_new<A: Abi>(envoy: *mut c_void, value: Buf) -> *const c_void {
+    guard::catch("on_http_filter_config_new", || {
+        load_config::<A>(envoy, value)
+    })
+    .unwrap_or(std::ptr::null())
+}
+
+unsafe fn load_config<A: Abi>(envoy: *mut c_void, value: Buf) -> *const c_void {
     static NEXT_ID: AtomicU64 = AtomicU64::new(1);
     let json = value.bytes().to_vec();
     let cfg = match Config::from_json(&json) {
@@ -90,6 +156,7 @@ pub(crate) unsafe fn config_new<A: Abi>(envoy: *mut c_void, value: Buf) -> *cons
     if !Root::new().on_configure(&h, json.len()) {
         return std::ptr::null();
     }
+    let panics = define::<A>(envoy, MetricKind::Counter, guard::PANICS_METRIC);
     let timer = if cfg.load_poll.interval_ms > 0 {
         match Timer::start::<A>(envoy, TICK) {
             Some(t) => Some(t),
@@ -107,30 +174,49 @@ pub(crate) unsafe fn config_new<A: Abi>(envoy: *mut c_void, value: Buf) -> *cons
         envoy,
         _timer: timer,
         metrics: defined.into_inner(),
+        panics,
     };
     Box::into_raw(Box::new(c)) as *const c_void
 }
 
-/// See [`envoy_dynamic_module_on_http_filter_config_destroy`].
+/// See [`envoy_dynamic_module_on_http_filter_config_destroy`]. A panic (in a root's or the
+/// timer's drop) leaves what was not freed yet.
 pub(crate) unsafe fn config_destroy(config: *const c_void) {
     if !config.is_null() {
         let c = Box::from_raw(config as *mut ModuleConfig);
-        // The main thread's root of this config (the timer's and the calls'): gone with it.
-        roots::forget(c.id);
-        drop(c); // stops and joins the timer thread, then deletes the scheduler
+        guard::catch("on_http_filter_config_destroy", move || {
+            // The main thread's root of this config (the timer's and the calls'): gone with it.
+            roots::forget(c.id);
+            drop(c); // stops and joins the timer thread, then deletes the scheduler
+        });
     }
 }
 
-/// See [`envoy_dynamic_module_on_http_filter_new`].
+/// See [`envoy_dynamic_module_on_http_filter_new`]. A panic gives a failed stream, which
+/// answers 500 at its request headers.
 pub(crate) unsafe fn filter_new<A: Abi>(config: *const c_void, envoy: EnvoyFilter) -> ModuleFilter {
     let c = config as *const ModuleConfig;
-    let stream = match c.as_ref() {
-        Some(cfg) => with_root(cfg, &Native::<A>::new(envoy, cfg), false, |r| {
-            r.new_stream()
-        }),
-        None => None,
+    let (stream, failed) = match c.as_ref() {
+        Some(cfg) => {
+            let h = Native::<A>::new(envoy, cfg);
+            let made = guard::catch("on_http_filter_new", || {
+                with_root(cfg, &h, false, |r| r.new_stream())
+            });
+            let failed = made.is_none();
+            if failed {
+                count_panic::<A>(cfg);
+            }
+            (made.flatten(), failed)
+        }
+        None => (None, false),
     };
-    Box::into_raw(Box::new(Filter { config: c, stream })) as ModuleFilter
+    let filter = Filter {
+        config: c,
+        stream,
+        failed,
+        answered: false,
+    };
+    Box::into_raw(Box::new(filter)) as ModuleFilter
 }
 
 /// See [`envoy_dynamic_module_on_http_filter_destroy`].
@@ -139,11 +225,8 @@ pub(crate) unsafe fn filter_destroy<A: Abi>(m: ModuleFilter) {
         return;
     }
     let mut filter = Box::from_raw(m as *mut Filter);
-    // Released at stream completion; a stream destroyed without it releases here (once: the
-    // stream is taken).
-    if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
-        s.on_done(&Native::<A>::new(std::ptr::null_mut(), config));
-    }
+    // Released at stream completion; a stream destroyed without it releases here.
+    end_stream::<A>("on_http_filter_destroy", std::ptr::null_mut(), &mut filter);
 }
 
 pub(crate) unsafe fn request_headers<A: Abi>(
@@ -151,9 +234,13 @@ pub(crate) unsafe fn request_headers<A: Abi>(
     m: ModuleFilter,
     end_of_stream: bool,
 ) -> u32 {
-    status(with_stream::<A, _>(f, m, Action::Continue, |s, h| {
-        s.on_request_headers(h, end_of_stream)
-    }))
+    on_stream::<A>(
+        "on_http_filter_request_headers",
+        Phase::Request,
+        f,
+        m,
+        |s, h| s.on_request_headers(h, end_of_stream),
+    )
 }
 
 pub(crate) unsafe fn request_body<A: Abi>(
@@ -161,38 +248,51 @@ pub(crate) unsafe fn request_body<A: Abi>(
     m: ModuleFilter,
     end_of_stream: bool,
 ) -> u32 {
-    status(with_stream::<A, _>(f, m, Action::Continue, |s, h| {
+    on_stream::<A>(
+        "on_http_filter_request_body",
+        Phase::Request,
+        f,
+        m,
         // The glue reads the body through `Host::buffer`, which gathers Envoy's chunks up to
         // this bound (the body itself is bounded by the listener's buffer limit).
-        s.on_request_body(h, usize::MAX, end_of_stream)
-    }))
+        |s, h| s.on_request_body(h, usize::MAX, end_of_stream),
+    )
 }
 
 pub(crate) unsafe fn response_headers<A: Abi>(f: EnvoyFilter, m: ModuleFilter) -> u32 {
-    status(with_stream::<A, _>(f, m, Action::Continue, |s, h| {
-        s.on_response_headers(h)
-    }))
+    on_stream::<A>(
+        "on_http_filter_response_headers",
+        Phase::Response,
+        f,
+        m,
+        |s, h| s.on_response_headers(h),
+    )
 }
 
 pub(crate) unsafe fn stream_complete<A: Abi>(f: EnvoyFilter, m: ModuleFilter) {
-    let Some(filter) = (m as *mut Filter).as_mut() else {
-        return;
-    };
-    if let (Some(mut s), Some(config)) = (filter.stream.take(), filter.config.as_ref()) {
-        s.on_done(&Native::<A>::new(f, config));
+    if let Some(filter) = (m as *mut Filter).as_mut() {
+        end_stream::<A>("on_http_filter_stream_complete", f, filter);
     }
 }
 
+/// A panic drops this tick (the next one comes a tick later).
 pub(crate) unsafe fn config_scheduled<A: Abi>(config: *const c_void) {
     if let Some(c) = (config as *const ModuleConfig).as_ref() {
         let h = Native::<A> {
             main: true,
             ..Native::new(std::ptr::null_mut(), c)
         };
-        with_root(c, &h, true, |_| ());
+        if guard::catch("on_http_filter_config_scheduled", || {
+            with_root(c, &h, true, |_| ())
+        })
+        .is_none()
+        {
+            count_panic::<A>(c);
+        }
     }
 }
 
+/// A panic drops this answer (the glue's poll or peer batch then times out as a failed call).
 pub(crate) unsafe fn config_callout_done<A: Abi>(
     config: *const c_void,
     id: u64,
@@ -213,9 +313,15 @@ pub(crate) unsafe fn config_callout_done<A: Abi>(
     };
     // A failed call (reset) has no headers: the glue counts it as a failed poll.
     let size = body.iter().map(|b| b.len).sum();
-    with_root(c, &h, false, |r| {
-        r.on_http_call_response(&h, id as u32, size)
-    });
+    if guard::catch("on_http_filter_config_http_callout_done", || {
+        with_root(c, &h, false, |r| {
+            r.on_http_call_response(&h, id as u32, size)
+        })
+    })
+    .is_none()
+    {
+        count_panic::<A>(c);
+    }
 }
 
 // ---- The exported symbols --------------------------------------------------------------------
@@ -425,7 +531,10 @@ mod tests {
         }
         // SAFETY: a live config.
         let c = unsafe { &*(l.config as *const ModuleConfig) };
-        assert_eq!(c.metrics.len(), defined.len());
+        // The glue's metrics, then the module's panic counter (not the glue's to update).
+        assert_eq!(c.metrics.len() + 1, defined.len());
+        assert_eq!(names.last(), Some(&guard::PANICS_METRIC));
+        assert_eq!(c.panics, defined.len());
         assert!(c._timer.is_none(), "polling off: no timer thread");
         assert_eq!(l.fake.count("scheduler_new"), 0);
     }
@@ -538,6 +647,235 @@ mod tests {
             config_destroy(null);
         }
         assert!(fake.state().log.is_empty());
+    }
+
+    /// The module's own panic counter of `l`'s config, as Envoy holds it.
+    fn panics(l: &Loaded) -> i64 {
+        l.fake.metric(guard::PANICS_METRIC).unwrap_or(0)
+    }
+
+    #[test]
+    fn a_panic_in_a_glue_call_at_request_headers_fails_the_request_closed() {
+        let l = Loaded::new(&json("m-panic-headers", ""));
+        assert!(l
+            .fake
+            .state()
+            .defined
+            .iter()
+            .any(|d| d.0 == guard::PANICS_METRIC));
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-headers", "x"),
+        );
+        let (f, m) = (l.f(), l.stream());
+        // The glue's first act at request headers is reading the header map: it panics there.
+        l.fake.state().panic_in = Some("get_headers_size");
+        let before = guard::CAUGHT.load(Ordering::Relaxed);
+        // SAFETY: a live stream of the fake.
+        unsafe {
+            assert_eq!(request_headers::<FakeEnvoy>(f, m, false), STOP);
+            assert!(guard::CAUGHT.load(Ordering::Relaxed) > before);
+            assert_eq!(panics(&l), 1);
+            let replies = l.fake.state().replies.clone();
+            assert_eq!(replies.len(), 1);
+            assert_eq!(replies[0].0, 500);
+            assert_eq!(replies[0].2, FAILED_BODY);
+            // The stream stays failed once Envoy behaves again: no glue, no second answer.
+            let calls = l.fake.state().log.len();
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), STOP);
+            assert_eq!(l.fake.state().replies.len(), 1);
+            // Our 500 goes out through the response hooks untouched.
+            assert_eq!(response_headers::<FakeEnvoy>(f, m), CONTINUE);
+            assert_eq!(l.fake.state().log.len(), calls, "no glue after the panic");
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert!(l.fake.request_header("x-prefix-router-cluster").is_empty());
+        assert_eq!(panics(&l), 1);
+        assert_eq!(l.sum("prefix_router.inflight_requests."), 0);
+    }
+
+    #[test]
+    fn a_panic_while_the_body_is_read_fails_the_request_closed_and_charges_nothing() {
+        let l = Loaded::new(&json("m-panic-body", ""));
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-body", "x"),
+        );
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream of the fake.
+        unsafe {
+            assert_eq!(request_headers::<FakeEnvoy>(f, m, false), STOP);
+            l.fake.state().panic_in = Some("get_body_chunks");
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), STOP);
+            assert_eq!(l.fake.state().replies.len(), 1);
+            assert_eq!(l.fake.state().replies[0].0, 500);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(panics(&l), 1);
+        assert!(l.fake.request_header("x-prefix-router-cluster").is_empty());
+        assert_eq!(l.sum("prefix_router.inflight_requests."), 0);
+        assert_eq!(l.sum("prefix_router.requests."), 0, "no decision was made");
+    }
+
+    #[test]
+    fn a_panic_after_the_glue_answered_sends_no_second_answer() {
+        let l = Loaded::new(&json("m-panic-reply", r#","unknown_model":"reject""#));
+        l.fake
+            .request("POST", "/v1/chat/completions", &[], &chat("nobody", "x"));
+        let (f, m) = (l.f(), l.stream());
+        // The glue answers 404; the panic comes right after Envoy took the answer.
+        // SAFETY: a live stream of the fake.
+        unsafe {
+            assert_eq!(request_headers::<FakeEnvoy>(f, m, false), STOP);
+            l.fake.state().panic_after_reply = true;
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), STOP);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        let replies = l.fake.state().replies.clone();
+        assert_eq!(replies.len(), 1, "{replies:?}");
+        assert_eq!(replies[0].0, 404);
+        assert_eq!(panics(&l), 1);
+    }
+
+    #[test]
+    fn a_panic_at_the_response_lets_the_response_through_and_the_end_releases() {
+        let l = Loaded::new(&json("m-panic-response", r#","debug_header":"x-debug""#));
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-response", "x"),
+        );
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream of the fake.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), CONTINUE);
+            l.fake.state().response_headers = vec![(b":status".to_vec(), b"200".to_vec())];
+            // The debug header is added to the response headers: that call panics.
+            l.fake.state().panic_in = Some("add_header");
+            assert_eq!(response_headers::<FakeEnvoy>(f, m), CONTINUE);
+            assert!(
+                l.fake.state().replies.is_empty(),
+                "no answer over the worker's"
+            );
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(panics(&l), 1);
+        assert_eq!(l.sum("prefix_router.inflight_requests."), 0);
+    }
+
+    #[test]
+    fn a_panic_at_the_stream_end_and_in_main_thread_hooks_is_caught() {
+        let cfg = r#"{"models":{"m-panic-main":{"workers":["w0","w1","w2"]}},"load_poll":{"interval_ms":100}}"#;
+        let l = Loaded::new(cfg);
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-main", "x"),
+        );
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream, then the config's main-thread hooks.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            request_body::<FakeEnvoy>(f, m, true);
+            // The end flushes the in-flight gauge at once (eager flush): that call panics.
+            l.fake.state().panic_in = Some("decrement_gauge");
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m); // the stream was taken: nothing runs twice
+            assert_eq!(panics(&l), 1);
+            // The main thread's tick starts polls: the callout panics, the tick is dropped.
+            l.fake.state().panic_in = Some("http_callout");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while l.fake.count("http_callout") == 0 {
+                assert!(std::time::Instant::now() < deadline, "no poll started");
+                config_scheduled::<FakeEnvoy>(l.config);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            assert!(panics(&l) >= 2);
+            // An answer to a call the root never made (its handling touches no callback).
+            config_callout_done::<FakeEnvoy>(
+                l.config,
+                99,
+                std::ptr::null(),
+                0,
+                std::ptr::null(),
+                0,
+            );
+        }
+        // Envoy is still "alive": a new stream on this thread routes normally.
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-main", "y"),
+        );
+        let m = l.stream();
+        // SAFETY: as above.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), CONTINUE);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(l.fake.request_header("x-prefix-router-cluster").len(), 1);
+    }
+
+    #[test]
+    fn a_panic_while_a_stream_is_made_fails_that_stream_closed() {
+        let l = Loaded::new(&json("m-panic-new", ""));
+        // A worker thread's root ticks lazily at stream starts: a stream made when a tick is
+        // due runs it inside `on_http_filter_new`. A routed request first, so the root exists.
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-new", "x"),
+        );
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: live streams of the fake.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            request_body::<FakeEnvoy>(f, m, true);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        // The next gauge set panics: the sampled load gauges of a due tick (lazy, at a stream
+        // start) hit it.
+        std::thread::sleep(TICK * 5);
+        l.fake.state().panic_in = Some("set_gauge");
+        let mut failed = None;
+        for _ in 0..8 {
+            std::thread::sleep(TICK);
+            let m = l.stream();
+            // SAFETY: as above.
+            let filter = unsafe { &*(m as *const Filter) };
+            if filter.failed {
+                failed = Some(m);
+                break;
+            }
+            // SAFETY: as above.
+            unsafe { filter_destroy::<FakeEnvoy>(m) };
+        }
+        let m = failed.expect("a tick at stream start panicked in set_gauge");
+        // SAFETY: as above.
+        unsafe {
+            assert_eq!(request_headers::<FakeEnvoy>(f, m, false), STOP);
+            assert_eq!(l.fake.state().replies.last().map(|r| r.0), Some(500));
+            assert_eq!(response_headers::<FakeEnvoy>(f, m), CONTINUE);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert!(panics(&l) >= 1);
     }
 
     #[test]

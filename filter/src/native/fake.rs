@@ -4,7 +4,8 @@
 //!
 //! Like Envoy, it hands out pointers into its own memory (valid until the map or body changes)
 //! and copies whatever the module passes in. `panic_in` makes one callback panic, to test the
-//! hooks' panic guard with a panic raised inside a glue call.
+//! hooks' panic guard with a panic raised inside a glue call (once: the guard's own
+//! counter update and local reply then go through).
 
 use super::ffi::{Abi, Buf, EnvoyFilter, Pair};
 use crate::host::MetricKind;
@@ -52,7 +53,9 @@ pub(crate) struct FakeState {
     pub(crate) no_scheduler: bool,
     pub(crate) schedulers: u32,
     pub(crate) schedulers_deleted: u32,
-    /// The callback (by name) that panics.
+    /// `send_response` panics after it took the reply (once).
+    pub(crate) panic_after_reply: bool,
+    /// The callback (by name) whose next call panics (once).
     pub(crate) panic_in: Option<&'static str>,
 }
 
@@ -117,14 +120,15 @@ impl FakeEnvoy {
         self.state().log.iter().filter(|n| **n == name).count()
     }
 
-    /// Logs the callback, then panics if it is the one chosen (the lock released first, so the
-    /// fake stays readable after the panic).
+    /// Logs the callback, then panics if it is the one chosen (once; the lock released first, so
+    /// the fake stays readable after the panic).
     fn enter<'a>(p: *mut c_void, name: &'static str) -> MutexGuard<'a, FakeState> {
         // SAFETY: every pointer the module passes back is a `FakeEnvoy::ptr` of a live fake.
         let me = unsafe { &*(p as *const FakeEnvoy) };
         let mut s = me.state();
         s.log.push(name);
         if s.panic_in == Some(name) {
+            s.panic_in = None;
             drop(s);
             panic!("fake Envoy: a panic in {name}");
         }
@@ -247,6 +251,10 @@ impl Abi for FakeEnvoy {
         let h = owned_pairs(headers, headers_len);
         s.replies
             .push((status, h, body.bytes().to_vec(), text(details.bytes())));
+        if std::mem::take(&mut s.panic_after_reply) {
+            drop(s);
+            panic!("fake Envoy: a panic after send_response");
+        }
     }
     unsafe fn define_counter(
         config: *mut c_void,

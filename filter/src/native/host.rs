@@ -349,6 +349,8 @@ impl<A: Abi> Host for Native<'_, A> {
             return;
         }
         let pairs = Pair::all(headers);
+        // Before the call: once Envoy has been asked, the stream is answered, whatever follows.
+        self.replied.set(true);
         // SAFETY: a live stream pointer; every buffer outlives the call (Envoy copies them).
         unsafe {
             A::send_response(
@@ -360,7 +362,6 @@ impl<A: Abi> Host for Native<'_, A> {
                 Buf::of(b"prefix_router"),
             );
         }
-        self.replied.set(true);
     }
     /// A config-level callout, from the main thread only (Envoy's callout table per config is
     /// not locked, and a call from a foreign thread crashes it); the answer comes back in
@@ -424,6 +425,7 @@ mod tests {
             envoy: fake.ptr(),
             _timer: None,
             metrics,
+            panics: 0,
         }
     }
 

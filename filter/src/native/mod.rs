@@ -15,7 +15,9 @@
 //!   (`drain_body` / `append_body`, on the buffered body when there is one);
 //! - metrics are Envoy stats named `dynamicmodulescustom.<name>` (the Wasm build's names carry no
 //!   prefix), defined while the config is created (the only time Envoy allows it);
-//! - no sandbox: a crash here takes Envoy down (no Wasm VM, no `FAIL_RELOAD`).
+//! - no sandbox: a crash here takes Envoy down (no Wasm VM, no `FAIL_RELOAD`); a panic does not:
+//!   every hook that runs module code is under the panic guard ([`guard`]), which fails that
+//!   request closed (a local 500), counts the panic (`prefix_router.native.panics`) and logs it.
 //!
 //! The rooms, one concept each:
 //! - [`ffi`]: the ABI's types, constants and imported callbacks, behind the [`ffi::Abi`]
@@ -23,6 +25,7 @@
 //! - [`host`]: [`host::Native`], the glue's `Host` over that table for one hook;
 //! - [`roots`]: a filter config as the module keeps it, and each thread's glue root of it;
 //! - [`timer`]: the main thread's tick (Envoy has no timer for HTTP-filter modules);
+//! - [`guard`]: the panic guard, and what each hook does after a panic;
 //! - [`exports`]: the hooks Envoy calls, and `noop_hooks` the ones it requires but the module
 //!   does not use (shared with `benches/dm-floor`).
 //!
@@ -32,11 +35,21 @@
 //! process store (`process_store.rs`) is the process-wide shared data every thread reads and
 //! writes.
 
+// The panic guard (guard.rs) only works where a panic unwinds: with `panic = "abort"` a panic
+// in any hook would abort Envoy, guard or not. Refuse that build rather than ship a guard that
+// cannot catch (the workspace's release profile unwinds; the `.wasm` target always aborts).
+#[cfg(panic = "abort")]
+compile_error!(
+    "the native module (feature `dynamic-module`) must be built with panic = \"unwind\" \
+     (its panic guard relies on it)"
+);
+
 #[macro_use]
 mod noop_hooks;
 
 mod exports;
 mod ffi;
+mod guard;
 mod host;
 mod roots;
 mod timer;

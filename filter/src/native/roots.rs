@@ -37,6 +37,9 @@ pub(crate) struct ModuleConfig {
     /// one. Written only in `on_http_filter_config_new` (Envoy allows defining metrics only
     /// there), read from every worker thread afterwards.
     pub(crate) metrics: Vec<Defined>,
+    /// Envoy's id of the module's own counter of caught panics (`guard::PANICS_METRIC`; 0:
+    /// Envoy refused it), kept apart from the glue's metrics.
+    pub(crate) panics: usize,
 }
 
 struct ThreadRoot {
