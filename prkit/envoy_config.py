@@ -38,8 +38,10 @@ worker's load through `<worker>_load` clusters (own host only, no health checks,
 detection, so a failing load endpoint never ejects the worker), and sends the index records it
 makes to every peer (cluster prefix_router_peer_<i>); peers receive them on a second listener,
 "peers", running the same Wasm filter (same vm_id: the same shared data) with "peer_listener":
-true, authenticated by a shared secret (>= 16 characters). A config may list its own replica as a
-peer, so one config serves every replica of a StatefulSet.
+true. Each batch carries an HMAC-SHA256 keyed by the shared secret (>= 16 characters; the secret
+itself never travels), a sender timestamp (replicas' clocks must agree within peers.window_s, 30 s:
+NTP) and a sequence number; the peer listener logs every batch it refuses. A config may list its
+own replica as a peer, so one config serves every replica of a StatefulSet.
 
 Representation: sections are plain dicts and lists; a key starting with "#" is a comment emitted
 above the next key (or above a list item when it is the item's first key). `dump` writes block
@@ -75,7 +77,6 @@ HEAP_SHRINK = 0.90
 HEAP_SHED = 0.95
 CLUSTER_HEADER = "x-prefix-router-cluster"
 DEBUG_HEADER = "x-prefix-router-decision"
-PEER_SECRET_HEADER = "x-prefix-router-peer-secret"
 PEER_PATH = "/prefix-router/v1/records"
 POLL_SUFFIX = "_load"  # load_poll.cluster_suffix of the per-worker poll clusters
 PEER_PREFIX = "prefix_router_peer_"
@@ -895,6 +896,33 @@ def access_log() -> list:
         "log_format": {"json_format": dict(ACCESS_LOG_FIELDS)}}}]
 
 
+PEER_LOG_FIELDS = {
+    "time": "%START_TIME%",
+    "status": "%RESPONSE_CODE%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(:PATH)%",
+    "peer": "%DOWNSTREAM_REMOTE_ADDRESS%",
+    "bytes_in": "%BYTES_RECEIVED%",
+    "duration_ms": "%DURATION%",
+}
+
+
+def peer_access_log() -> list:
+    """One JSON line per request the peer listener refuses (any status but 2xx); accepted batches
+    are not logged. `details` is the filter's reason (prefix_router_peer_bad_mac, _stale, _replay,
+    _over_budget, ...; docs/reliability.md)."""
+    return [{"name": "envoy.access_loggers.stdout",
+             "filter": {"or_filter": {"filters": [
+                 {"status_code_filter": {"comparison": {"op": "LE", "value": {
+                     "default_value": 199, "runtime_key": "prefix_router.peer_log_below"}}}},
+                 {"status_code_filter": {"comparison": {"op": "GE", "value": {
+                     "default_value": 300, "runtime_key": "prefix_router.peer_log_from"}}}}]}},
+             "typed_config": {
+                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                 "log_format": {"json_format": dict(PEER_LOG_FIELDS)}}}]
+
+
 def local_reply_413() -> dict:
     return {"mappers": [{
         "filter": {"status_code_filter": {"comparison": {
@@ -1070,18 +1098,18 @@ def peers_listener(o: Options, plugin: dict) -> dict:
     peer_plugin = {**plugin, "peer_listener": True}
     if o.dynamic_module:
         wasm = {"#": f"The same native module (its shared data is process-wide: the client listener's\n"
-                     f"prefix index) with peer_listener: it answers POST {PEER_PATH} batches carrying\n"
-                     f"{PEER_SECRET_HEADER} itself (204) and refuses everything else.",
+                     f"prefix index) with peer_listener: it answers POST {PEER_PATH} batches (HMAC of\n"
+                     f"the shared secret, fresh, not seen before, within budget) itself and refuses the rest.",
                 **dynamic_module_filter(o.dynamic_module, peer_plugin)}
     else:
         wasm = wasm_filter(o, peer_plugin, "Plugin configuration: the client listener's, plus peer_listener.")
         wasm = {"#": f"The same filter (same vm_config and vm_id: the client listener's prefix index) with\n"
-                     f"peer_listener: it answers POST {PEER_PATH} batches carrying\n"
-                     f"{PEER_SECRET_HEADER} itself (204) and refuses everything else.",
+                     f"peer_listener: it answers POST {PEER_PATH} batches (HMAC of the shared secret,\n"
+                     f"fresh, not seen before, within budget) itself and refuses the rest.",
                 **wasm}
     return {
         "#": "Peer listener: other replicas POST the index records they make here (keep this port on a\n"
-             "private network; requests without the shared secret are refused). No access log.",
+             "private network; batches without a valid HMAC of the shared secret are refused).",
         "name": "peers",
         "address": socket_address(o.peer_listen),
         "#b": "A batch holds at most a few thousand records: 4 MiB is ample.",
@@ -1092,6 +1120,9 @@ def peers_listener(o: Options, plugin: dict) -> dict:
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                 "stat_prefix": "peers",
                 "codec_type": "AUTO",
+                "#a": "One JSON line per refused request, with the filter's reason (details); accepted\n"
+                      "batches are not logged.",
+                "access_log": peer_access_log(),
                 "#": "Batches are small and quick: slow or idle peers are cut off.",
                 "request_timeout": "10s",
                 "stream_idle_timeout": "10s",

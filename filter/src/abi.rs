@@ -264,13 +264,22 @@ impl Host for Envoy {
         unsafe { raw::proxy_record_metric(id, value) };
     }
     fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.local_reply_details(status, "", headers, body);
+    }
+    fn local_reply_details(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) {
         let h = crate::header_pairs::encode(headers);
         // SAFETY: valid slices for the duration of the call; -1: no gRPC status.
         unsafe {
             raw::proxy_send_local_response(
                 status,
-                std::ptr::null(),
-                0,
+                details.as_ptr(),
+                details.len(),
                 body.as_ptr(),
                 body.len(),
                 h.as_ptr(),

@@ -119,7 +119,8 @@ pub struct PeersConfig {
     /// One Envoy cluster per peer, each pointing at that peer's peer listener.
     #[serde(default)]
     pub clusters: Vec<String>,
-    /// Shared by every replica; sent in [`PEER_SECRET_HEADER`] and checked by the receiver.
+    /// Shared by every replica; keys the HMAC-SHA256 that authenticates each batch (the
+    /// secret itself never travels). See `peers.rs`.
     pub secret: String,
     /// How often a VM sends the records it made since its last batch.
     #[serde(default = "default_peer_flush_ms")]
@@ -129,10 +130,16 @@ pub struct PeersConfig {
     /// Records a VM keeps for its next batch; more are dropped (counted).
     #[serde(default = "default_peer_max_batch")]
     pub max_batch: usize,
+    /// Receiver: a batch whose sender timestamp is more than this many seconds from the
+    /// receiver's wall clock (either way) is refused as stale. Replicas' clocks must agree
+    /// within it (NTP).
+    #[serde(default = "default_peer_window_s")]
+    pub window_s: u32,
+    /// Receiver: records per second each sender may have applied (a token bucket one second
+    /// deep); the rest of a batch is dropped and counted.
+    #[serde(default = "default_peer_max_records_per_s")]
+    pub max_records_per_s: u32,
 }
-
-/// Header carrying the peers' shared secret.
-pub const PEER_SECRET_HEADER: &str = "x-prefix-router-peer-secret";
 /// Path peers POST record batches to.
 pub const PEER_PATH: &str = "/prefix-router/v1/records";
 /// Shortest accepted peer secret.
@@ -170,6 +177,12 @@ fn default_peer_timeout_ms() -> u32 {
 }
 fn default_peer_max_batch() -> usize {
     4096
+}
+fn default_peer_window_s() -> u32 {
+    30
+}
+fn default_peer_max_records_per_s() -> u32 {
+    20_000
 }
 
 #[derive(Debug, Deserialize)]
@@ -854,10 +867,19 @@ impl Config {
             if p.max_batch == 0 || p.max_batch > 65_536 {
                 return Err(err("peers.max_batch", "must be between 1 and 65536"));
             }
+            if p.window_s == 0 || p.window_s > 3600 {
+                return Err(err("peers.window_s", "must be between 1 and 3600"));
+            }
+            if p.max_records_per_s == 0 || p.max_records_per_s > 10_000_000 {
+                return Err(err(
+                    "peers.max_records_per_s",
+                    "must be between 1 and 10000000",
+                ));
+            }
         } else if raw.peer_listener {
             return Err(err(
                 "peer_listener",
-                "needs `peers.secret` (the secret peers must present)",
+                "needs `peers.secret` (the secret that authenticates peers' batches)",
             ));
         }
         Ok(Config {
@@ -995,6 +1017,25 @@ mod tests {
             ),
             "tenant_header"
         );
+        for (peers, field) in [
+            (r#""window_s":0"#, "peers.window_s"),
+            (r#""window_s":3601"#, "peers.window_s"),
+            (r#""max_records_per_s":0"#, "peers.max_records_per_s"),
+            (r#""max_records_per_s":-5"#, "peers.max_records_per_s"),
+            (r#""secret":"0123456789abcde""#, "peers.secret"),
+        ] {
+            let json = format!(
+                r#"{{"models":{{"m":{{"workers":["a"]}}}},"peers":{{"secret":"0123456789abcdef",{peers}}}}}"#
+            )
+            .replace(r#""secret":"0123456789abcdef","secret""#, r#""secret""#);
+            assert_eq!(field_of(&json), field, "{json}");
+        }
+        let c = Config::from_json(
+            br#"{"models":{"m":{"workers":["a"]}},"peers":{"secret":"0123456789abcdef"}}"#,
+        )
+        .unwrap();
+        let p = c.peers.unwrap();
+        assert_eq!((p.window_s, p.max_records_per_s), (30, 20_000));
         let e = Config::from_json(br#"{"models":{"m":{"workers":["a"]}},"bogus":1}"#).unwrap_err();
         assert!(e.message.contains("bogus"), "{e}");
         assert_eq!(e.field, "bogus");

@@ -10,7 +10,7 @@
 //! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
 //! a few metric increments; at stream end 1 load read + 1 load CAS.
 
-use crate::config::{Config, PEER_PATH, PEER_SECRET_HEADER};
+use crate::config::{Config, PEER_PATH};
 use crate::header_pairs;
 use crate::host::{Buffer, Host, Map, MetricKind};
 use crate::index::Plan;
@@ -66,6 +66,10 @@ struct Metrics {
     peer_records_received: usize,
     peer_records_ignored: usize,
     peer_requests_rejected: usize,
+    peer_batches_stale: usize,
+    peer_batches_replayed: usize,
+    peer_batches_bad_mac: usize,
+    peer_records_over_budget: usize,
     load_underflows: usize,
     /// PD: requests sent to a prefill + decode pair, bodies refused, client bootstrap fields
     /// dropped.
@@ -120,6 +124,14 @@ impl Metrics {
         let peer_records_ignored = def(MetricKind::Counter, "prefix_router.peers.records_ignored");
         let peer_requests_rejected =
             def(MetricKind::Counter, "prefix_router.peers.requests_rejected");
+        let peer_batches_stale = def(MetricKind::Counter, "prefix_router.peers.batches_stale");
+        let peer_batches_replayed =
+            def(MetricKind::Counter, "prefix_router.peers.batches_replayed");
+        let peer_batches_bad_mac = def(MetricKind::Counter, "prefix_router.peers.batches_bad_mac");
+        let peer_records_over_budget = def(
+            MetricKind::Counter,
+            "prefix_router.peers.records_over_budget",
+        );
         let load_underflows = def(MetricKind::Counter, "prefix_router.load.underflows");
         let pd_requests = def(MetricKind::Counter, "prefix_router.pd.requests");
         let pd_bad_body = def(MetricKind::Counter, "prefix_router.pd.bad_body");
@@ -193,6 +205,10 @@ impl Metrics {
             peer_records_received,
             peer_records_ignored,
             peer_requests_rejected,
+            peer_batches_stale,
+            peer_batches_replayed,
+            peer_batches_bad_mac,
+            peer_records_over_budget,
             load_underflows,
             pd_requests,
             pd_bad_body,
@@ -483,6 +499,7 @@ impl Root {
             return;
         }
         let n = ob.len() as i64;
+        let batch = ob.seal(&p.secret, now_ms);
         for c in &p.clusters {
             if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {
                 // Answers are overdue (timeouts pending): skip rather than pile up calls.
@@ -494,9 +511,8 @@ impl Root {
                 (":path", PEER_PATH),
                 (":authority", c.as_str()),
                 ("content-type", "application/octet-stream"),
-                (PEER_SECRET_HEADER, p.secret.as_str()),
             ];
-            match h.http_call(c, &headers, Some(ob.batch()), p.timeout_ms) {
+            match h.http_call(c, &headers, Some(batch), p.timeout_ms) {
                 Ok(token) => {
                     self.peer_calls.push(token, now_ms, ());
                     m.add(m.peer_batches_sent, 1);
@@ -617,6 +633,11 @@ impl Root {
         // The poll lease's owner: unique among this Envoy's VMs (the id), and across restarts
         // (the clock); the clock alone can repeat between two VMs.
         self.me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
+        if let Some(ob) = router.outbox.as_mut() {
+            // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
+            // replicas' VMs would need the same id and the same clock nanoseconds).
+            ob.set_sender(self.me);
+        }
         if let Some(old) = &self.shared {
             // Reconfigured in place: streams of the old configuration release into the old
             // state, which no tick flushes any more.
@@ -715,6 +736,26 @@ fn header(h: &impl Host, name: &str) -> Vec<u8> {
     h.header(Map::RequestHeaders, name).unwrap_or_default()
 }
 
+/// The peer listener's refusal: an error body and the reason as response code details (the
+/// peer listener's access log records them).
+fn peer_reply(h: &impl Host, status: u32, details: &str, message: &str) -> Action {
+    let kind = match status {
+        400 => "BadRequestError",
+        403 => "PermissionDenied",
+        429 => "RateLimitError",
+        _ => "ServiceUnavailable",
+    };
+    let body =
+        format!(r#"{{"object":"error","message":"{message}","type":"{kind}","code":{status}}}"#);
+    h.local_reply_details(
+        status,
+        details,
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+    );
+    Action::Pause
+}
+
 fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
     h.local_reply(
         status,
@@ -732,7 +773,6 @@ struct Head<'a> {
     path: Option<&'a [u8]>,
     /// Value of `tenant_header` (none when not configured or absent).
     tenant: Option<&'a [u8]>,
-    peer_secret: Option<&'a [u8]>,
 }
 
 impl Stream {
@@ -756,7 +796,6 @@ impl Stream {
                 b":method" => &mut head.method,
                 b":path" => &mut head.path,
                 _ if Some(k) == tenant => &mut head.tenant,
-                _ if k == PEER_SECRET_HEADER.as_bytes() => &mut head.peer_secret,
                 _ => {
                     for (name, done) in ours.iter().zip(removed.iter_mut()) {
                         if let Some(name) = name.filter(|n| n.as_bytes() == k) {
@@ -779,57 +818,69 @@ impl Stream {
         head
     }
 
-    /// Peer listener: only `POST /prefix-router/v1/records` with the shared secret is accepted.
+    /// Peer listener: only `POST /prefix-router/v1/records` with a body may be a batch; the
+    /// body decides the rest (`peers::receive`).
     fn peer_headers(&mut self, h: &impl Host, head: &Head, end_of_stream: bool) -> Action {
-        let ok = {
-            let r = self.shared.router.borrow();
-            let secret = r.cfg.peers.as_ref().map_or("", |p| p.secret.as_str());
-            head.method == Some(b"POST")
-                && head.path == Some(PEER_PATH.as_bytes())
-                && peers::secret_ok(head.peer_secret.unwrap_or_default(), secret)
-        };
+        let ok = head.method == Some(b"POST") && head.path == Some(PEER_PATH.as_bytes());
         if !ok || end_of_stream {
             let m = &self.shared.metrics;
             m.add(m.peer_requests_rejected, 1);
-            return local_reply(
-                h,
-                403,
-                r#"{"object":"error","message":"forbidden","type":"PermissionDenied","code":403}"#,
-            );
+            return peer_reply(h, 403, "prefix_router_peer_forbidden", "forbidden");
         }
         self.peer_batch = true;
         Action::Pause
     }
 
     fn peer_body(&mut self, h: &impl Host, body: &[u8]) -> Action {
-        let (now, _) = now_ticks(h);
+        let (now, nanos) = now_ticks(h);
         let res = {
             let mut guard = self.shared.router.borrow_mut();
             let r = &mut *guard;
-            peers::apply(h, &r.cfg, body, now, &mut r.sc)
+            peers::receive(h, &r.cfg, body, nanos / 1_000_000, now, &mut r.sc)
         };
         let m = &self.shared.metrics;
-        match res {
+        let action = match res {
             Ok(a) => {
                 m.add(m.peer_records_received, i64::from(a.records));
                 m.add(m.peer_records_ignored, i64::from(a.ignored));
                 m.add(m.index_writes, i64::from(a.writes.writes));
                 m.add(m.index_conflicts, i64::from(a.writes.conflicts));
                 m.add(m.index_dropped, i64::from(a.writes.dropped));
-                m.maybe_flush(h, now);
-                h.local_reply(204, &[], &[]);
-                Action::Pause
+                if a.over_budget > 0 {
+                    // Applied in part: the sender counts a failure, the log says why.
+                    m.add(m.peer_records_over_budget, i64::from(a.over_budget));
+                    peer_reply(
+                        h,
+                        429,
+                        peers::OVER_BUDGET_DETAILS,
+                        "sender over its record budget",
+                    )
+                } else {
+                    h.local_reply(204, &[], &[]);
+                    Action::Pause
+                }
             }
-            Err(_) => {
+            Err(e) => {
                 m.add(m.peer_requests_rejected, 1);
-                m.maybe_flush(h, now);
-                local_reply(
-                    h,
-                    400,
-                    r#"{"object":"error","message":"bad record batch","type":"BadRequestError","code":400}"#,
-                )
+                match e {
+                    peers::Refused::Stale => m.add(m.peer_batches_stale, 1),
+                    peers::Refused::Replay => m.add(m.peer_batches_replayed, 1),
+                    peers::Refused::BadMac | peers::Refused::Legacy => {
+                        m.add(m.peer_batches_bad_mac, 1)
+                    }
+                    _ => {}
+                }
+                let msg = match e.status() {
+                    400 => "bad record batch",
+                    403 => "forbidden",
+                    429 => "too many peer senders",
+                    _ => "busy",
+                };
+                peer_reply(h, e.status(), e.details(), msg)
             }
-        }
+        };
+        m.maybe_flush(h, now);
+        action
     }
 
     fn decide(&mut self, h: &impl Host, body: &[u8]) -> Action {

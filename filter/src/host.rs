@@ -59,6 +59,18 @@ pub trait Host: Store {
     fn record_metric(&self, id: u32, value: u64);
     /// Answers the current stream locally (Envoy sends it after the callback returns).
     fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]);
+    /// A local reply with Envoy response code details (`%RESPONSE_CODE_DETAILS%` in access
+    /// logs: why the filter answered); no spaces.
+    fn local_reply_details(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) {
+        let _ = details;
+        self.local_reply(status, headers, body);
+    }
     /// Dispatches an HTTP call from the root context; the answer arrives as an
     /// `on_http_call_response` with the returned token.
     fn http_call(
@@ -117,6 +129,8 @@ pub struct FakeState {
     /// (name, kind, value); a metric's id is its position plus one.
     pub metrics: Vec<(String, MetricKind, i64)>,
     pub replies: Vec<Reply>,
+    /// Response code details of each reply in `replies` (empty: none given).
+    pub reply_details: Vec<String>,
     pub calls: Vec<Call>,
     pub next_token: u32,
     /// Names of upstreams `http_call` refuses.
@@ -245,7 +259,21 @@ impl Host for FakeHost {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        self.count().replies.push((status, h, body.to_vec()));
+        let mut s = self.count();
+        s.replies.push((status, h, body.to_vec()));
+        s.reply_details.push(String::new());
+    }
+    fn local_reply_details(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) {
+        self.local_reply(status, headers, body);
+        if let Some(d) = self.state.borrow_mut().reply_details.last_mut() {
+            *d = details.into();
+        }
     }
     fn http_call(
         &self,

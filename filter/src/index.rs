@@ -286,6 +286,8 @@ pub struct Scratch {
     cache: ProbeCache,
     /// Hashes this VM's writes recorded since the caller last cleared it (sent to peers).
     pub written: Vec<u64>,
+    /// The peer listener's copy of its sender table (`peers::admit`).
+    pub peer_table: Vec<u8>,
 }
 
 impl Default for Scratch {
@@ -295,6 +297,7 @@ impl Default for Scratch {
             buf: Vec::with_capacity(BUCKET_BYTES),
             cache: ProbeCache::default(),
             written: Vec::with_capacity(128),
+            peer_table: Vec::new(),
         }
     }
 }

@@ -608,7 +608,7 @@ fn a_pd_prompt_reuses_its_prefill_worker_after_the_decode_worker_answered_2xx() 
 #[test]
 fn a_root_that_cannot_call_hands_its_peer_records_to_one_that_can() {
     use prefix_router::config::PEER_PATH;
-    use prefix_router::peers::{MAGIC, RELAY_KEY};
+    use prefix_router::peers::{HEADER, MAC_LEN, MAGIC, RELAY_KEY};
     let cfg = config(
         r#","peers":{"clusters":["peer0","peer1"],"secret":"0123456789abcdef","flush_ms":100}"#,
     );
@@ -681,7 +681,7 @@ fn a_root_that_cannot_call_hands_its_peer_records_to_one_that_can() {
             let body = c.body.as_deref().unwrap_or_default();
             assert_eq!(body.get(..4), Some(MAGIC.as_slice()));
             assert_eq!(
-                body.len() - 4,
+                body.len() - HEADER - MAC_LEN,
                 n,
                 "eager={eager}: every relayed record, once"
             );

@@ -72,8 +72,9 @@ fn the_wasm_hashes_every_block_as_the_native_build_does() {
         let want = native(*ep, body);
         let mut got = 0;
         for call in &calls {
-            assert_eq!(call.body.get(..4), Some(&b"PRr1"[..]), "batch header");
-            let recs = &call.body[4..];
+            assert_eq!(call.body.get(..4), Some(&b"PRr2"[..]), "batch header");
+            // 28-byte header (magic, sender, sequence, timestamp), records, 32-byte MAC.
+            let recs = &call.body[28..call.body.len() - 32];
             assert_eq!(recs.len() % 16, 0);
             for rec in recs.chunks(16) {
                 let h = u64::from_le_bytes(rec[8..16].try_into().unwrap());

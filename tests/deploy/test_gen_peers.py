@@ -67,7 +67,13 @@ def test_peers_config_validates_and_listeners_share_the_vm(composecheck, tmp_pat
     # peer listener: on --peer-listen, everything the filter does not answer is a 404
     assert listeners["peers"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 0}
     pm = hcm(listeners["peers"])
-    assert "access_log" not in pm
+    # one JSON line per refused request (any status but 2xx), with the filter's reason
+    (log,) = pm["access_log"]
+    assert log["typed_config"]["log_format"]["json_format"]["details"] == "%RESPONSE_CODE_DETAILS%"
+    ops = [(f["status_code_filter"]["comparison"]["op"], f["status_code_filter"]["comparison"]["value"]["default_value"])
+           for f in log["filter"]["or_filter"]["filters"]]
+    assert ops == [("LE", 199), ("GE", 300)]
+    assert "x-prefix-router-peer-secret" not in text, "the secret no longer travels in a header"
     (vhost,) = pm["route_config"]["virtual_hosts"]
     assert vhost["domains"] == ["*"]
     assert vhost["routes"] == [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]

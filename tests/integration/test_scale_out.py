@@ -29,6 +29,8 @@ prompts and measures counter deltas; worker knobs are reset after each test.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import http.client
 import json
 import random
@@ -61,10 +63,15 @@ N_WORKERS = 6
 REPLICAS = ("A", "B", "C")
 POLL_MS = 50
 RECORDS_PATH = "/prefix-router/v1/records"
-SECRET_HEADER = "x-prefix-router-peer-secret"
+LEGACY_SECRET_HEADER = "x-prefix-router-peer-secret"  # the first protocol's plain secret
 FLEET_NAMES = tuple(f"{MODEL}_{i}" for i in range(N_WORKERS))  # gen's worker clusters, in order
 FLEET_PORTS: dict = {}  # worker name -> its port (set by the fleet fixture)
-BATCH_MAGIC = b"PRr1"  # filter/src/peers.rs: batch header, then 16-byte records
+# filter/src/peers.rs: "PRr2", sender, sequence, sent_ms (u64 LE each), 16-byte records, then
+# HMAC-SHA256 of all that keyed by the shared secret.
+BATCH_MAGIC = b"PRr2"
+WINDOW_S = 30  # peers.window_s (default)
+MAX_BATCH = 4096  # peers.max_batch (default)
+BUDGET = 20_000  # peers.max_records_per_s (default)
 # Generous: the machine may have 2 cores for 3 Envoys (2 threads each), 6 Python workers and pytest.
 DEADLINE_S = 30.0
 
@@ -75,6 +82,10 @@ UNKNOWN = "prefix_router_load_poll_unknown_workers"
 SEND_FAILURES = "prefix_router_peers_send_failures"
 REJECTED = "prefix_router_peers_requests_rejected"
 IGNORED = "prefix_router_peers_records_ignored"
+STALE = "prefix_router_peers_batches_stale"
+REPLAYED = "prefix_router_peers_batches_replayed"
+BAD_MAC = "prefix_router_peers_batches_bad_mac"
+OVER_BUDGET = "prefix_router_peers_records_over_budget"
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,9 +393,30 @@ def send_then_wait_records(src: Replica, messages: list, dst: Replica) -> Reply:
     return r
 
 
-def batch(n: int, model_key: int = 0xFFFF_FFF1) -> bytes:
-    """A well-formed record batch: `n` records of a model no replica has (applied as 'ignored')."""
-    return BATCH_MAGIC + b"".join(struct.pack("<IIQ", model_key, 7, random.getrandbits(64)) for _ in range(n))
+def records(n: int, model_key: int = 0xFFFF_FFF1) -> bytes:
+    """`n` records of a model no replica has (applied as 'ignored')."""
+    return b"".join(struct.pack("<IIQ", model_key, 7, random.getrandbits(64)) for _ in range(n))
+
+
+def batch(secret: str, n: int, *, sender: int | None = None, seq: int = 1, sent_ms: int | None = None) -> bytes:
+    """A signed record batch, as a replica sends it: a fresh random sender unless given, the
+    sender's sequence number, its wall clock (now unless given), `n` records, the MAC."""
+    sender = random.getrandbits(64) if sender is None else sender
+    sent_ms = int(time.time() * 1000) if sent_ms is None else sent_ms
+    signed = BATCH_MAGIC + struct.pack("<QQQ", sender, seq, sent_ms) + records(n)
+    return signed + hmac.new(secret.encode(), signed, hashlib.sha256).digest()
+
+
+def refusals_logged(rep: Replica, details: str) -> int:
+    """Lines of the peer listener's access log (refused requests only) with this reason."""
+    n = 0
+    for line in rep.envoy.log_text().splitlines():
+        if line.startswith("{") and '"details"' in line:
+            try:
+                n += json.loads(line).get("details") == details
+            except ValueError:
+                pass
+    return n
 
 
 def post_peer(port: int, body: bytes, headers: dict, method: str = "POST", path: str = RECORDS_PATH) -> Reply:
@@ -613,41 +645,110 @@ def test_load_endpoint_errors_do_not_eject_the_worker(fl):
     assert seen[-1] == broken, Counter(seen)
 
 
-def test_peer_listener_refuses_requests_without_the_secret(fl):
+def test_peer_listener_accepts_only_authenticated_batches(fl):
     A = fl["A"]
     wait_peers_quiet(fl.live())
     s0 = A.envoy.stats()  # one metric flush period later: nothing pending
-    rx0, rej0, ign0 = s0.get(RX, 0), s0.get(REJECTED, 0), s0.get(IGNORED, 0)
+    rx0, rej0, ign0, mac0 = (s0.get(k, 0) for k in (RX, REJECTED, IGNORED, BAD_MAC))
 
-    body = batch(3)
+    body = batch(fl.secret, 3)
+    flipped = bytearray(body)
+    flipped[40] ^= 0x01  # a record byte: the MAC no longer matches
     wrong = secrets.token_hex(16)  # same length as the real one
+    legacy = b"PRr1" + records(3)  # the first protocol: plain secret in a header, no MAC
     refused = [
-        post_peer(A.peer_port, body, {}),
-        post_peer(A.peer_port, body, {SECRET_HEADER: wrong}),
-        post_peer(A.peer_port, body, {SECRET_HEADER: fl.secret[:-1]}),
-        post_peer(A.peer_port, body, {SECRET_HEADER: fl.secret}, method="PUT"),
-        post_peer(A.peer_port, body, {SECRET_HEADER: fl.secret}, path="/prefix-router/v1/other"),
-        post_peer(A.peer_port, None, {SECRET_HEADER: fl.secret}, method="GET", path="/stats"),
+        post_peer(A.peer_port, bytes(flipped), {}),
+        post_peer(A.peer_port, batch(wrong, 3), {}),
+        post_peer(A.peer_port, legacy, {LEGACY_SECRET_HEADER: fl.secret}),
+        post_peer(A.peer_port, body, {}, method="PUT"),
+        post_peer(A.peer_port, body, {}, path="/prefix-router/v1/other"),
+        post_peer(A.peer_port, None, {}, method="GET", path="/stats"),
+        post_peer(A.peer_port, body[:-1], {}),  # not a batch at all (ragged): 400
     ]
-    assert [r.status for r in refused] == [403] * len(refused), [(r.status, r.body[:100]) for r in refused]
+    want = [403] * (len(refused) - 1) + [400]
+    assert [r.status for r in refused] == want, [(r.status, r.body[:100]) for r in refused]
     wait_for(lambda: A.stat(REJECTED) >= rej0 + len(refused), "peers.requests_rejected counts the refusals")
-    assert A.envoy.stats().get(RX, 0) == rx0, "a refused batch was applied"
+    s1 = A.envoy.stats()
+    assert s1.get(RX, 0) == rx0, "a refused batch was applied"
+    assert s1.get(BAD_MAC, 0) == mac0 + 3, (mac0, s1.get(BAD_MAC))  # the old protocol's too
+    # Each refusal is one access log line of the peer listener, with the filter's reason.
+    wait_for(lambda: refusals_logged(A, "prefix_router_peer_bad_mac") >= 2
+             and refusals_logged(A, "prefix_router_peer_old_protocol") >= 1, "refusals in the access log")
 
-    # The same batch with the secret is accepted (so the refusals above were about the secret,
-    # method and path, not the body): 3 records received, ignored (a model this fleet lacks).
-    ok = post_peer(A.peer_port, body, {SECRET_HEADER: fl.secret})
+    # The batch itself, untouched, is accepted: 3 records received, ignored (a model this fleet
+    # lacks).
+    ok = post_peer(A.peer_port, body, {})
     assert ok.status == 204, (ok.status, ok.body[:200])
     wait_for(lambda: A.stat(RX) >= rx0 + 3, "the accepted batch's records")
-    s1 = A.envoy.stats()
-    assert (s1.get(RX, 0), s1.get(IGNORED, 0)) == (rx0 + 3, ign0 + 3), (rx0, ign0, s1.get(RX), s1.get(IGNORED))
+    s2 = A.envoy.stats()
+    assert (s2.get(RX, 0), s2.get(IGNORED, 0)) == (rx0 + 3, ign0 + 3), (rx0, ign0, s2.get(RX), s2.get(IGNORED))
+
+    # Replayed within the window: refused, whichever worker thread of the peer listener gets it.
+    for _ in range(3):
+        again = post_peer(A.peer_port, body, {})
+        assert again.status == 403, (again.status, again.body[:200])
+    wait_for(lambda: refusals_logged(A, "prefix_router_peer_replay") >= 3, "replays in the access log")
+    assert A.envoy.stats().get(RX, 0) == rx0 + 3, "a replayed batch was applied"
 
     # On the client listener the records path is just a path: passed through to a worker, and
-    # nothing is applied, secret or not.
-    r = A.client.post(RECORDS_PATH, body, {SECRET_HEADER: fl.secret, "content-type": "application/octet-stream"})
+    # nothing is applied.
+    r = A.client.post(RECORDS_PATH, body, {"content-type": "application/octet-stream"})
     assert r.status == 200 and r.worker in fl.names, (r.status, r.headers)
     assert r.decision.get("reason") == "passthrough", r.decision
     assert r.json()["path"] == RECORDS_PATH
     assert A.envoy.stats().get(RX, 0) == rx0 + 3, "the client listener applied a record batch"
+
+
+def test_a_batch_replayed_after_the_window_is_refused(fl):
+    """A batch sent 1.5 s before the end of its window is accepted; replayed once the window has
+    passed it is refused as stale (and would be as a replay too)."""
+    B = fl["B"]
+    s0 = B.envoy.stats()
+    rx0, stale0 = s0.get(RX, 0), s0.get(STALE, 0)
+    body = batch(fl.secret, 2, sent_ms=int(time.time() * 1000) - (WINDOW_S * 1000 - 1500))
+    first = post_peer(B.peer_port, body, {})
+    assert first.status == 204, (first.status, first.body[:200])
+    time.sleep(2.0)
+    late = post_peer(B.peer_port, body, {})
+    assert late.status == 403, (late.status, late.body[:200])
+    # A batch from too far in the future is refused as well.
+    ahead = post_peer(B.peer_port, batch(fl.secret, 2, sent_ms=int(time.time() * 1000) + (WINDOW_S + 5) * 1000), {})
+    assert ahead.status == 403, (ahead.status, ahead.body[:200])
+    wait_for(lambda: B.stat(STALE) >= stale0 + 2, "peers.batches_stale counts both")
+    assert B.envoy.stats().get(RX, 0) == rx0 + 2, "only the first delivery was applied"
+    wait_for(lambda: refusals_logged(B, "prefix_router_peer_stale") >= 2, "stale batches in the access log")
+
+
+def test_a_flood_from_one_sender_is_cut_at_its_budget(fl):
+    """One sender posting full batches as fast as it can: what is applied stays within its
+    budget (BUDGET records a second, one second deep), the rest is refused with 429 and counted."""
+    C = fl["C"]
+    wait_peers_quiet(fl.live())
+    s0 = C.envoy.stats()
+    rx0, over0 = s0.get(RX, 0), s0.get(OVER_BUDGET, 0)
+    sender = random.getrandbits(64)
+    statuses = []
+    sent = 0
+    c = Client(C.peer_port)
+    t0 = time.monotonic()
+    try:
+        for seq in range(1, 41):
+            r = c.request("POST", RECORDS_PATH, batch(fl.secret, MAX_BATCH, sender=sender, seq=seq),
+                          {"content-type": "application/octet-stream"})
+            statuses.append(r.status)
+            sent += MAX_BATCH
+    finally:
+        c.close()
+    elapsed = time.monotonic() - t0
+    assert set(statuses) <= {204, 429}, Counter(statuses)
+    assert statuses[0] == 204 and 429 in statuses, Counter(statuses)
+    wait_for(lambda: C.stat(RX) + C.stat(OVER_BUDGET) >= rx0 + over0 + sent, "every record applied or cut")
+    s1 = C.envoy.stats()
+    got, cut = s1.get(RX, 0) - rx0, s1.get(OVER_BUDGET, 0) - over0
+    assert got + cut == sent, (got, cut, sent)
+    assert got <= BUDGET * (1 + elapsed) + 1, f"{got} records applied in {elapsed:.2f} s"
+    wait_for(lambda: refusals_logged(C, "prefix_router_peer_over_budget") >= statuses.count(429),
+             "one access log line per batch cut")
 
 
 # --------------------------------------------------------------------------------------------

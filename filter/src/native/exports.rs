@@ -40,6 +40,9 @@ pub(crate) struct Filter {
 const FAILED_BODY: &[u8] =
     br#"{"object":"error","message":"prefix-router failed on this request","type":"InternalServerError","code":500}"#;
 
+/// Its response code details (`%RESPONSE_CODE_DETAILS%` in access logs).
+const FAILED_DETAILS: &str = "prefix_router_panic";
+
 /// Counts a caught panic on the config's Envoy counter (the process count is the guard's).
 fn count_panic<A: Abi>(c: &ModuleConfig) {
     if c.panics != 0 && !c.envoy.is_null() {
@@ -96,7 +99,12 @@ unsafe fn on_stream<A: Abi>(
         filter.answered = true;
         // Outside the guard: `local_reply` only copies into Envoy (its one allocation, the
         // header array, is on this failure path only).
-        h.local_reply(500, &[("content-type", "application/json")], FAILED_BODY);
+        h.local_reply_details(
+            500,
+            FAILED_DETAILS,
+            &[("content-type", "application/json")],
+            FAILED_BODY,
+        );
     }
     STOP
 }
@@ -682,6 +690,7 @@ mod tests {
             assert_eq!(replies.len(), 1);
             assert_eq!(replies[0].0, 500);
             assert_eq!(replies[0].2, FAILED_BODY);
+            assert_eq!(replies[0].3, FAILED_DETAILS);
             // The stream stays failed once Envoy behaves again: no glue, no second answer.
             let calls = l.fake.state().log.len();
             assert_eq!(request_body::<FakeEnvoy>(f, m, true), STOP);

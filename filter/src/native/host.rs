@@ -345,6 +345,16 @@ impl<A: Abi> Host for Native<'_, A> {
         });
     }
     fn local_reply(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        self.local_reply_details(status, "prefix_router", headers, body);
+    }
+    /// `details` is Envoy's response code details (`%RESPONSE_CODE_DETAILS%`).
+    fn local_reply_details(
+        &self,
+        status: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) {
         if self.filter.is_null() {
             return;
         }
@@ -359,7 +369,7 @@ impl<A: Abi> Host for Native<'_, A> {
                 pairs.as_ptr(),
                 pairs.len(),
                 Buf::of(body),
-                Buf::of(b"prefix_router"),
+                Buf::of(details.as_bytes()),
             );
         }
     }
@@ -680,7 +690,7 @@ mod tests {
     }
 
     #[test]
-    fn a_local_reply_is_sent_once_with_its_headers_body_and_details() {
+    fn a_local_reply_is_sent_with_its_headers_body_and_details() {
         let fake = FakeEnvoy::new();
         let c = config(&fake, "{}", vec![]);
         let h = stream(&fake, &c);
@@ -696,10 +706,12 @@ mod tests {
                 "prefix_router".to_string()
             )]
         );
+        h.local_reply_details(403, "prefix_router_peer_bad_mac", &[], b"");
+        assert_eq!(fake.state().replies[1].3, "prefix_router_peer_bad_mac");
         let none = Native::<FakeEnvoy>::new(std::ptr::null_mut(), &c);
         none.local_reply(500, &[], b"");
         assert!(!none.replied.get());
-        assert_eq!(fake.state().replies.len(), 1);
+        assert_eq!(fake.state().replies.len(), 2);
     }
 
     #[test]
