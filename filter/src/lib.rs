@@ -37,4 +37,4 @@ pub mod xxh3;
 #[cfg(target_arch = "wasm32")]
 mod abi;
 #[cfg(all(feature = "dynamic-module", not(target_arch = "wasm32")))]
-mod dynamic_module;
+mod native;

@@ -1,4 +1,4 @@
-//! The [`Store`] of the native build (`dynamic_module`): process memory shared by every Envoy
+//! The [`Store`] of the native build (`native`): process memory shared by every Envoy
 //! worker thread, with the semantics of Envoy's shared data (see `store.rs`).
 //!
 //! Why not Envoy's shared data: a dynamic module runs in Envoy's own address space, so its
@@ -49,7 +49,8 @@ impl Store for ProcessStore {
     }
 
     /// Every writer is a thread of this process: a stream always ends through Envoy's hooks and
-    /// releases its charge, and a panic aborts the process with the store.
+    /// releases its charge (after a caught panic too: `native/guard.rs`), and a crash takes the
+    /// store down with the process.
     fn leases_expire(&self) -> bool {
         false
     }

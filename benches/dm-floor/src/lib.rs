@@ -202,14 +202,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
 }
 
 // The hooks Envoy 1.40 requires of every HTTP filter module; the floor does nothing there.
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-) -> u32 {
-    CONTINUE
-}
+// Response headers and stream completion are used by prefix-router, so they are written here;
+// the rest are prefix-router's own no-op hooks (filter/src/native/noop_hooks.rs), the same
+// source in both modules so the floor's export surface stays prefix-router's.
 
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
@@ -221,110 +216,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
 }
 
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _end_of_stream: bool,
-) -> u32 {
-    CONTINUE
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-) -> u32 {
-    CONTINUE
-}
-
-#[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     _f: EnvoyFilter,
     _m: ModuleFilter,
 ) {
 }
 
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _id: u64,
-    _result: u32,
-    _headers: *const c_void,
-    _headers_len: usize,
-    _chunks: *const Buf,
-    _chunks_len: usize,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _stream: u64,
-    _headers: *const c_void,
-    _headers_len: usize,
-    _end_of_stream: bool,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _stream: u64,
-    _data: *const Buf,
-    _data_len: usize,
-    _end_of_stream: bool,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _stream: u64,
-    _trailers: *const c_void,
-    _trailers_len: usize,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _stream: u64,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _stream: u64,
-    _reason: u32,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-    _event: u64,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-) {
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
-    _f: EnvoyFilter,
-    _m: ModuleFilter,
-) {
-}
+include!("../../../filter/src/native/noop_hooks.rs");
+envoy_noop_hooks!();
