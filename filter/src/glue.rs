@@ -905,6 +905,10 @@ impl Stream {
                 if let Some(action) = self.pd_route(h, &d, body, now) {
                     return action;
                 }
+                // Owned by the stream before any host call: whatever happens next (a panic the
+                // native guard catches included), its end releases the charge.
+                self.decision = Some(d);
+                self.charged = true;
                 let m = &self.shared.metrics;
                 m.add(m.reasons[d.reason.index()], 1);
                 m.add(m.blocks_prompt, i64::from(d.total_blocks));
@@ -916,10 +920,8 @@ impl Stream {
                 m.add(m.truncated, i64::from(d.truncated));
                 m.inflight(&d, 1);
                 m.maybe_flush(h, now);
-                self.charged = true;
                 let r = self.shared.router.borrow();
                 h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&d));
-                self.decision = Some(d);
                 Action::Continue
             }
         }
@@ -946,6 +948,11 @@ impl Stream {
             ));
         }
         let dec = crate::pd::decode_decision(r, h, d, body.len(), now)?;
+        // Both charges are owned by the stream before any host call (see `decide`).
+        self.charged = true;
+        self.decision = Some(*d);
+        self.decode = Some(dec);
+        self.prefill_held = true;
         h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
         if !header(h, "content-length").is_empty() {
             let len = r.pd.out.len().to_string();
@@ -970,10 +977,6 @@ impl Stream {
         m.inflight(d, 1);
         m.inflight(&dec, 1);
         m.maybe_flush(h, now);
-        self.charged = true;
-        self.decision = Some(*d);
-        self.decode = Some(dec);
-        self.prefill_held = true;
         Some(Action::Continue)
     }
 

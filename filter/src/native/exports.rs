@@ -783,6 +783,35 @@ mod tests {
     }
 
     #[test]
+    fn a_panic_after_the_charge_leaves_it_to_the_stream_end() {
+        let l = Loaded::new(&json("m-panic-charged", ""));
+        l.fake.request(
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat("m-panic-charged", "x"),
+        );
+        let (f, m) = (l.f(), l.stream());
+        // SAFETY: a live stream of the fake.
+        unsafe {
+            request_headers::<FakeEnvoy>(f, m, false);
+            // The decision is charged, then the cluster header is added: that call panics.
+            l.fake.state().panic_in = Some("add_header");
+            assert_eq!(request_body::<FakeEnvoy>(f, m, true), STOP);
+            assert_eq!(l.fake.state().replies.len(), 1);
+            stream_complete::<FakeEnvoy>(f, m);
+            filter_destroy::<FakeEnvoy>(m);
+        }
+        assert_eq!(panics(&l), 1);
+        assert_eq!(l.sum("prefix_router.requests."), 1, "a decision was made");
+        assert_eq!(
+            l.sum("prefix_router.inflight_requests."),
+            0,
+            "the stream's end released what the decision charged"
+        );
+    }
+
+    #[test]
     fn a_panic_at_the_stream_end_and_in_main_thread_hooks_is_caught() {
         let cfg = r#"{"models":{"m-panic-main":{"workers":["w0","w1","w2"]}},"load_poll":{"interval_ms":100}}"#;
         let l = Loaded::new(cfg);
