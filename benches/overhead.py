@@ -47,9 +47,9 @@ import time
 from pathlib import Path
 
 from prkit import envoy_config as ec
-from prkit.build import envoy_executable
+from prkit.build import ensure_smg, envoy_executable
 from prkit.ports import free_port
-from prkit.wait import wait_http
+from prkit.wait import Timeout, wait_http, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVOY = ROOT / ".venv" / "bin" / "envoy"
@@ -63,7 +63,6 @@ DM_DIR = ROOT / "target/release"
 DM_FLOOR = "dm_floor"
 DM_ROUTER = "prefix_router"
 SIM = Path(os.environ.get("SGLANG_SIM_BIN", ROOT / "target/release/sglang-sim"))
-SMG_VENV = ROOT / ".venv-smg"
 PROXY_CPU, LOAD_CPU = "0", "1"
 WORKERS = 4
 
@@ -78,10 +77,7 @@ def ensure_tools():
         print(f"installing {missing} with apt-get", flush=True)
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         sh(["apt-get", "install", "-y", *missing], env=env, stdout=subprocess.DEVNULL)
-    if not (SMG_VENV / "bin" / "smg").exists():
-        print("installing smg==1.13.0 into .venv-smg", flush=True)
-        sh([sys.executable, "-m", "venv", str(SMG_VENV)])
-        sh([str(SMG_VENV / "bin" / "pip"), "install", "-q", "smg==1.13.0"])
+    ensure_smg()
     if not ENVOY.exists():
         sh([str(ROOT / "scripts" / "setup")])
     if "PREFIX_ROUTER_WASM" not in os.environ:  # cargo decides whether it is fresh
@@ -239,7 +235,7 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool
     port, admin = free_port(), free_port()
     if kind == "smg":
         urls = [f"http://127.0.0.1:{upstream}"] * 1
-        cmd = [str(SMG_VENV / "bin" / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [str(ensure_smg()), "launch", "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]
         p = Proc(cmd, PROXY_CPU, tmp / "smg.log")
     else:
@@ -455,14 +451,13 @@ class Instructions:
         self._ctl("--dump=measured")
         self.dumps += 1
         dump = self.out.with_name(f"{self.out.name}.{self.dumps}")
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if dump.exists():
-                m = re.search(r"^summary: (\d+)$", dump.read_text(errors="replace"), re.M)
-                if m:
-                    return int(m.group(1))
-            time.sleep(0.2)
-        raise RuntimeError(f"no callgrind dump at {dump}")
+
+        def summary():
+            return dump.exists() and re.search(r"^summary: (\d+)$", dump.read_text(errors="replace"), re.M)
+        try:
+            return int(wait_until(summary, f"callgrind dump {dump}", 120, 0.2).group(1))
+        except Timeout:
+            raise RuntimeError(f"no callgrind dump at {dump}") from None
 
 
 def meter(proc: "Proc", kind: str, tmp: Path, callgrind: bool):

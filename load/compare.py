@@ -67,18 +67,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 from load.runner import log, run_k6
 from prkit import envoy_config as ec
 from prkit import trace as tr
-from prkit.build import ensure_smg, wasm_path
+from prkit.build import ensure_smg, smg_healthy_workers, wasm_path
 from prkit.envoy import METRICS_FLUSH_S, Envoy
 from prkit.fleet import SimFleet
 from prkit.paths import REPO_ROOT as REPO
 from prkit.ports import free_port
+from prkit.wait import Timeout, wait_until
 
 LOAD = REPO / "load"
 GEN = Path(os.environ.get("ENVOY_GEN", REPO / "envoy" / "gen"))
@@ -278,20 +278,15 @@ class Smg:
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
         out.close()
-        deadline = time.monotonic() + timeout_s
         # Ready = /workers lists every worker as healthy (/health answers before registration ends).
-        while time.monotonic() < deadline:
+        def ready():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"smg exited with {self.proc.returncode}; see {self.workdir / 'smg.log'}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/workers", timeout=1) as r:
-                    ws = json.loads(r.read()).get("workers", [])
-                if sum(1 for w in ws if w.get("is_healthy")) == len(self.fleet.names):
-                    return
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"smg not ready after {timeout_s}s; see {self.workdir / 'smg.log'}")
+            return smg_healthy_workers(self.base_url) == len(self.fleet.names)
+        try:
+            wait_until(ready, "smg ready", timeout_s, 0.2)
+        except Timeout:
+            raise RuntimeError(f"smg not ready after {timeout_s}s; see {self.workdir / 'smg.log'}") from None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

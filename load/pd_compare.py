@@ -32,13 +32,13 @@ import urllib.request
 from pathlib import Path
 
 from load.runner import REPO, log, run_k6
-from prkit.build import sim_binary, wasm_path
+from prkit.build import ensure_smg, sim_binary, smg_healthy_workers, wasm_path
 from prkit.envoy import Envoy
 from prkit.ports import free_port
+from prkit.wait import Timeout, http_ok, wait_until
 
 LOAD = REPO / "load"
 GEN = REPO / "envoy" / "gen"
-SMG = REPO / ".venv-smg" / "bin" / "smg"
 MODEL = "llama"
 ENV = dict(GROUPS=32, PROMPTS=8, SYS_TOKENS=2048, Q_TOKENS=128, OUT_TOKENS=64, CONCURRENCY=16)
 QUICK = dict(GROUPS=8, PROMPTS=4, SYS_TOKENS=512, Q_TOKENS=32, OUT_TOKENS=8, CONCURRENCY=8)
@@ -68,16 +68,11 @@ class PdFleet:
             self._spawn(f"d{i}", p, ["--disaggregation-mode", "decode"])
         deadline = time.monotonic() + 30
         for port in self.ports():
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"worker on {port} did not become healthy")
-                time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}/health"
+            try:
+                wait_until(lambda: http_ok(url), url, max(0.0, deadline - time.monotonic()), 0.05)
+            except Timeout:
+                raise RuntimeError(f"worker on {port} did not become healthy") from None
 
     def ports(self) -> list:
         return [p for p, _ in self.prefill] + self.decode
@@ -144,7 +139,7 @@ def start_prefix_router(f: PdFleet, workdir: Path):
 
 def start_smg(f: PdFleet, workdir: Path):
     port = free_port()
-    cmd = [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
+    cmd = [str(ensure_smg()), "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
            "--policy", "cache_aware", "--log-level", "warn",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     for p, b in f.prefill:
@@ -153,21 +148,18 @@ def start_smg(f: PdFleet, workdir: Path):
         cmd += ["--decode", f"http://127.0.0.1:{p}"]
     s = Proc(cmd, workdir / "smg.log")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
     n = len(f.prefill) + len(f.decode)
-    while time.monotonic() < deadline:
+
+    def ready():
         if s.proc.poll() is not None:
             raise RuntimeError(f"smg exited; see {workdir / 'smg.log'}")
-        try:
-            with urllib.request.urlopen(f"{url}/workers", timeout=1) as r:
-                ws = json.loads(r.read()).get("workers", [])
-            if sum(1 for w in ws if w.get("is_healthy")) == n:
-                return s, url, "smg 1.13 launch --pd-disaggregation --policy cache_aware"
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    s.stop()
-    raise RuntimeError(f"smg not ready; see {workdir / 'smg.log'}")
+        return smg_healthy_workers(url) == n
+    try:
+        wait_until(ready, "smg ready", 60, 0.2)
+    except Timeout:
+        s.stop()
+        raise RuntimeError(f"smg not ready; see {workdir / 'smg.log'}") from None
+    return s, url, "smg 1.13 launch --pd-disaggregation --policy cache_aware"
 
 
 def run(router: str, n: int, quick: bool) -> dict:

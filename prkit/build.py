@@ -13,11 +13,13 @@ Builds are cached per process (and serialized: cargo's own lock serializes concu
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 from .paths import REPO_ROOT, VENV, target_dir
@@ -141,3 +143,14 @@ def ensure_smg() -> Path:
             subprocess.check_call([str(SMG_VENV / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
                                    f"smg=={SMG_VERSION}"])
         return smg
+
+
+def smg_healthy_workers(base_url: str) -> int:
+    """How many workers a running smg lists as healthy on its /workers (0 while it does not answer).
+    smg is ready once that is every worker: its /health answers before registration ends."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/workers", timeout=1) as r:
+            ws = json.loads(r.read()).get("workers", [])
+    except (OSError, ValueError):
+        return 0
+    return sum(1 for w in ws if w.get("is_healthy"))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .build import envoy_binary
 from .paths import REPO_ROOT
-from .prom import inflight_gauges, parse_prometheus
+from .prom import SHARED_LOAD, inflight_and_shared_load, inflight_gauges, parse_prometheus
 from .wait import poll, wait_until
 
 # The filter's metric flush period (tick) plus margin.
@@ -231,8 +231,12 @@ class Envoy:
         return bad
 
 
-def wait_inflight_zero(envoy: Envoy, timeout_s: float = 30.0) -> dict:
+def wait_inflight_zero(envoy: Envoy, timeout_s: float = 30.0, shared_load: bool = False) -> dict:
     """Polls until every prefix_router_inflight_* gauge reads 0 (or the deadline); returns the last
-    reading, for the caller to assert on and show."""
+    reading, for the caller to assert on and show. `shared_load`: the two shared-data load gauges
+    (prom.SHARED_LOAD) too, which must then be present as well."""
+    if shared_load:
+        return poll(lambda: inflight_and_shared_load(envoy.stats()),
+                    lambda g: all(k in g for k in SHARED_LOAD) and all(v == 0 for v in g.values()), timeout_s)
     return poll(lambda: inflight_gauges(envoy.stats()), lambda g: bool(g) and all(v == 0 for v in g.values()),
                 timeout_s)

@@ -77,6 +77,18 @@ def inflight_gauges(stats: dict) -> dict:
     return with_prefix(stats, INFLIGHT_PREFIX)
 
 
+# The in-flight load as Envoy's shared data holds it (the sum of the VMs' live load leases), set
+# by every VM's timer from shared data itself. The per-worker `prefix_router_inflight_*` gauges
+# are VM-side counts, decremented even if a release never reached shared data: a leak test must
+# look at these two as well.
+SHARED_LOAD = ("prefix_router_load_requests", "prefix_router_load_tokens")
+
+
+def inflight_and_shared_load(stats: dict) -> dict:
+    """The VM-side per-worker in-flight gauges plus the two shared-data load gauges."""
+    return {k: v for k, v in stats.items() if k.startswith(INFLIGHT_PREFIX) or k in SHARED_LOAD}
+
+
 def inflight_requests(stats: dict) -> float:
     """Sum of the per-worker in-flight request gauges."""
     return sum(v for k, v in stats.items() if k.startswith(INFLIGHT_PREFIX + "requests_"))

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from prkit import envoy_config as ec
+from prkit.envoy import Envoy
+from prkit.wait import wait_until
 
-from .conftest import REPO, envoy_binary, free_port, header_command, run_gen, wasm_path, yaml_doc
+from .conftest import REPO, free_port, header_command, run_gen, wasm_path, yaml_doc
 from .test_ingress import Worker, get
 
 SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]
@@ -34,18 +34,11 @@ class Live:
         cfg = ec.config(o)
         if edit:
             edit(cfg)
-        path = tmp_path / "envoy.yaml"
-        path.write_text(ec.dump(cfg))
-        self.log = tmp_path / "envoy.log"
-        self.logf = open(self.log, "w")
-        self.proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--concurrency", "1", "--base-id",
-                                      str(self.listen), "--log-level", "warn"], stdout=self.logf,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while get(self.stats, "/ready")[0] != 200:
-            assert self.proc.poll() is None, self.log.read_text()[-4000:]
-            assert time.time() < deadline, self.log.read_text()[-4000:]
-            time.sleep(0.1)
+        self.envoy = Envoy(ec.dump(cfg), listener_port=self.listen, admin_port=self.admin, workdir=tmp_path,
+                           concurrency=1, log_level="warn").start()
+        self.log = self.envoy.log_path
+        # the metrics listener (a route to the admin's /ready) is up too
+        wait_until(lambda: get(self.stats, "/ready")[0] == 200, "the stats listener's /ready", 60, 0.1)
 
     def post(self, path: str, body: dict, headers: dict | None = None):
         req = urllib.request.Request(f"http://127.0.0.1:{self.listen}{path}", data=json.dumps(body).encode(),
@@ -58,12 +51,7 @@ class Live:
             return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
     def close(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.logf.close()
+        self.envoy.stop()
         for w in self.workers.values():
             w.stop()
 

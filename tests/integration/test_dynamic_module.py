@@ -28,6 +28,7 @@ from prkit.build import cargo_build, dm_floor_path, envoy_binary
 from prkit.paths import target_dir
 from prkit.envoy import Envoy
 from prkit.ports import free_port
+from prkit.wait import wait_until
 
 from . import workload as wl
 from .harness import Client, WorkerPool
@@ -203,34 +204,34 @@ def test_native_build_counts_decisions_and_in_flight_load_in_envoy_stats(native)
     envoy, pool, names = native
     c = Client(envoy.listener_port)
     body = {"model": "llama", "prompt": wl.text(wl.rng("native-metrics"), 3000)}
-    deadline = time.time() + 30
-    while True:
+
+    def decided():
         assert c.post("/v1/completions", body).status == 200
-        hits = envoy.counters(r"dynamicmodulescustom\.prefix_router\.requests\.prefix_hit")
-        if sum(hits.values()) > 0:
-            break
-        assert time.time() < deadline, envoy.counters(r"dynamicmodulescustom\..*")
-        time.sleep(0.15)
+        return sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.requests\.prefix_hit").values()) > 0
+    custom = r"dynamicmodulescustom\..*"
+    wait_until(decided, lambda: f"a prefix_hit counted: {envoy.counters(custom)}", 30, 0.15)
     c.close()
     # Every stream released its charge: the in-flight gauges come back to 0 (after a decision
     # on each thread flushed the last decrements; a fresh connection per request reaches both).
     gauges = r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*"
     assert set(envoy.counters(gauges)) == {f"dynamicmodulescustom.prefix_router.inflight_requests.{n}"
                                           for n in names}
-    _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0, deadline,
+    _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0,
                  lambda: envoy.counters(gauges))
 
 
-def _drive_until(envoy, done, deadline: float, what):
+def _drive_until(envoy, done, what, timeout_s: float = 30.0):
     """Waits until `done()`, sending a non-inference request on a fresh connection between checks:
     a native worker thread's tick (and its flush) only runs when a stream starts on it, and a
-    fresh connection may land on either thread. Fails with `what()` after `deadline`."""
-    while not done():
-        assert time.time() < deadline, what()
+    fresh connection may land on either thread. Fails with `what()` after `timeout_s`."""
+    def driven():
+        if done():
+            return True
         fresh = Client(envoy.listener_port)
         fresh.get("/health")
         fresh.close()
-        time.sleep(0.1)
+        return False
+    wait_until(driven, what, timeout_s, 0.1)
 
 
 def _abort_after_first_event(port: int, body: bytes) -> bool:
@@ -253,16 +254,19 @@ def test_native_build_keeps_a_long_stream_on_a_quiet_thread_in_the_shared_load(n
     pool.reset()
     gauge = r"dynamicmodulescustom\.prefix_router\.load\.requests"
     load = lambda: sum(envoy.counters(gauge).values())  # noqa: E731 (the main thread samples it)
-    _drive_until(envoy, lambda: load() == 0, time.time() + 30, lambda: f"shared load {load()} before the stream")
+    _drive_until(envoy, lambda: load() == 0, lambda: f"shared load {load()} before the stream")
     body = {"model": "llama", "stream": True, "x_events": 100, "x_interval": 0.1,
             "messages": [{"role": "user", "content": wl.text(wl.rng("native-long"), 500)}]}
     answers = []
     t = threading.Thread(target=lambda: answers.append(Client(envoy.listener_port).post("/v1/chat/completions", body)))
     t.start()
-    deadline = time.time() + 30
-    while load() != 1:
-        assert time.time() < deadline and t.is_alive(), f"shared load {load()} while the stream runs"
-        time.sleep(0.05)
+
+    def streaming():
+        if load() == 1:
+            return True
+        assert t.is_alive(), f"the stream ended before the shared load read 1 (it reads {load()})"
+        return False
+    wait_until(streaming, lambda: f"shared load 1 while the stream runs (it reads {load()})", 30, 0.05)
     # No other request from here on: the stream's thread stays quiet.
     seen, t0 = [], time.time()
     while time.time() - t0 < 3.0:
@@ -272,7 +276,7 @@ def test_native_build_keeps_a_long_stream_on_a_quiet_thread_in_the_shared_load(n
     assert set(seen) == {1}, seen
     t.join(30)
     assert answers and answers[0].status == 200, answers
-    _drive_until(envoy, lambda: load() == 0, time.time() + 30, lambda: f"shared load {load()} after the stream")
+    _drive_until(envoy, lambda: load() == 0, lambda: f"shared load {load()} after the stream")
 
 
 def test_native_build_releases_every_charge_after_client_aborts(native):
@@ -296,7 +300,6 @@ def test_native_build_releases_every_charge_after_client_aborts(native):
         t.join(30)
     assert sum(pool.counts().values()) >= 8
     gauges = r"dynamicmodulescustom\.prefix_router\.(inflight_requests\..*|load\.requests)"
-    deadline = time.time() + 30
     # A stream's end sends its thread's batch at once here (no timer runs on an idle thread);
     # the shared-load gauge is sampled at a thread's tick, which runs lazily when a stream
     # starts: non-inference requests on fresh connections (either thread) drive it.
@@ -304,7 +307,7 @@ def test_native_build_releases_every_charge_after_client_aborts(native):
     def settled():
         values = envoy.counters(gauges)
         return sum(values.values()) == 0 and any(k.endswith("load.requests") for k in values)
-    _drive_until(envoy, settled, deadline,
+    _drive_until(envoy, settled,
                  lambda: {k.rsplit(".", 1)[-1]: v for k, v in envoy.counters(gauges).items() if v})
     # Nothing left to flush: the in-flight gauges were 0 as soon as the streams ended.
     assert sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*").values()) == 0
@@ -316,14 +319,12 @@ def test_native_build_polls_every_worker_from_envoys_main_thread(native):
     are counted and published for every thread."""
     envoy, pool, names = native
     before = {n: w.stats.polls for n, w in pool.workers.items()}
-    deadline = time.time() + 30
-    while True:
-        polled = {n: w.stats.polls - before[n] for n, w in pool.workers.items()}
-        answers = sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.load_poll\.answers").values())
-        if all(v >= 3 for v in polled.values()) and answers > 0:
-            break
-        assert time.time() < deadline, (polled, answers, envoy.counters(r"dynamicmodulescustom\.prefix_router\.load_poll\..*"))
-        time.sleep(0.2)
+    polled = lambda: {n: w.stats.polls - before[n] for n, w in pool.workers.items()}  # noqa: E731
+    poll_counters = r"dynamicmodulescustom\.prefix_router\.load_poll\..*"
+    answers = lambda: sum(envoy.counters(r"dynamicmodulescustom\.prefix_router\.load_poll\.answers").values())  # noqa: E731
+    wait_until(lambda: all(v >= 3 for v in polled().values()) and answers() > 0,
+               lambda: f"3 polls of every worker and answers counted: {polled()}, {envoy.counters(poll_counters)}",
+               30, 0.2)
     # One poller for the whole Envoy (the lease), not one per thread: with no traffic about 2
     # polls per worker per second (load_poll.no_traffic_interval_ms 500), well under 2x that.
     t0, p0 = time.time(), sum(w.stats.polls for w in pool.workers.values())
@@ -364,11 +365,9 @@ def test_native_replicas_share_placements_through_their_peer_listeners():
         first = ca.post("/v1/completions", {"model": "llama", "prompt": prefix + " Q0"})
         assert first.status == 200 and first.decision["reason"] == "hash_affinity", first.decision
         received = r"dynamicmodulescustom\.prefix_router\.peers\.records_received"
-        deadline = time.time() + 30
-        while sum(b.counters(received).values()) == 0:
-            assert time.time() < deadline, (a.counters(r"dynamicmodulescustom\.prefix_router\.peers\..*"),
-                                            b.counters(r"dynamicmodulescustom\.prefix_router\.peers\..*"))
-            time.sleep(0.1)
+        peers = r"dynamicmodulescustom\.prefix_router\.peers\..*"
+        wait_until(lambda: sum(b.counters(received).values()) > 0,
+                   lambda: f"b received a's records: a {a.counters(peers)}, b {b.counters(peers)}", 30, 0.1)
         rep = cb.post("/v1/completions", {"model": "llama", "prompt": prefix + " Q1"})
         assert rep.status == 200, rep.body
         assert rep.decision["reason"] == "prefix_hit" and rep.worker == first.worker, (first.decision, rep.decision)
@@ -442,5 +441,5 @@ def test_native_build_survives_malformed_bodies_and_answers_each(native):
     c.close()
     assert sum(pool.counts().values()) > len(bodies) // 2
     gauges = r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*"
-    _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0, time.time() + 30,
+    _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0,
                  lambda: envoy.counters(gauges))

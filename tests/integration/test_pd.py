@@ -25,10 +25,11 @@ import uuid
 import pytest
 
 from prkit.build import cargo_build, sim_binary, wasm_path
-from prkit.envoy import Envoy
+from prkit.envoy import Envoy, wait_inflight_zero
 from prkit.paths import REPO_ROOT, target_dir
 from prkit.ports import free_port
 from prkit.prom import parse_prometheus
+from prkit.wait import wait_until
 
 from . import conftest as it_conftest
 from .harness import Client, WorkerPool
@@ -54,30 +55,6 @@ def base_args(listener: int, admin: int) -> list:
             "--wasm", str(wasm_path()), "--health-interval", "0.5s"]
 
 
-def wait_for(cond, what: str, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def stats(envoy: Envoy) -> dict:
-    return envoy.stats()
-
-
-def inflight(envoy: Envoy) -> dict:
-    return {k: v for k, v in stats(envoy).items() if k.startswith("prefix_router_inflight_")}
-
-
-def all_inflight_zero(envoy: Envoy) -> bool:
-    g = inflight(envoy)
-    return bool(g) and all(v == 0 for v in g.values())
-
-
 def all_hosts_healthy(envoy: Envoy, clusters: list) -> bool:
     """Every host of these clusters (their own and their fallbacks) passed its health check: on a
     starved machine a first check can time out, and a retry cannot move to an unhealthy fallback."""
@@ -88,14 +65,11 @@ def all_hosts_healthy(envoy: Envoy, clusters: list) -> bool:
     return bool(flags) and all(f == "healthy" for f in flags)
 
 
-def cluster_health(envoy: Envoy, cluster: str, port: int) -> str:
-    """Health flags of the cluster's own host (127.0.0.1:port; the others are its fallbacks)."""
-    status, text = envoy.admin_get("/clusters")
-    assert status == 200
-    for line in text.splitlines():
-        if line.startswith(f"{cluster}::127.0.0.1:{port}::health_flags::"):
-            return line.rsplit("::", 1)[1]
-    return ""
+def assert_inflight_zero(envoy: Envoy) -> dict:
+    """Waits until every in-flight gauge reads 0; fails showing them otherwise."""
+    g = wait_inflight_zero(envoy, DEADLINE_S)
+    assert g and all(v == 0 for v in g.values()), f"in-flight gauges not back to 0: {g}"
+    return g
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,7 +104,7 @@ class FakeFleet:
 
     def start(self):
         self.envoy.start()
-        wait_for(lambda: all_hosts_healthy(self.envoy, PREFILLS + DECODES), "every worker host healthy")
+        wait_until(lambda: all_hosts_healthy(self.envoy, PREFILLS + DECODES), "every worker host healthy")
         # Envoy's worker threads see a host turn healthy some time after /clusters does (until
         # then a cluster sends its traffic to its fallback): wait until each decode cluster
         # answers from its own worker.
@@ -141,7 +115,7 @@ class FakeFleet:
             if r.status == 200 and r.decision.get("decode") == r.worker:
                 own.add(r.worker)
             return own == set(DECODES)
-        wait_for(warmed, "each decode cluster served by its own worker")
+        wait_until(warmed, "each decode cluster served by its own worker")
         return self
 
     def close(self):
@@ -193,7 +167,7 @@ def posts_by_worker(f: FakeFleet, n_expected: int, tag: str) -> dict:
     def seen():
         got = {n: [q for q in f.requests(n) if tag.encode() in q["body"]] for n in PREFILLS + DECODES}
         return got if sum(len(v) for v in got.values()) >= n_expected else None
-    return wait_for(seen, f"{n_expected} worker requests")
+    return wait_until(seen, f"{n_expected} worker requests")
 
 
 PD_BODIES = [
@@ -259,18 +233,17 @@ def test_inflight_returns_to_zero_for_both_roles(ff):
                            {"model": MODEL, "stream": True, "x_events": 3, "x_interval": 0.01,
                             "messages": [{"role": "user", "content": uuid.uuid4().hex}]})
         assert r.status == 200
-    wait_for(lambda: all_inflight_zero(ff.envoy), "in-flight gauges at 0")
-    g = inflight(ff.envoy)
+    g = assert_inflight_zero(ff.envoy)
     for n in PREFILLS + DECODES:
         assert f"prefix_router_inflight_requests_{n}" in g, sorted(g)
 
 
 def test_body_that_is_not_an_object_is_refused_and_counted(ff):
-    before = stats(ff.envoy).get("prefix_router_pd_bad_body", 0)
+    before = ff.envoy.stats().get("prefix_router_pd_bad_body", 0)
     r = ff.client.post("/v1/completions", "[1, 2, 3]")
     assert r.status == 400
     assert r.json()["object"] == "error"
-    assert stats(ff.envoy).get("prefix_router_pd_bad_body", 0) == before + 1
+    assert ff.envoy.stats().get("prefix_router_pd_bad_body", 0) == before + 1
     assert not any(b"[1, 2, 3]" in q["body"] for n in PREFILLS + DECODES for q in ff.requests(n))
 
 
@@ -305,7 +278,7 @@ class SimWorker:
         if self.bootstrap_port:
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self.healthy, f"{name} up")
+        wait_until(self.healthy, f"{name} up")
 
     def get(self, path: str) -> tuple[int, str]:
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
@@ -401,7 +374,7 @@ def test_decode_streams_after_the_prefill_worker_hands_over_the_kv(sims):
         assert r.decision["decode"] == f"{MODEL}_decode_{r.worker[1:]}", r.decision
     # the second turn went to the prefill worker holding the system prompt: a cache hit there
     assert cached[0] == 0 and cached[1] > 0, cached
-    wait_for(lambda: all_inflight_zero(sims.envoy), "in-flight gauges at 0")
+    assert_inflight_zero(sims.envoy)
     transfers = sum(w.metric("sglang:kv_transfer_total") for w in sims.prefill)
     assert transfers >= 2
 
@@ -418,7 +391,7 @@ def test_prefill_worker_down_gives_a_counted_error_within_the_bootstrap_timeout(
     assert "Decode bootstrap failed" in msg and f"timed out after {SIM_BOOTSTRAP_TIMEOUT_S:.1f}s" in msg, msg
     after = sum(w.metric("sglang:num_bootstrap_failed_reqs_total") for w in sims.decode)
     assert after == before + 1
-    wait_for(lambda: all_inflight_zero(sims.envoy), "in-flight gauges at 0")
+    assert_inflight_zero(sims.envoy)
 
 
 @pytest.fixture
@@ -437,18 +410,18 @@ def test_a_prefill_worker_that_stops_answering_load_polls_gets_no_prefills(polle
     assert first.status == 200, first.body
     holder = first.decision["worker"]
     dead = next(w for w in s.prefill if holder.endswith(w.name[-1]))
-    failures = lambda: stats(s.envoy).get("prefix_router_load_poll_failures", 0)  # noqa: E731
+    failures = lambda: s.envoy.stats().get("prefix_router_load_poll_failures", 0)  # noqa: E731
     before = failures()
     dead.stop()
     # Several failed rounds (100 ms apart): every VM has re-read the published failure by then
     # (each does once per 50 ms tick).
-    wait_for(lambda: failures() >= before + 4, "the poller sees the prefill worker gone")
+    wait_until(lambda: failures() >= before + 4, "the poller sees the prefill worker gone")
     for i in range(6):
         p = prompt if i % 2 == 0 else uuid.uuid4().hex * 20
         r = s.client.post("/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 2})
         assert r.status == 200, (i, r.body)
         assert r.decision["worker"] != holder, r.decision
-    wait_for(lambda: all_inflight_zero(s.envoy), "in-flight gauges at 0")
+    assert_inflight_zero(s.envoy)
 
 
 
@@ -493,4 +466,4 @@ def test_siblings_that_arrive_before_the_first_answer_follow_its_prefill_worker(
         assert r.status == 200, (i, r.body)
     # Nothing was indexed when they were routed: they followed the placement, not a prefix hit.
     assert replies[0].decision["reason"] == "hash_affinity", replies[0].decision
-    wait_for(lambda: all_inflight_zero(s.envoy), "in-flight gauges at 0")
+    assert_inflight_zero(s.envoy)

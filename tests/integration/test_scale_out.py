@@ -34,7 +34,6 @@ import hmac
 import http.client
 import json
 import random
-import re
 import secrets
 import shutil
 import string
@@ -52,7 +51,8 @@ from prkit.build import wasm_path
 from prkit.envoy import Envoy
 from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
-from prkit.prom import parse_prometheus
+from prkit.prom import inflight_gauges
+from prkit.wait import wait_until
 
 from . import conftest as it_conftest
 from .harness import Client, Reply, WorkerPool
@@ -101,29 +101,10 @@ class Replica:
         self.client = Client(envoy.listener_port)
         self.restarts = 0
 
-    def stats(self) -> dict:
-        """Prometheus samples now. The filter's counters reach Envoy up to 200 ms late (its
-        metric flush): callers poll with a deadline, or use `envoy.stats()` (waits one flush)."""
-        status, text = self.envoy.admin_get("/stats/prometheus")
-        assert status == 200, text
-        return parse_prometheus(text)
-
     def stat(self, name: str) -> float:
-        return self.stats().get(name, 0.0)
-
-    def envoy_counters(self, pattern: str) -> dict:
-        """Envoy's own counters (/stats text; current, no flush lag) whose name matches `pattern`."""
-        status, text = self.envoy.admin_get("/stats")
-        assert status == 200, text
-        out = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(": ")
-            if re.fullmatch(pattern, name) and value.strip().isdigit():
-                out[name] = int(value)
-        return out
-
-    def alive(self) -> bool:
-        return self.envoy.proc is not None and self.envoy.proc.poll() is None
+        """One of the filter's metrics now (`envoy.stats_now()`: it reaches Envoy up to 200 ms
+        late, its metric flush; callers poll with a deadline, or use `envoy.stats()`)."""
+        return self.envoy.stats_now().get(name, 0.0)
 
     def stop(self):
         self.client.close()
@@ -179,7 +160,7 @@ class Fleet:
             # the main thread compiles the Wasm module, and Envoy then sends part of a worker's
             # traffic to its fallbacks: hence --health-timeout 10s above.
             for w in self.names:
-                wait_for(lambda rep=rep, w=w: primary_health(rep, w) == "healthy",
+                wait_until(lambda rep=rep, w=w: primary_health(rep, w) == "healthy",
                          f"replica {rep.name}: {w} healthy in Envoy")
         return self
 
@@ -196,7 +177,7 @@ class Fleet:
             w.delay_s = 0.0
 
     def live(self) -> list:
-        return [r for r in self.replicas.values() if r.alive()]
+        return [r for r in self.replicas.values() if r.envoy.alive()]
 
     def __getitem__(self, name: str) -> Replica:
         return self.replicas[name]
@@ -232,10 +213,7 @@ def fl(fleet):
 
 def check_vm_healthy(rep: Replica):
     """With failure_policy FAIL_RELOAD a trapped VM is papered over by a reload: look for it."""
-    reloads = {k: v for k, v in rep.stats().items() if k.startswith("envoy_wasm_prefix_router_vm_reload")}
-    assert all(v == 0 for v in reloads.values()), (rep.name, reloads)
-    bad = [line for line in rep.envoy.log_text().splitlines()
-           if "][wasm]" in line and ("][error]" in line or "][critical]" in line)]
+    bad = rep.envoy.wasm_errors()
     assert not bad, f"replica {rep.name}:\n" + "\n".join(bad[:20])
 
 
@@ -244,29 +222,15 @@ def check_vm_healthy(rep: Replica):
 # --------------------------------------------------------------------------------------------
 
 
-def wait_for(cond, what, timeout_s: float = DEADLINE_S, every_s: float = 0.05):
-    """Polls `cond` until it returns something truthy (returned); fails naming `what` (a string,
-    or a callable giving one, evaluated at the deadline for the current state)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            msg = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for: {msg}")
-        time.sleep(every_s)
-
-
 def wait_polling(rep: Replica):
     """The replica's elected VM polls: it has had answers from every worker."""
-    wait_for(lambda: rep.stat(ANSWERS) >= N_WORKERS, f"replica {rep.name}: first load-poll answers")
+    wait_until(lambda: rep.stat(ANSWERS) >= N_WORKERS, f"replica {rep.name}: first load-poll answers")
 
 
 def worker_requests(rep: Replica) -> dict:
     """Load polls this Envoy completed to each worker (envoy/gen polls through `<worker>_load`
     clusters, which carry nothing else)."""
-    c = rep.envoy_counters(r"cluster\.llama_\d+_load\.upstream_rq_completed")
+    c = rep.envoy.counters(r"cluster\.llama_\d+_load\.upstream_rq_completed")
     return {n: c.get(f"cluster.{n}_load.upstream_rq_completed", 0) for n in FLEET_NAMES}
 
 
@@ -282,7 +246,7 @@ def wait_fresh_load(reps, polls: int = 3):
         def fresh(r=r):
             now = worker_requests(r)
             return all(now[n] >= before[r.name][n] + polls for n in now)
-        wait_for(fresh, lambda r=r: f"replica {r.name}: {polls} fresh load polls of every worker "
+        wait_until(fresh, lambda r=r: f"replica {r.name}: {polls} fresh load polls of every worker "
                                     f"(before {before[r.name]}, now {worker_requests(r)})")
 
 
@@ -290,7 +254,7 @@ def peer_traffic(reps) -> tuple:
     """(batches sent so far, batches in flight) to the peer clusters, over `reps`."""
     total = active = 0
     for r in reps:
-        c = r.envoy_counters(r"cluster\.prefix_router_peer_\d+\.upstream_rq_(total|active)")
+        c = r.envoy.counters(r"cluster\.prefix_router_peer_\d+\.upstream_rq_(total|active)")
         total += sum(v for k, v in c.items() if k.endswith("_total"))
         active += sum(v for k, v in c.items() if k.endswith("_active"))
     return total, active
@@ -309,7 +273,7 @@ def wait_peers_quiet(reps, quiet_s: float = 0.4):
             state["last"], state["since"] = now, t
             return False
         return t - state["since"] >= quiet_s
-    wait_for(quiet, lambda: f"peer batches to settle ({state['last']})")
+    wait_until(quiet, lambda: f"peer batches to settle ({state['last']})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,13 +309,11 @@ def chosen(r: Reply) -> str:
 def primary_health(rep: Replica, worker: str) -> str:
     """Envoy's health flags for `worker`'s own host in its cluster ('healthy', '/failed_active_hc',
     '/failed_outlier_check', ...). Other hosts in the cluster are its fallbacks."""
-    status, text = rep.envoy.admin_get("/clusters")
-    assert status == 200, text
     port = FLEET_PORTS[worker]
-    for line in text.splitlines():
-        if line.startswith(f"{worker}::127.0.0.1:{port}::health_flags::"):
-            return line.rsplit("::", 1)[1]
-    raise AssertionError(f"{worker}: its host 127.0.0.1:{port} not in {rep.name}'s /clusters")
+    flags = rep.envoy.host_health(worker, f"127.0.0.1:{port}")
+    if flags is None:
+        raise AssertionError(f"{worker}: its host 127.0.0.1:{port} not in {rep.name}'s /clusters")
+    return flags
 
 
 def check_served(rep: Replica, r: Reply, served: str):
@@ -389,7 +351,7 @@ def send_then_wait_records(src: Replica, messages: list, dst: Replica) -> Reply:
     """Route a turn through `src`, then wait until `dst` has received the records it made."""
     base = dst.stat(RX)  # before sending: the batch often lands before the response comes back
     r = send(src, messages)
-    wait_for(lambda: dst.stat(RX) > base, f"replica {dst.name}: records from {src.name} ({r.decision})")
+    wait_until(lambda: dst.stat(RX) > base, f"replica {dst.name}: records from {src.name} ({r.decision})")
     return r
 
 
@@ -523,7 +485,7 @@ def test_worker_with_deep_polled_queue_gets_no_new_conversations(fl):
     fl.pool.workers[owner].extra_load = 40
     wait_fresh_load(reps)
     for r in reps:
-        wait_for(lambda r=r: r.stat(ANSWERS) > before[r.name], f"replica {r.name}: load_poll.answers grows")
+        wait_until(lambda r=r: r.stat(ANSWERS) > before[r.name], f"replica {r.name}: load_poll.answers grows")
 
     got = []
     for i in range(21):
@@ -561,16 +523,16 @@ def test_dead_peer_costs_no_requests(fl):
         # Each replica's batches to C's peer listener fail (connection refused) and are counted;
         # A and B still exchange records.
         for r in (A, B):
-            wait_for(lambda r=r: r.stat(SEND_FAILURES) > base_fail[r.name],
+            wait_until(lambda r=r: r.stat(SEND_FAILURES) > base_fail[r.name],
                      f"replica {r.name}: peers.send_failures grows while C is down")
-        wait_for(lambda: B.stat(RX) > base_rx_b, "B still receives A's records")
-        refused = A.envoy_counters(r"cluster\.prefix_router_peer_2\.upstream_cx_connect_fail")
+        wait_until(lambda: B.stat(RX) > base_rx_b, "B still receives A's records")
+        refused = A.envoy.counters(r"cluster\.prefix_router_peer_2\.upstream_cx_connect_fail")
         assert sum(refused.values()) > 0, refused
     finally:
         C.restart()
     wait_polling(C)
     for w in fl.names:
-        wait_for(lambda w=w: primary_health(C, w) == "healthy", f"restarted C: {w} healthy in Envoy")
+        wait_until(lambda w=w: primary_health(C, w) == "healthy", f"restarted C: {w} healthy in Envoy")
     # Back: C routes, and records reach it again.
     base_rx_c = C.stat(RX)
     send_then_wait_records(A, [system_prompt(600), user(400)], C)
@@ -584,8 +546,8 @@ def wait_unknown(fleet: Fleet, reps, worker: str, knob: str, value):
     base = {r.name: r.stat(FAILURES) for r in reps}
     setattr(fleet.pool.workers[worker], knob, value)
     for r in reps:
-        wait_for(lambda r=r: r.stat(FAILURES) > base[r.name], f"replica {r.name}: load_poll.failures grows")
-        wait_for(lambda r=r: r.stat(UNKNOWN) >= 1, f"replica {r.name}: load_poll.unknown_workers > 0")
+        wait_until(lambda r=r: r.stat(FAILURES) > base[r.name], f"replica {r.name}: load_poll.failures grows")
+        wait_until(lambda r=r: r.stat(UNKNOWN) >= 1, f"replica {r.name}: load_poll.unknown_workers > 0")
 
 
 def decided_for(reps, worker: str, served: str = "if_healthy", messages=None, tries: int = 60) -> list:
@@ -599,7 +561,7 @@ def decided_for(reps, worker: str, served: str = "if_healthy", messages=None, tr
         r = send(reps[len(seen) % len(reps)], make(), served)
         seen.append(chosen(r))
         return seen[-1] == worker or len(seen) >= tries
-    wait_for(routed_there, f"a new request routed to {worker}", every_s=0.0)
+    wait_until(routed_there, f"a new request routed to {worker}", every_s=0.0)
     return seen
 
 
@@ -614,7 +576,7 @@ def test_slow_load_endpoint_counts_as_unknown_and_the_worker_still_serves(fl):
     assert seen[-1] == slow, f"{slow} (slow load endpoint) got none of {len(seen)} new prompts: {Counter(seen)}"
     fl.pool.workers[slow].load_delay_s = 0.0
     for r in reps:
-        wait_for(lambda r=r: r.stat(UNKNOWN) == 0, f"replica {r.name}: load_poll.unknown_workers back to 0")
+        wait_until(lambda r=r: r.stat(UNKNOWN) == 0, f"replica {r.name}: load_poll.unknown_workers back to 0")
 
 
 def test_load_endpoint_answering_500_counts_as_unknown_not_idle(fl):
@@ -639,7 +601,7 @@ def test_load_endpoint_errors_do_not_eject_the_worker(fl):
     broken = fl.names[-1]
     wait_unknown(fl, [A], broken, "load_status", 500)
     wait_fresh_load([A])  # a few more failed polls
-    ejected = A.envoy_counters(rf"cluster\.{broken}\.outlier_detection\.ejections_enforced_total")
+    ejected = A.envoy.counters(rf"cluster\.{broken}\.outlier_detection\.ejections_enforced_total")
     assert sum(ejected.values()) == 0, ejected
     seen = decided_for([A], broken, served="always")
     assert seen[-1] == broken, Counter(seen)
@@ -667,19 +629,19 @@ def test_peer_listener_accepts_only_authenticated_batches(fl):
     ]
     want = [403] * (len(refused) - 1) + [400]
     assert [r.status for r in refused] == want, [(r.status, r.body[:100]) for r in refused]
-    wait_for(lambda: A.stat(REJECTED) >= rej0 + len(refused), "peers.requests_rejected counts the refusals")
+    wait_until(lambda: A.stat(REJECTED) >= rej0 + len(refused), "peers.requests_rejected counts the refusals")
     s1 = A.envoy.stats()
     assert s1.get(RX, 0) == rx0, "a refused batch was applied"
     assert s1.get(BAD_MAC, 0) == mac0 + 3, (mac0, s1.get(BAD_MAC))  # the old protocol's too
     # Each refusal is one access log line of the peer listener, with the filter's reason.
-    wait_for(lambda: refusals_logged(A, "prefix_router_peer_bad_mac") >= 2
+    wait_until(lambda: refusals_logged(A, "prefix_router_peer_bad_mac") >= 2
              and refusals_logged(A, "prefix_router_peer_old_protocol") >= 1, "refusals in the access log")
 
     # The batch itself, untouched, is accepted: 3 records received, ignored (a model this fleet
     # lacks).
     ok = post_peer(A.peer_port, body, {})
     assert ok.status == 204, (ok.status, ok.body[:200])
-    wait_for(lambda: A.stat(RX) >= rx0 + 3, "the accepted batch's records")
+    wait_until(lambda: A.stat(RX) >= rx0 + 3, "the accepted batch's records")
     s2 = A.envoy.stats()
     assert (s2.get(RX, 0), s2.get(IGNORED, 0)) == (rx0 + 3, ign0 + 3), (rx0, ign0, s2.get(RX), s2.get(IGNORED))
 
@@ -687,7 +649,7 @@ def test_peer_listener_accepts_only_authenticated_batches(fl):
     for _ in range(3):
         again = post_peer(A.peer_port, body, {})
         assert again.status == 403, (again.status, again.body[:200])
-    wait_for(lambda: refusals_logged(A, "prefix_router_peer_replay") >= 3, "replays in the access log")
+    wait_until(lambda: refusals_logged(A, "prefix_router_peer_replay") >= 3, "replays in the access log")
     assert A.envoy.stats().get(RX, 0) == rx0 + 3, "a replayed batch was applied"
 
     # On the client listener the records path is just a path: passed through to a worker, and
@@ -714,9 +676,9 @@ def test_a_batch_replayed_after_the_window_is_refused(fl):
     # A batch from too far in the future is refused as well.
     ahead = post_peer(B.peer_port, batch(fl.secret, 2, sent_ms=int(time.time() * 1000) + (WINDOW_S + 5) * 1000), {})
     assert ahead.status == 403, (ahead.status, ahead.body[:200])
-    wait_for(lambda: B.stat(STALE) >= stale0 + 2, "peers.batches_stale counts both")
+    wait_until(lambda: B.stat(STALE) >= stale0 + 2, "peers.batches_stale counts both")
     assert B.envoy.stats().get(RX, 0) == rx0 + 2, "only the first delivery was applied"
-    wait_for(lambda: refusals_logged(B, "prefix_router_peer_stale") >= 2, "stale batches in the access log")
+    wait_until(lambda: refusals_logged(B, "prefix_router_peer_stale") >= 2, "stale batches in the access log")
 
 
 def test_a_flood_from_one_sender_is_cut_at_its_budget(fl):
@@ -742,12 +704,12 @@ def test_a_flood_from_one_sender_is_cut_at_its_budget(fl):
     elapsed = time.monotonic() - t0
     assert set(statuses) <= {204, 429}, Counter(statuses)
     assert statuses[0] == 204 and 429 in statuses, Counter(statuses)
-    wait_for(lambda: C.stat(RX) + C.stat(OVER_BUDGET) >= rx0 + over0 + sent, "every record applied or cut")
+    wait_until(lambda: C.stat(RX) + C.stat(OVER_BUDGET) >= rx0 + over0 + sent, "every record applied or cut")
     s1 = C.envoy.stats()
     got, cut = s1.get(RX, 0) - rx0, s1.get(OVER_BUDGET, 0) - over0
     assert got + cut == sent, (got, cut, sent)
     assert got <= BUDGET * (1 + elapsed) + 1, f"{got} records applied in {elapsed:.2f} s"
-    wait_for(lambda: refusals_logged(C, "prefix_router_peer_over_budget") >= statuses.count(429),
+    wait_until(lambda: refusals_logged(C, "prefix_router_peer_over_budget") >= statuses.count(429),
              "one access log line per batch cut")
 
 
@@ -758,7 +720,7 @@ def test_a_flood_from_one_sender_is_cut_at_its_budget(fl):
 
 def test_inflight_returns_to_zero_on_every_replica(fl):
     reps = [fl["A"], fl["B"], fl["C"]]
-    assert all(r.alive() for r in reps)
+    assert all(r.envoy.alive() for r in reps)
     # A last burst through all replicas at once: overlapping requests, streams, and streams the
     # client abandons half way.
     fl.pool.set_delay(0.05)
@@ -801,9 +763,9 @@ def test_inflight_returns_to_zero_on_every_replica(fl):
 
     def zero():
         for r in reps:
-            g = {k: v for k, v in r.stats().items() if k.startswith("prefix_router_inflight_")}
+            g = inflight_gauges(r.envoy.stats_now())
             gauges[r.name] = {k: v for k, v in g.items() if v}
             if len(g) != 2 * N_WORKERS or gauges[r.name]:
                 return False
         return True
-    wait_for(zero, lambda: f"in-flight gauges back to 0 on every replica; non-zero: {gauges}")
+    wait_until(zero, lambda: f"in-flight gauges back to 0 on every replica; non-zero: {gauges}")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prkit.build import wasm_path
 from prkit.envoy import Envoy
+from prkit.envoy import wait_inflight_zero as envoy_wait_inflight_zero
 from prkit.fleet import SimFleet
 from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
@@ -49,29 +50,10 @@ def start_envoy(config: str, workdir: Path, listen: int, admin: int) -> Envoy:
                  drain_time_s=2, parent_shutdown_s=4).start()
 
 
-# The in-flight load as Envoy's shared data holds it (the sum of the VMs' live load leases), set
-# by every VM's timer from shared data itself. The per-worker `prefix_router_inflight_*` gauges
-# are VM-side counts, decremented even if a release never reached shared data: a leak test must
-# look at these two as well.
-SHARED_LOAD = ("prefix_router_load_requests", "prefix_router_load_tokens")
-
-
-def inflight(stats: dict) -> dict:
-    """The VM-side per-worker in-flight gauges plus the two shared-data load gauges."""
-    return {k: v for k, v in stats.items() if k.startswith("prefix_router_inflight_") or k in SHARED_LOAD}
-
-
 def wait_inflight_zero(envoy: Envoy, timeout_s: float = 30.0) -> dict:
     """Waits (up to `timeout_s`) until every in-flight gauge, VM-side and shared-data, is 0;
     returns them as last seen (the caller asserts)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        g = inflight(envoy.stats())
-        if all(k in g for k in SHARED_LOAD) and all(v == 0 for v in g.values()):
-            return g
-        if time.monotonic() > deadline:
-            return g
-        time.sleep(0.2)
+    return envoy_wait_inflight_zero(envoy, timeout_s, shared_load=True)
 
 
 def vm_failures(envoy: Envoy) -> list[str]:

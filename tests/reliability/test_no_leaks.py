@@ -18,7 +18,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .common import chat_body, gen_stack, inflight, rng, run_load, vm_failures, wait_inflight_zero
+from prkit.prom import inflight_and_shared_load as inflight
+
+from .common import chat_body, gen_stack, rng, run_load, vm_failures, wait_inflight_zero
 
 SIM = ["--time-scale", "0.1", "--max-running-requests", "64"]
 
