@@ -8,6 +8,9 @@ One place for what every Python tool around the filter needs:
 * `prkit.ports`: `free_port()` (never the same port twice in a process).
 * `prkit.envoy`: `Envoy`, one Envoy process (its own base id, hot-restart epochs, admin, stats).
 * `prkit.fleet`: `SimWorker` / `SimFleet`, simulated SGLang workers (also the `scripts/fleet` CLI).
+* `prkit.fake_workers`: `Worker` / `WorkerPool`, fake recording LLM workers for tests.
+* `prkit.client`: `Client` / `Reply`, a keep-alive test client (the decision header parsed).
+* `prkit.stack`: `Stack`, fake workers + Envoy on the demo config (the integration tests' unit).
 * `prkit.prom`: Prometheus text parsing and metric helpers.
 * `prkit.wait`: waiting for a condition up to a deadline (never a timing assertion).
 * `prkit.envoy_config`: Envoy configs (the generator behind `envoy/gen`).

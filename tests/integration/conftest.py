@@ -1,10 +1,11 @@
-"""Fixtures for the real-Envoy integration tests (see harness.py)."""
+"""Fixtures for the real-Envoy integration tests (the stack: prkit.stack, prkit.fake_workers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from .harness import Client, Stack
+from prkit.client import Client
+from prkit.stack import Stack
 
 _ACTIVE_STACKS: list = []
 

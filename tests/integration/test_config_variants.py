@@ -8,9 +8,13 @@ from collections import Counter
 
 import pytest
 
+from prkit.client import Client
+from prkit.envoy import wait_inflight_zero
+from prkit.prom import delta, reason_counters
+from prkit.stack import Stack
+
 from . import workload as wl
 from .conftest import _ACTIVE_STACKS
-from .harness import Client, Stack, delta, reason_counters, wait_inflight_zero
 
 
 def _stack(overrides):
@@ -78,7 +82,7 @@ def test_unknown_model_is_rejected_with_openai_error(multi):
     assert sum(multi.pool.counts().values()) == 0
     d = delta(reason_counters(multi.envoy.stats()), reason_counters(before))
     assert d.get("rejected") == 1, d
-    assert wait_inflight_zero(multi) and all(v == 0 for v in wait_inflight_zero(multi).values())
+    assert wait_inflight_zero(multi.envoy) and all(v == 0 for v in wait_inflight_zero(multi.envoy).values())
 
 
 def test_passthrough_cluster_takes_all_non_inference(multi):

@@ -25,13 +25,14 @@ import pytest
 
 from prkit import envoy_config as ec
 from prkit.build import cargo_build, dm_floor_path, envoy_binary
-from prkit.paths import target_dir
+from prkit.client import Client
 from prkit.envoy import Envoy
+from prkit.fake_workers import WorkerPool
+from prkit.paths import target_dir
 from prkit.ports import free_port
 from prkit.wait import wait_until
 
 from . import workload as wl
-from .harness import Client, WorkerPool
 
 NAMES = ["w0", "w1", "w2", "w3"]
 

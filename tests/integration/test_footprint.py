@@ -8,8 +8,10 @@ from collections import Counter
 
 import pytest
 
+from prkit.client import Client
+from prkit.stack import Stack
+
 from . import workload as wl
-from .harness import Client, Stack
 
 MODEL = "llama"
 

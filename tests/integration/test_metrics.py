@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from prkit.prom import inflight_requests
+from prkit.client import Client
+from prkit.envoy import wait_inflight_zero
+from prkit.prom import delta, inflight_requests, reason_counters
 from prkit.wait import poll
 
 from . import workload as wl
-from .harness import Client, delta, inflight_gauges, reason_counters, wait_inflight_zero
 
 MODEL = "llama"
 REASONS = {"prefix_hit", "hash_affinity", "load_spill", "fallback", "passthrough", "parse_error", "rejected",
@@ -30,7 +31,7 @@ def test_request_counters_count_exactly_what_was_sent(env, client):
     everything = inference + gets + malformed
     assert all(rep.status == 200 for rep in everything)
 
-    wait_inflight_zero(env)
+    wait_inflight_zero(env.envoy)
     after = env.envoy.stats()
     d = delta(after, before)
     reasons = {k: v for k, v in delta(reason_counters(after), reason_counters(before)).items() if v}
@@ -63,7 +64,7 @@ def test_inflight_gauges_exist_per_worker_and_return_to_zero(env, client):
     r = wl.rng("gauges")
     for _ in range(5):
         assert client.post("/v1/completions", {"model": MODEL, "prompt": wl.text(r, 1000)}).status == 200
-    gauges = wait_inflight_zero(env)
+    gauges = wait_inflight_zero(env.envoy)
     expected = {f"prefix_router_inflight_{kind}_{w}" for kind in ("requests", "tokens") for w in env.names}
     assert expected <= set(gauges), sorted(gauges)
     assert all(v == 0 for v in gauges.values()), gauges
@@ -95,5 +96,5 @@ def test_inflight_gauges_track_requests_in_progress(env):
             t.join(timeout=60)
     assert done == [200] * 4
     assert seen == 4, f"in-flight request gauges read {seen} with 4 requests held upstream"
-    gauges = wait_inflight_zero(env)
+    gauges = wait_inflight_zero(env.envoy)
     assert all(v == 0 for v in gauges.values()), gauges

@@ -4,7 +4,7 @@ routes the request to the decode worker and Envoy mirrors the same body to the p
 (`request_mirror_policies[].cluster_header`). Configs come from `envoy/gen --pd-model`.
 
 Two fleets:
-  * fake recording workers (harness.Worker): what each worker received, byte for byte, and
+  * fake recording workers (prkit.fake_workers.Worker): what each worker received, byte for byte, and
     decode failover (production shape: retries move a request to a decode fallback);
   * simulated SGLang PD workers (sglang-sim --disaggregation-mode prefill|decode): the decode
     worker waits for the room's KV from the prefill worker named in the body, then streams; a
@@ -25,14 +25,15 @@ import uuid
 import pytest
 
 from prkit.build import cargo_build, sim_binary, wasm_path
+from prkit.client import Client
 from prkit.envoy import Envoy, wait_inflight_zero
+from prkit.fake_workers import WorkerPool
 from prkit.paths import REPO_ROOT, target_dir
 from prkit.ports import free_port
 from prkit.prom import parse_prometheus
 from prkit.wait import wait_until
 
 from . import conftest as it_conftest
-from .harness import Client, WorkerPool
 
 GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "m"

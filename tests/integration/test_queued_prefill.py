@@ -9,10 +9,11 @@ import uuid
 
 import pytest
 
+from prkit.client import Client
+from prkit.stack import Stack
 from prkit.wait import wait_until
 
 from . import workload as wl
-from .harness import Client, Stack
 
 MODEL = "llama"
 POLLS = "prefix_router_load_poll_answers"

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 import queue
+import re
 import threading
 from collections import Counter
 
+from prkit.client import Client
+from prkit.envoy import wait_inflight_zero
+from prkit.prom import delta
+
 from . import workload as wl
-from .harness import Client, connections_per_envoy_worker, delta, wait_inflight_zero
 
 MODEL = "llama"
 
@@ -22,6 +26,17 @@ def _covers(matched: int, shared_blocks: int) -> bool:
     filter/src/blocks.rs), so a shared prefix of `shared_blocks` full blocks is reported as the
     deepest checkpoint within it: never less than 2/3 of it, and at least 1 block."""
     return 3 * matched >= 2 * shared_blocks and (shared_blocks == 0 or matched >= 1)
+
+
+def connections_per_envoy_worker(stack) -> dict:
+    """{envoy worker thread id: downstream connections accepted so far} for the listener."""
+    out = {}
+    for k, v in stack.envoy.stats().items():
+        if k.startswith("envoy_listener_worker_downstream_cx_total{"):
+            m = re.search(r'envoy_worker_id="(\d+)"', k)
+            if m and f"_{stack.envoy.listener_port}\"" in k:
+                out[m.group(1)] = v
+    return out
 
 
 def test_shared_prefix_sequential_stays_on_one_worker(env, client):
@@ -122,7 +137,7 @@ def test_shared_prefix_concurrent_spills_within_load_bound(env):
     assert reasons["load_spill"] > 0, info
     assert set(reasons) <= {"prefix_hit", "load_spill", "hash_affinity"}, info
 
-    gauges = wait_inflight_zero(env)
+    gauges = wait_inflight_zero(env.envoy)
     assert gauges and all(v == 0 for v in gauges.values()), gauges
 
 
@@ -270,7 +285,7 @@ def test_shuffled_prefix_groups_under_concurrency(env):
     assert reasons["prefix_hit"] >= groups * per_group // 2, info
     bound = math.ceil((1 + env.load_eps) * C / len(env.names) + env.load_slack - 1) + 2
     assert max(env.pool.max_inflight().values()) <= bound, info
-    gauges = wait_inflight_zero(env)
+    gauges = wait_inflight_zero(env.envoy)
     assert all(v == 0 for v in gauges.values()), gauges
 
 
@@ -312,7 +327,7 @@ def test_conversations_over_a_fleet_prefix_use_every_worker(env):
         env.pool.set_delay(0.0)
         assert all(rep is not None and rep.status == 200 for rep in out), out
         holders |= {rep.worker for rep in out}
-        wait_inflight_zero(env)
+        wait_inflight_zero(env.envoy)
         if 4 * len(holders) >= 3 * n:
             break
 

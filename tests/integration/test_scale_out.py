@@ -48,14 +48,15 @@ from collections import Counter
 import pytest
 
 from prkit.build import wasm_path
+from prkit.client import Client, Reply
 from prkit.envoy import Envoy
+from prkit.fake_workers import WorkerPool
 from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
 from prkit.prom import inflight_gauges
 from prkit.wait import wait_until
 
 from . import conftest as it_conftest
-from .harness import Client, Reply, WorkerPool
 
 GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "llama"

@@ -11,7 +11,7 @@ from prkit.prom import inflight_requests
 from prkit.wait import poll
 
 from . import workload as wl
-from .harness import wait_inflight_zero
+from prkit.envoy import wait_inflight_zero
 
 MODEL = "llama"
 
@@ -42,7 +42,7 @@ def test_sse_stream_is_forwarded_incrementally(env):
         conn.close()
     frames = [line for line in (first + rest).split(b"\n") if line.startswith(b"data: ")]
     assert len(frames) == events + 1 and frames[-1] == b"data: [DONE]", frames[-3:]
-    gauges = wait_inflight_zero(env)
+    gauges = wait_inflight_zero(env.envoy)
     assert all(v == 0 for v in gauges.values()), gauges
 
 
@@ -63,7 +63,7 @@ def test_client_abort_mid_stream_releases_load(env):
             got += chunk
         assert b" 200 " in got.split(b"\r\n", 1)[0], got[:200]
         s.close()  # abort while the worker is still streaming
-    gauges = wait_inflight_zero(env)
+    gauges = wait_inflight_zero(env.envoy)
     assert gauges and all(v == 0 for v in gauges.values()), gauges
 
 
@@ -80,7 +80,7 @@ def test_dead_worker_gives_503_and_releases_load(env, client):
         assert all(st == 200 for st, w in statuses if w != "w2"), statuses
         assert all(st == 503 for st, w in statuses if w == "w2"), statuses
         assert any(w == "w2" for _, w in statuses), "no request was routed to w2; pick more prompts"
-        gauges = wait_inflight_zero(env)
+        gauges = wait_inflight_zero(env.envoy)
         assert all(v == 0 for v in gauges.values()), gauges
     finally:
         env.pool.restart("w2")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import Stack
+from prkit.stack import Stack
 
 from .common import MODEL, chat_body, gen_stack, one_request, vm_failures
 

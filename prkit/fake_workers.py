@@ -1,40 +1,22 @@
-"""Real-Envoy test harness: fake LLM workers, the stack (workers + Envoy), small clients.
-
-Nothing here is mocked on the Envoy side: the tests run the `envoy` binary from the virtualenv with
-the compiled filter and the demo config (envoy/envoy.yaml) from prkit.envoy_config on test ports. The
-Envoy process, binaries, ports and metric parsing come from prkit.
+"""Fake LLM workers for tests: HTTP servers that answer like SGLang enough for the filter (JSON
+naming the worker, SSE streams, the load endpoints the poller reads, /metrics) and record what
+they received (every request, concurrency, aborted streams); knobs make one slow, held, loaded or
+broken. `WorkerPool`: a set of them by cluster name.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-import re
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-
-from prkit import envoy_config as ec
-from prkit.build import wasm_path
-from prkit.envoy import Envoy
-from prkit.envoy import wait_inflight_zero as _envoy_wait_inflight_zero
-from prkit.ports import free_port
-from prkit.prom import delta, inflight_gauges, reason_counters  # noqa: F401 (the tests' metric helpers)
 
 CLUSTER_HEADER = "x-prefix-router-cluster"
 DEBUG_HEADER = "x-prefix-router-decision"
 # A held request (Worker.hold) is answered after this long even if the test never releases it.
 GATE_TIMEOUT_S = 120.0
-
-
-# --------------------------------------------------------------------------------------------
-# Fake workers
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -337,174 +319,3 @@ class WorkerPool:
     def close(self):
         for w in self.workers.values():
             w.close()
-
-
-# --------------------------------------------------------------------------------------------
-# The stack: fake workers + Envoy on the demo config
-# --------------------------------------------------------------------------------------------
-
-
-class Stack:
-    """Fake workers + Envoy on the demo config (prkit.envoy_config profile demo: its models, worker
-    names and plugin configuration) with the workers' real ports and `plugin_overrides` merged into
-    the plugin configuration; the unit the fixtures hand to tests."""
-
-    def __init__(self, *, plugin_overrides: dict | None = None):
-        demo = ec.profile("demo")
-        self.names = [w.cluster for ws in demo.models.values() for w in ws]
-        self.pool = WorkerPool(self.names)
-        self.tmp = Path(tempfile.mkdtemp(prefix="prefix-router-it-"))
-        listener_port, admin_port = free_port(), free_port()
-        opts = ec.local_demo(self.pool.ports, listen=listener_port, admin=admin_port, wasm=str(wasm_path()),
-                             plugin=plugin_overrides)
-        self.plugin = ec.plugin_config(opts)
-        self.envoy = Envoy(ec.render(opts), listener_port=listener_port, admin_port=admin_port, workdir=self.tmp)
-
-    def start(self):
-        try:
-            self.envoy.start()
-        except Exception:
-            self.close(keep_logs=True)
-            raise
-        return self
-
-    def close(self, keep_logs: bool = False):
-        self.envoy.stop()
-        self.pool.close()
-        if not keep_logs:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-    @property
-    def load_eps(self) -> float:
-        return float(self.plugin.get("policy", {}).get("load_eps", 1.0))
-
-    @property
-    def load_slack(self) -> float:
-        return float(self.plugin.get("policy", {}).get("load_slack", 3.0))
-
-
-# --------------------------------------------------------------------------------------------
-# Client helpers
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict  # lower-case name -> list of values
-    body: bytes
-
-    @property
-    def worker(self) -> str | None:
-        v = self.headers.get("x-worker-id")
-        return v[0] if v else None
-
-    @property
-    def decision(self) -> dict:
-        """The debug header parsed: {'worker':..., 'reason':..., 'matched': int, 'total': int}."""
-        v = self.headers.get(DEBUG_HEADER)
-        if not v:
-            return {}
-        out = {}
-        for part in v[0].split(";"):
-            k, _, val = part.strip().partition("=")
-            out[k] = int(val) if k in ("matched", "total") and val.isdigit() else val
-        return out
-
-    def json(self):
-        return json.loads(self.body)
-
-
-class Client:
-    """A keep-alive HTTP/1.1 client (http.client) that allows duplicate/odd-case headers."""
-
-    def __init__(self, port: int, timeout: float = 30.0):
-        self.port = port
-        self.timeout = timeout
-        self.conn = None
-
-    def request(self, method: str, path: str, body=None, headers=None) -> Reply:
-        if isinstance(body, (dict, list)):
-            body = json.dumps(body).encode()
-        elif isinstance(body, str):
-            body = body.encode()
-        hdrs = list(headers or [])
-        if isinstance(headers, dict):
-            hdrs = list(headers.items())
-        for attempt in (0, 1):
-            reused = self.conn is not None
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-            try:
-                self.conn.putrequest(method, path, skip_accept_encoding=True)
-                names = {k.lower() for k, _ in hdrs}
-                if body is not None:
-                    if "content-type" not in names:
-                        self.conn.putheader("Content-Type", "application/json")
-                    self.conn.putheader("Content-Length", str(len(body)))
-                for k, v in hdrs:
-                    self.conn.putheader(k, v)
-                self.conn.endheaders(body)
-                r = self.conn.getresponse()
-                data = r.read()
-                h: dict = {}
-                for k, v in r.getheaders():
-                    h.setdefault(k.lower(), []).append(v)
-                if r.will_close:
-                    self.close()
-                return Reply(r.status, h, data)
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                # Only a reused keep-alive connection that Envoy closed while idle is retried
-                # (once, on a fresh connection); any other failure is the test's business.
-                self.close()
-                if attempt or not reused:
-                    raise
-        raise AssertionError("unreachable")
-
-    def request_chunked(self, method: str, path: str, parts: list, headers=None) -> Reply:
-        """Send the body with Transfer-Encoding: chunked, one chunk per part (fresh connection)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-        try:
-            hdrs = {"Content-Type": "application/json", **(headers or {})}
-            conn.request(method, path, body=iter(parts), headers=hdrs, encode_chunked=True)
-            r = conn.getresponse()
-            data = r.read()
-            h: dict = {}
-            for k, v in r.getheaders():
-                h.setdefault(k.lower(), []).append(v)
-            return Reply(r.status, h, data)
-        finally:
-            conn.close()
-
-    def post(self, path, body, headers=None) -> Reply:
-        return self.request("POST", path, body, headers)
-
-    def get(self, path, headers=None) -> Reply:
-        return self.request("GET", path, None, headers)
-
-    def close(self):
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-
-
-# --------------------------------------------------------------------------------------------
-# Metrics helpers
-# --------------------------------------------------------------------------------------------
-
-
-def connections_per_envoy_worker(stack: "Stack") -> dict:
-    """{envoy worker thread id: downstream connections accepted so far} for the listener."""
-    out = {}
-    for k, v in stack.envoy.stats().items():
-        if k.startswith("envoy_listener_worker_downstream_cx_total{"):
-            m = re.search(r'envoy_worker_id="(\d+)"', k)
-            if m and f"_{stack.envoy.listener_port}\"" in k:
-                out[m.group(1)] = v
-    return out
-
-
-def wait_inflight_zero(stack, timeout_s: float = 30.0) -> dict:
-    """Polls until every in-flight gauge of `stack.envoy` reads 0 (or the deadline); returns the
-    last reading (callers assert on it)."""
-    return _envoy_wait_inflight_zero(stack.envoy, timeout_s)
