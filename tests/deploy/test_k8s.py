@@ -217,10 +217,16 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
     assert mounts == {"config": "/config", "peer-secret": "/secret", "hash-key": "/hash-key", "run": "/etc/prefix-router"}
     assert {m["name"]: m["mountPath"] for m in envoy["volumeMounts"]} == {"run": "/etc/prefix-router"}
+    # The kubectl commands the manifest's header gives create exactly the Secrets and the ConfigMap
+    # the pod mounts, under the keys the init script reads, from a file that exists.
     header = (REPO / "envoy" / "k8s" / "statefulset.yaml").read_text()
-    assert "--from-file=envoy.yaml=envoy/scale-out.yaml" in header
-    assert "create secret generic prefix-router-peer-secret --from-literal=secret=" in header
-    assert "create secret generic prefix-router-hash-key --from-literal=key=" in header
+    secrets = dict(re.findall(r"create secret generic (\S+) --from-literal=(\w+)=", header))
+    assert secrets == {vols["peer-secret"]["secret"]["secretName"]: "secret",
+                       vols["hash-key"]["secret"]["secretName"]: "key"}, secrets
+    assert f"{mounts['peer-secret']}/secret " in script and f"{mounts['hash-key']}/key " in script
+    ((cm, key, src),) = re.findall(r"create configmap (\S+) --from-file=([\w.]+)=(\S+)", header)
+    assert cm == vols["config"]["configMap"]["name"] and f"{mounts['config']}/{key} " in script, (cm, key)
+    assert src == "envoy/scale-out.yaml" and (REPO / src).is_file()
     # the peer port is open to prefix-router pods only
     netpol = by_kind(docs, "statefulset.yaml", "NetworkPolicy")["spec"]
     assert netpol["podSelector"]["matchLabels"] == labels
@@ -228,17 +234,10 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     assert peer_rule == [{"from": [{"podSelector": {"matchLabels": labels}}], "ports": [{"port": 15100}]}]
 
 
-def test_readme_publishing_steps():
-    text = (K8S / "README.md").read_text()
-    for needle in ("oras push", "--target oci", "application/vnd.module.wasm.content.layer.v1+wasm",
-                   "sha256sum", "allow_on_headers_stop_iteration"):
-        assert needle in text, needle
-
-
 def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
     """The StatefulSet's init container script, run here with its absolute paths mapped into
     tmp_path (the ConfigMap = envoy/scale-out.yaml with the local .wasm path, the two Secrets)."""
-    from .conftest import wasm_path, with_local_wasm
+    from .conftest import with_local_wasm
 
     pod = by_kind(docs, "statefulset.yaml", "StatefulSet")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
