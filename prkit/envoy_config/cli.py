@@ -1,0 +1,261 @@
+"""The command line (`envoy/gen`, `python -m prkit.envoy_config`): options to `Options`, then
+the rendered config on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+
+from .options import (
+    ConfigError, HASH_KEY_PLACEHOLDER, NATIVE_MODULE, Options, PROFILES, Worker, _PROFILE_DEFAULTS,
+    _worker_names, check_secret, parse_hostport, parse_model, parse_pd, parse_peers, profile,
+)
+from .plugin import merge
+from .sections import render
+
+
+def _set_path(d: dict, path: str, value) -> None:
+    keys = path.split(".")
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict):
+            raise ConfigError("--plugin", f"{path}: {k} is not an object")
+    d[keys[-1]] = value
+
+
+def _json_value(opt: str, text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word is a string
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="envoy/gen",
+        description="Generate an Envoy config for prefix-router (profiles and options: "
+                    "prkit/envoy_config/, docs/configuration.md). Listeners are on loopback unless "
+                    "an address is given.",
+    )
+    ap.add_argument("--profile", default="ingress", choices=PROFILES,
+                    help="defaults for everything below (default: ingress)")
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=[CLUSTER=]HOST:PORT[@WEIGHT][,...]",
+                    help="a model and its workers (repeat for several models); clusters default to <model>_<i>")
+    ap.add_argument("--pd-model", metavar="NAME",
+                    help="a prefill/decode-disaggregated model (with --prefill and --decode)")
+    ap.add_argument("--prefill", metavar="[CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...]",
+                    help="--pd-model's prefill workers and their bootstrap ports")
+    ap.add_argument("--decode", metavar="[CLUSTER=]HOST:PORT[@WEIGHT][,...]", help="--pd-model's decode workers")
+    ap.add_argument("--pd-timeout", metavar="DURATION",
+                    help="route timeout of PD requests, which the prefill mirror inherits (600s)")
+    ap.add_argument("--default-model", help="model for requests without one (default: the first)")
+    ap.add_argument("--listen", metavar="HOST:PORT", help="client listener (default 127.0.0.1:10000)")
+    ap.add_argument("--admin", metavar="HOST:PORT", help="admin interface (default 127.0.0.1:9901; keep it on loopback)")
+    ap.add_argument("--stats-listen", metavar="HOST:PORT|none",
+                    help="listener exposing only /stats/prometheus and /ready (default 127.0.0.1:9902 in "
+                    "production profiles; 'none' to omit)")
+    ap.add_argument("--wasm", help="path of prefix_router.wasm as Envoy sees it")
+    ap.add_argument("--native", action="store_true",
+                    help="use the experimental native build (libprefix_router.so, an Envoy dynamic module: "
+                    "cargo build -p prefix-router --release --features dynamic-module) instead of the .wasm; "
+                    "start Envoy with ENVOY_DYNAMIC_MODULES_SEARCH_PATH naming the .so's directory")
+    dbg = ap.add_mutually_exclusive_group()
+    dbg.add_argument("--debug-header", dest="debug_header", action="store_const", const=True,
+                     help="enable the x-prefix-router-decision response header")
+    dbg.add_argument("--no-debug-header", dest="debug_header", action="store_const", const=False)
+    log = ap.add_mutually_exclusive_group()
+    log.add_argument("--access-log", dest="access_log", action="store_const", const=True,
+                     help="one JSON line per request on stdout (default on, off in bench)")
+    log.add_argument("--no-access-log", dest="access_log", action="store_const", const=False)
+    ap.add_argument("--rate-limit", metavar="N", help="local rate limit, requests/s per Envoy replica (0 = none)")
+    ap.add_argument("--rate-limit-per-client", metavar="N",
+                    help="local rate limit per client address, requests/s (0 = none, the default)")
+    ap.add_argument("--rate-limit-clients", metavar="N", help="per-client buckets kept (10000)")
+    ap.add_argument("--health-interval", metavar="DURATION", help="active health check interval (5s)")
+    ap.add_argument("--health-timeout", metavar="DURATION",
+                    help="active health check timeout (2s; a check still running when the main thread "
+                    "was busy, e.g. compiling the Wasm module, fails when it resumes)")
+    ap.add_argument("--stream-idle-timeout", metavar="DURATION", help="(300s)")
+    ap.add_argument("--per-try-idle-timeout", metavar="DURATION", help="(180s)")
+    ap.add_argument("--request-timeout", metavar="DURATION",
+                    help="the whole request (headers and body) must arrive within this, else 408; stops "
+                    "counting once it has (60s; > 0)")
+    ap.add_argument("--request-headers-timeout", metavar="DURATION",
+                    help="the request headers must arrive within this (10s; > 0)")
+    ap.add_argument("--max-concurrent-streams", metavar="N", help="HTTP/2 streams per downstream connection (100)")
+    ap.add_argument("--max-heap-mib", metavar="MIB",
+                    help="heap size of the overload manager's fixed_heap monitor (1536): from 85%% HTTP/2 "
+                    "streams buffering >= 1 MiB are reset, from 95%% new requests get 503 and HTTP/1 "
+                    "connections sending more are closed; keep it ~512 MiB under the memory limit")
+    ap.add_argument("--fallbacks", metavar="N",
+                    help="workers of the same model each worker cluster falls back to (3)")
+    ap.add_argument("--max-requests", metavar="N", help="circuit breaker per worker cluster (1024)")
+    ap.add_argument("--max-ejection-percent", metavar="N", help="outlier detection (50)")
+    ap.add_argument("--max-connections", metavar="N", help="downstream connection cap (10000)")
+    ap.add_argument("--load-poll-ms", metavar="MS",
+                    help="poll every worker's load this often through <worker>_load clusters "
+                    "(0 = off: each replica sees only its own requests; default 100 in production profiles)")
+    ap.add_argument("--peers", metavar="URL[,URL...]",
+                    help="peer replicas' peer listeners (http://HOST:PORT); a replica may list itself")
+    ap.add_argument("--peer-listen", metavar="HOST:PORT", help="listener for peers' index records")
+    ap.add_argument("--peer-secret", metavar="SECRET", help="shared peer secret (>= 16 characters; prefer --peer-secret-file)")
+    ap.add_argument("--peer-secret-file", metavar="PATH", help="file holding the shared peer secret (whitespace stripped)")
+    hk = ap.add_mutually_exclusive_group()
+    hk.add_argument("--hash-key-file", metavar="PATH",
+                    help="file holding the plugin's hash_key (>= 16 printable characters, whitespace stripped; "
+                    "the same on every replica). Production profiles without --peers generate a random key "
+                    "when no key is given")
+    hk.add_argument("--hash-key", metavar="KEY", help="the hash_key itself (prefer --hash-key-file)")
+    hk.add_argument("--hash-key-placeholder", action="store_true",
+                    help=f"write {HASH_KEY_PLACEHOLDER} as hash_key, to be replaced at deploy time (the filter "
+                    "refuses the placeholder itself)")
+    # the plugin configuration (filter/src/config.rs; docs/configuration.md)
+    ap.add_argument("--policy", metavar="NAME", help="policy.name (cache_aware, round_robin, ...)")
+    ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a policy parameter, e.g. load_eps=0.5 (repeatable)")
+    ap.add_argument("--unknown-model", metavar="default|reject", help="unknown_model")
+    ap.add_argument("--passthrough-cluster", metavar="CLUSTER",
+                    help="passthrough_cluster: where non-inference requests go (must be a worker cluster)")
+    ap.add_argument("--index-capacity", metavar="N", help="index.capacity")
+    ap.add_argument("--index-ttl", metavar="SECONDS", help="index.ttl_seconds")
+    ap.add_argument("--plugin", action="append", default=[], metavar="PATH=JSON",
+                    help="any plugin configuration field, e.g. index.local_cache_ms=200 or "
+                    "peers.flush_ms=50 (value JSON, or a bare string; repeatable)")
+    ap.add_argument("--plugin-json", metavar="FILE", help="a JSON object merged into the plugin configuration")
+    return ap
+
+
+def _int_opt(opt: str, v: str | None):
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(opt, f"expected an integer, got {v!r}") from None
+
+
+def options_from_args(argv: list[str]) -> Options:
+    a = arg_parser().parse_args(argv)
+    over: dict = {}
+    if a.model:
+        models: dict[str, list[Worker]] = {}
+        for spec in a.model:
+            name, ws = parse_model(spec)
+            if name in models:
+                raise ConfigError("--model", f"model {name!r} is given twice")
+            models[name] = ws
+        over["models"] = models
+    elif a.profile in ("ingress", "test", "bench") and a.pd_model is None and a.prefill is None and a.decode is None:
+        raise ConfigError("--model", f"at least one model is required (profile {a.profile})")
+    if a.pd_model is not None or a.prefill is not None or a.decode is not None:
+        over["pd_models"] = parse_pd(a.pd_model, a.prefill, a.decode)
+        if not a.model:
+            over["models"] = {}
+    if a.pd_timeout is not None:
+        over["pd_timeout"] = a.pd_timeout
+    if a.default_model is not None:
+        over["default_model"] = a.default_model
+    for opt, key, allow_none in (("--listen", "listen", False), ("--admin", "admin", False),
+                                 ("--stats-listen", "stats_listen", True), ("--peer-listen", "peer_listen", False)):
+        v = getattr(a, key)
+        if v is not None:
+            over[key] = None if allow_none and v == "none" else parse_hostport(v, opt, allow_zero=True)
+    for key in ("wasm", "debug_header", "access_log", "health_interval", "health_timeout", "stream_idle_timeout",
+                "per_try_idle_timeout", "request_timeout", "request_headers_timeout"):
+        if getattr(a, key) is not None:
+            over[key] = getattr(a, key)
+    for opt, key in (("--rate-limit", "rate_limit"), ("--rate-limit-per-client", "rate_limit_per_client"),
+                     ("--rate-limit-clients", "rate_limit_clients"), ("--fallbacks", "fallbacks"), ("--max-requests", "max_requests"),
+                     ("--max-ejection-percent", "max_ejection_percent"), ("--max-connections", "max_connections"),
+                     ("--load-poll-ms", "load_poll_ms"), ("--max-concurrent-streams", "max_concurrent_streams"),
+                     ("--max-heap-mib", "max_heap_mib")):
+        v = _int_opt(opt, getattr(a, key))
+        if v is not None:
+            over[key] = v
+    if a.peers is not None:
+        over["peers"] = parse_peers(a.peers)
+    if a.peer_secret is not None and a.peer_secret_file is not None:
+        raise ConfigError("--peer-secret and --peer-secret-file", "give only one of them")
+    if a.peer_secret_file is not None:
+        opt = f"--peer-secret-file {a.peer_secret_file}"
+        try:
+            with open(a.peer_secret_file, encoding="utf-8") as f:
+                over["peer_secret"] = check_secret(f.read().strip(), opt)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(opt, f"cannot read the secret: {e}") from None
+    elif a.peer_secret is not None:
+        over["peer_secret"] = check_secret(a.peer_secret, "--peer-secret")
+    if a.hash_key_file is not None:
+        opt = f"--hash-key-file {a.hash_key_file}"
+        try:
+            with open(a.hash_key_file, encoding="utf-8") as f:
+                over["hash_key"] = check_secret(f.read().strip(), opt)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(opt, f"cannot read the key: {e}") from None
+    elif a.hash_key is not None:
+        over["hash_key"] = check_secret(a.hash_key, "--hash-key")
+    elif a.hash_key_placeholder:
+        over["hash_key"] = HASH_KEY_PLACEHOLDER
+
+    plugin: dict = copy.deepcopy(_PROFILE_DEFAULTS[a.profile].get("plugin", {}))
+    if a.plugin_json is not None:
+        try:
+            with open(a.plugin_json, encoding="utf-8") as f:
+                extra = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--plugin-json {a.plugin_json}", f"cannot read a JSON object: {e}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(f"--plugin-json {a.plugin_json}", "expected a JSON object")
+        plugin = merge(plugin, extra)
+    if a.policy is not None:
+        _set_path(plugin, "policy.name", a.policy)
+    for kv in a.policy_param:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise ConfigError("--policy-param", f"expected KEY=VALUE, got {kv!r}")
+        _set_path(plugin, "policy." + k, _json_value("--policy-param", v))
+    if a.unknown_model is not None:
+        if a.unknown_model not in ("default", "reject"):
+            raise ConfigError("--unknown-model", f"expected default or reject, got {a.unknown_model!r}")
+        plugin["unknown_model"] = a.unknown_model
+    if a.passthrough_cluster is not None:
+        plugin["passthrough_cluster"] = a.passthrough_cluster
+    for opt, path, v, lo in (("--index-capacity", "index.capacity", a.index_capacity, 1),
+                             ("--index-ttl", "index.ttl_seconds", a.index_ttl, 1)):
+        n = _int_opt(opt, v)
+        if n is not None:
+            if n < lo:
+                raise ConfigError(opt, f"must be at least {lo}, got {n}")
+            _set_path(plugin, path, n)
+    for kv in a.plugin:
+        k, sep, v = kv.partition("=")
+        if not sep or not k or any(not p for p in k.split(".")):
+            raise ConfigError("--plugin", f"expected PATH=JSON (e.g. index.capacity=4096), got {kv!r}")
+        _set_path(plugin, k, _json_value("--plugin", v))
+    over["plugin"] = plugin
+    if a.native:
+        if a.wasm is not None:
+            raise ConfigError("--native", "the native build loads no .wasm: drop --wasm")
+        over["dynamic_module"] = NATIVE_MODULE
+    over["command"] = " ".join(["envoy/gen"] + [x if re.match(r"^[A-Za-z0-9_./:=,@%+-]+$", x) else repr(x)
+                                                for x in argv])
+    opts = profile(a.profile, **over)
+    pc = plugin.get("passthrough_cluster")
+    if pc is not None and pc not in _worker_names(opts):
+        raise ConfigError("--passthrough-cluster", f"{pc!r} is not a worker cluster ({', '.join(_worker_names(opts))})")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        opts = options_from_args(argv)
+        text = render(opts)
+    except ConfigError as e:
+        print(f"envoy/gen: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0

@@ -1,0 +1,444 @@
+"""Options: the constants, the `Options` a config is rendered from (with its per-profile
+defaults and its validation), and the parsers of the command line's values (also usable
+from Python)."""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import math
+import re
+import secrets
+from dataclasses import dataclass, field, fields
+
+
+MIB16 = 16 * 1024 * 1024
+MIB4 = 4 * 1024 * 1024
+MIN_SECRET_LEN = 16  # the filter's peers.secret and hash_key minimum (filter/src/config.rs)
+# hash_key of configs whose key is written in at deploy time (k8s init container, compose start-up
+# script): shorter than MIN_SECRET_LEN, so the filter refuses a config where it was never replaced
+# rather than run with a key everyone can read in this repository.
+HASH_KEY_PLACEHOLDER = "__HASH_KEY__"
+# Heap pressure (fixed_heap: tcmalloc's reserved heap / --max-heap-mib) at which the overload
+# manager acts: HTTP/2 streams buffering >= 1 MiB are reset from HEAP_RESET_FROM (largest first,
+# all of them at HEAP_SHED); at HEAP_SHED new requests get 503 and HTTP/1 connections that send
+# more bytes are closed.
+HEAP_RESET_FROM = 0.85
+HEAP_SHRINK = 0.90
+HEAP_SHED = 0.95
+CLUSTER_HEADER = "x-prefix-router-cluster"
+DEBUG_HEADER = "x-prefix-router-decision"
+PEER_PATH = "/prefix-router/v1/records"
+POLL_SUFFIX = "_load"  # load_poll.cluster_suffix of the per-worker poll clusters
+PEER_PREFIX = "prefix_router_peer_"
+CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
+LOCAL_WASM = "target/wasm32-wasip1/release/prefix_router.wasm"
+# The native build's module name: Envoy loads lib<name>.so (cargo build -p prefix-router --release
+# --features dynamic-module).
+NATIVE_MODULE = "prefix_router"
+NO_WORKER_BODY = ('{"object":"error","message":"no worker was chosen for this request",'
+                  '"type":"ServiceUnavailableError","param":null,"code":503}')
+PROFILES = ("demo", "test", "bench", "ingress", "compose")
+
+NAME_RE = re.compile(r"^[^=,@\s\"'\\]+$")  # model names may hold / . - (e.g. org/model)
+CLUSTER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+DURATION_RE = re.compile(r"^[0-9]+(\.[0-9]+)?s$")
+PEER_URL_RE = re.compile(r"^http://([^/:@\s]+):([0-9]+)/?$")
+
+
+class ConfigError(ValueError):
+    """A bad option: `option` names it (as on the command line), `reason` says what is wrong."""
+
+    def __init__(self, option: str, reason: str):
+        super().__init__(f"{option}: {reason}")
+        self.option = option
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One worker: its cluster name (what the plugin config lists), address and optional weight."""
+
+    cluster: str
+    host: str
+    port: int
+    weight: float | None = None
+
+
+HostPort = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PdModel:
+    """A prefill/decode-disaggregated model (SGLang --disaggregation-mode): prefill workers with
+    their bootstrap ports (the decode workers fetch KV from bootstrap_host = the worker's host) and
+    decode workers. The filter picks one of each; the route mirrors the request to the prefill
+    worker."""
+
+    prefill: tuple  # of (Worker, bootstrap port)
+    decode: tuple  # of Worker
+
+
+PREFILL_HEADER = "x-prefix-router-prefill-cluster"
+
+
+@dataclass
+class Options:
+    """Everything a config depends on. Build with `profile()`; check with `validate()`."""
+
+    models: dict[str, list[Worker]] = field(default_factory=dict)
+    default_model: str | None = None
+    # "production" (fallbacks, health checks, retries, rate limit) or "simple" (one endpoint per
+    # cluster, nothing else: demo, tests, benchmarks)
+    shape: str = "production"
+    listen: HostPort = ("127.0.0.1", 10000)
+    admin: HostPort = ("127.0.0.1", 9901)
+    stats_listen: HostPort | None = ("127.0.0.1", 9902)  # GET /stats/prometheus and /ready only
+    wasm: str = CONTAINER_WASM
+    # the name of an Envoy dynamic module (lib<name>.so, found through the
+    # ENVOY_DYNAMIC_MODULES_SEARCH_PATH of the Envoy process) run in place of the Wasm filter with
+    # the same plugin configuration: benches only (benches/dm-floor); prefix-router ships as Wasm
+    dynamic_module: str | None = None
+    debug_header: bool = False
+    access_log: bool = True
+    rate_limit: int = 1000  # requests/s per Envoy replica; 0 = no global bucket
+    rate_limit_per_client: int = 0  # requests/s per client address; 0 = no per-client buckets
+    rate_limit_clients: int = 10000  # per-client buckets kept (least recently used evicted)
+    health_interval: str = "5s"
+    health_timeout: str = "2s"
+    stream_idle_timeout: str = "300s"
+    # The whole request (headers and body) must arrive within request_timeout, its headers within
+    # request_headers_timeout: the filter holds every inference request until its body ends, so a
+    # client trickling a body would otherwise pin up to 16 MiB for as long as it likes. Both stop
+    # counting once the request is received (or a response starts): streamed answers are not cut.
+    request_timeout: str = "60s"
+    request_headers_timeout: str = "10s"
+    # HTTP/2 streams per downstream connection (Envoy's default is 2^31 - 1)
+    max_concurrent_streams: int = 100
+    # the fixed_heap overload monitor's 100% (MiB): keep it ~512 MiB under the container's memory
+    # limit (V8's Wasm memory and the binary are outside tcmalloc's heap)
+    max_heap_mib: int = 1536
+    per_try_idle_timeout: str = "180s"
+    fallbacks: int = 3
+    max_requests: int = 1024
+    max_ejection_percent: int = 50
+    max_connections: int = 10000
+    # None: no load_poll key (the filter's default, polling through the worker clusters);
+    # 0: off; > 0: poll every that many ms through <worker>_load clusters
+    load_poll_ms: int | None = 100
+    peers: list[HostPort] = field(default_factory=list)
+    peer_listen: HostPort | None = None
+    peer_secret: str | None = None
+    # plugin hash_key (keyed block hashes and buckets, docs/design.md "Index poisoning"): required in
+    # the production shape; profile() generates one for a production config without peers (one
+    # replica: the key only has to live as long as the index, which a restart empties anyway)
+    hash_key: str | None = None
+    hash_key_generated: bool = False
+    # merged (recursively) into the generated plugin configuration: policy parameters, index,
+    # unknown_model, passthrough_cluster, ... (filter/src/config.rs is the schema)
+    plugin: dict = field(default_factory=dict)
+    # the command line recorded in the header of rendered configs (None: no command line)
+    command: str | None = None
+    # prefill/decode-disaggregated models (docs/design.md "Prefill/decode disaggregation")
+    pd_models: dict = field(default_factory=dict)
+    # route timeout of PD requests: bounds the decode stream and the prefill mirror (which
+    # inherits it); a mirror has no timeout of its own
+    pd_timeout: str = "600s"
+
+
+def fleet(model: str, ports: dict[str, int], host: str = "127.0.0.1") -> dict[str, list[Worker]]:
+    """{model: [Worker(name, host, port), ...]} for workers named by their cluster."""
+    return {model: [Worker(name, host, port) for name, port in ports.items()]}
+
+
+def _demo_models() -> dict[str, list[Worker]]:
+    return fleet("llama", {f"w{i}": 30000 + i for i in range(4)})
+
+
+_PROFILE_DEFAULTS: dict[str, dict] = {
+    "demo": dict(shape="simple", models=None, wasm=LOCAL_WASM, debug_header=True, rate_limit=0,
+                 stats_listen=None, load_poll_ms=None, plugin={"policy": {"load_eps": 1.0}}),
+    "test": dict(shape="simple", wasm=LOCAL_WASM, debug_header=True, rate_limit=0, stats_listen=None,
+                 load_poll_ms=None, plugin={"policy": {"load_eps": 1.0}}),
+    "bench": dict(shape="simple", wasm=LOCAL_WASM, debug_header=False, access_log=False, rate_limit=0,
+                  stats_listen=None, load_poll_ms=None),
+    "ingress": dict(shape="production"),
+    "compose": dict(shape="production", models=None, listen=("0.0.0.0", 10000),
+                    stats_listen=("0.0.0.0", 9902)),
+}
+
+
+def profile(name: str, **overrides) -> Options:
+    """Options of a profile with `overrides` (Options fields) applied."""
+    if name not in _PROFILE_DEFAULTS:
+        raise ConfigError("--profile", f"unknown profile {name!r} (one of {', '.join(PROFILES)})")
+    defaults = dict(_PROFILE_DEFAULTS[name])
+    if defaults.get("models", {}) is None:
+        defaults["models"] = _demo_models() if name == "demo" else {
+            "llama": [Worker(f"llama_{i}", f"w{i}", 30000) for i in range(4)]}
+    known = {f.name for f in fields(Options)}
+    for k in overrides:
+        if k not in known:
+            raise ConfigError(k, "not an option")
+    opts = Options(**{**copy.deepcopy(defaults), **overrides})
+    if (opts.shape == "production" and opts.hash_key is None and not opts.peers
+            and opts.peer_listen is None and opts.peer_secret is None):
+        opts.hash_key = generate_hash_key()
+        opts.hash_key_generated = True
+    return opts
+
+
+def generate_hash_key() -> str:
+    """A fresh random hash_key (64 hex characters, 256 bits)."""
+    return secrets.token_hex(32)
+
+
+def validate(o: Options) -> None:
+    """Raises ConfigError naming the option and the reason for the first bad value."""
+    if o.shape not in ("production", "simple"):
+        raise ConfigError("shape", f"expected production or simple, got {o.shape!r}")
+    if not o.models and not o.pd_models:
+        raise ConfigError("--model", "at least one model with its workers is required (or --pd-model)")
+    seen_clusters: set[str] = set()
+    for model, workers in o.models.items():
+        if not NAME_RE.match(model):
+            raise ConfigError("--model", f"bad model name {model!r}")
+        if not workers:
+            raise ConfigError(f"--model {model}", "no workers")
+        eps = [(w.host, w.port) for w in workers]
+        if len(set(eps)) != len(eps):
+            raise ConfigError(f"--model {model}", "duplicate worker (the same HOST:PORT twice)")
+        for w in workers:
+            _check_hostport((w.host, w.port), f"--model {model}")
+            if not CLUSTER_RE.match(w.cluster):
+                raise ConfigError(f"--model {model}", f"bad cluster name {w.cluster!r}")
+            if w.cluster in seen_clusters:
+                raise ConfigError(f"--model {model}", f"cluster name {w.cluster!r} is used twice")
+            seen_clusters.add(w.cluster)
+            if w.weight is not None and not (math.isfinite(w.weight) and w.weight > 0):
+                raise ConfigError(f"--model {model}", f"worker {w.host}:{w.port}: weight must be a number > 0, got {w.weight}")
+    _validate_pd(o, seen_clusters)
+    if o.default_model is not None and o.default_model not in o.models and o.default_model not in o.pd_models:
+        raise ConfigError("--default-model", f"{o.default_model!r} is not one of the models ({', '.join(o.models)})")
+    _check_hostport(o.listen, "--listen", allow_zero=True)
+    _check_hostport(o.admin, "--admin", allow_zero=True)
+    if o.stats_listen is not None:
+        _check_hostport(o.stats_listen, "--stats-listen", allow_zero=True)
+    for opt, v in (("--health-interval", o.health_interval), ("--health-timeout", o.health_timeout), ("--stream-idle-timeout", o.stream_idle_timeout),
+                   ("--per-try-idle-timeout", o.per_try_idle_timeout), ("--request-timeout", o.request_timeout),
+                   ("--request-headers-timeout", o.request_headers_timeout)):
+        if not isinstance(v, str) or not DURATION_RE.match(v):
+            raise ConfigError(opt, f"expected a duration in seconds like 5s or 0.5s, got {v!r}")
+    for opt, v in (("--request-timeout", o.request_timeout), ("--request-headers-timeout", o.request_headers_timeout)):
+        if float(v[:-1]) <= 0:
+            raise ConfigError(opt, f"must be > 0 (0 would let a client hold a request and its buffered body forever), got {v!r}")
+    _int_range("--max-concurrent-streams", o.max_concurrent_streams, 1, 2**31 - 1, "HTTP/2 streams per connection")
+    _int_range("--max-heap-mib", o.max_heap_mib, 64, 10**7, "the heap size the overload actions are relative to, MiB")
+    _int_range("--rate-limit", o.rate_limit, 0, 10**9, "0 = no rate limit")
+    _int_range("--rate-limit-per-client", o.rate_limit_per_client, 0, 10**9, "0 = no per-client limit")
+    _int_range("--rate-limit-clients", o.rate_limit_clients, 1, 10**7, "per-client buckets kept")
+    _int_range("--fallbacks", o.fallbacks, 0, 1000, "workers of the same model a worker cluster falls back to")
+    _int_range("--max-requests", o.max_requests, 1, 10**9, "circuit breaker per worker cluster")
+    _int_range("--max-ejection-percent", o.max_ejection_percent, 0, 100, "a percentage")
+    _int_range("--max-connections", o.max_connections, 1, 10**9, "downstream connection cap")
+    if o.load_poll_ms is not None:
+        _int_range("--load-poll-ms", o.load_poll_ms, 0, 60000, "0 disables polling")
+    if not isinstance(o.plugin, dict):
+        raise ConfigError("--plugin", "the plugin overrides must be a JSON object")
+    if (o.peers or o.peer_listen) and o.peer_secret is None:
+        raise ConfigError(
+            "--peers" if o.peers else "--peer-listen",
+            "a shared peer secret is required: give --peer-secret SECRET or --peer-secret-file PATH "
+            "(at least 16 characters, the same on every replica)")
+    if o.peer_secret is not None and not (o.peers or o.peer_listen):
+        raise ConfigError("--peer-secret / --peer-secret-file", "only used with --peers or --peer-listen")
+    if o.peer_listen is not None:
+        _check_hostport(o.peer_listen, "--peer-listen", allow_zero=True)
+    if o.hash_key is not None and o.hash_key != HASH_KEY_PLACEHOLDER:
+        check_secret(o.hash_key, "--hash-key")
+    if o.shape == "production" and o.hash_key is None:
+        raise ConfigError(
+            "--hash-key-file",
+            "replicas that share an index (--peers / --peer-listen) need the same hash key: give "
+            "--hash-key-file PATH (at least 16 characters, the same file on every replica), or "
+            f"--hash-key-placeholder to write {HASH_KEY_PLACEHOLDER} and replace it at deploy time")
+    clusters = _worker_names(o)
+    reserved = {PEER_PREFIX + str(i) for i in range(len(o.peers))} | {"admin"}
+    if _poll_clusters(o):
+        reserved |= {c + POLL_SUFFIX for c in clusters}
+    if set(clusters) & reserved:
+        raise ConfigError("--model", "a worker's cluster name collides with the peer clusters "
+                          "(prefix_router_peer_<i>), the load-poll clusters (<worker>_load) or admin: rename it")
+
+
+def _validate_pd(o: Options, seen_clusters: set) -> None:
+    if not isinstance(o.pd_timeout, str) or not DURATION_RE.match(o.pd_timeout) or o.pd_timeout.strip("0.s") == "":
+        raise ConfigError("--pd-timeout", f"expected a duration > 0 like 600s, got {o.pd_timeout!r}")
+    for model, pd in o.pd_models.items():
+        opt = f"--pd-model {model}"
+        if not NAME_RE.match(model):
+            raise ConfigError("--pd-model", f"bad model name {model!r}")
+        if model in o.models:
+            raise ConfigError(opt, "is also a --model")
+        if not pd.prefill:
+            raise ConfigError("--prefill", f"model {model}: at least one prefill worker HOST:PORT@BOOTSTRAP_PORT")
+        if not pd.decode:
+            raise ConfigError("--decode", f"model {model}: at least one decode worker HOST:PORT")
+        eps = [(w.host, w.port) for w, _ in pd.prefill] + [(w.host, w.port) for w in pd.decode]
+        if len(set(eps)) != len(eps):
+            raise ConfigError(opt, "duplicate worker (the same HOST:PORT twice, or in both roles)")
+        for w, bport in pd.prefill:
+            _check_hostport((w.host, w.port), "--prefill")
+            _int_range("--prefill", bport, 1, 65535, f"bootstrap port of {w.host}:{w.port}")
+        for w in pd.decode:
+            _check_hostport((w.host, w.port), "--decode")
+        for w in [w for w, _ in pd.prefill] + list(pd.decode):
+            if not CLUSTER_RE.match(w.cluster):
+                raise ConfigError(opt, f"bad cluster name {w.cluster!r}")
+            if w.cluster in seen_clusters:
+                raise ConfigError(opt, f"cluster name {w.cluster!r} is used twice")
+            seen_clusters.add(w.cluster)
+
+
+def _pd_workers(o: Options) -> list:
+    """Every PD worker (prefill then decode) of every PD model."""
+    return [w for pd in o.pd_models.values() for w in [w for w, _ in pd.prefill] + list(pd.decode)]
+
+
+def _int_range(opt: str, v, lo: int, hi: int, what: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ConfigError(opt, f"must be an integer between {lo} and {hi} ({what}), got {v!r}")
+
+
+def _check_hostport(hp, opt: str, allow_zero: bool = False) -> None:
+    host, port = hp
+    if not HOST_RE.match(str(host)):
+        raise ConfigError(opt, f"bad host {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not (0 if allow_zero else 1) <= port < 65536:
+        raise ConfigError(opt, f"bad port {port!r} (1-65535{', or 0 for any' if allow_zero else ''})")
+
+
+def _worker_names(o: Options) -> list[str]:
+    return [w.cluster for ws in o.models.values() for w in ws] + [w.cluster for w in _pd_workers(o)]
+
+
+def _poll_clusters(o: Options) -> bool:
+    return bool(o.load_poll_ms)
+
+
+# --------------------------------------------------------------------------------------------
+# Command-line parsing helpers (also usable from Python)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_hostport(s: str, opt: str, allow_zero: bool = False) -> HostPort:
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(opt, f"expected HOST:PORT, got {s!r}")
+    hp = (host, int(port))
+    _check_hostport(hp, opt, allow_zero)
+    return hp
+
+
+def parse_model(spec: str, index_from: int = 0) -> tuple[str, list[Worker]]:
+    """NAME=WORKER[,WORKER...], WORKER = [CLUSTER=]HOST:PORT[@WEIGHT]; clusters default to
+    <model>_<i> (non-alphanumerics of the model name as _)."""
+    name, sep, workers = spec.partition("=")
+    if not sep or not NAME_RE.match(name):
+        raise ConfigError("--model", f"expected NAME=HOST:PORT[,HOST:PORT...], got {spec!r}")
+    out = []
+    for i, w in enumerate(x.strip() for x in workers.split(",") if x.strip()):
+        cluster, sep, rest = w.partition("=")
+        if not sep:
+            cluster, rest = f"{cluster_id(name)}_{i}", w
+        addr, sep, weight = rest.partition("@")
+        host, port = parse_hostport(addr, f"--model {name}")
+        wt = None
+        if sep:
+            try:
+                wt = float(weight)
+            except ValueError:
+                raise ConfigError(f"--model {name}", f"worker {addr}: weight must be a number > 0, got {weight!r}") from None
+        out.append(Worker(cluster, host, port, wt))
+    if not out:
+        raise ConfigError(f"--model {name}", "no workers")
+    return name, out
+
+
+def parse_pd(name: str | None, prefill: str | None, decode: str | None) -> dict:
+    """--pd-model NAME --prefill [CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...] --decode
+    [CLUSTER=]HOST:PORT[@WEIGHT][,...]; clusters default to NAME_prefill_<i> / NAME_decode_<i>."""
+    if name is None:
+        raise ConfigError("--prefill / --decode", "need --pd-model NAME")
+    if not prefill:
+        raise ConfigError("--prefill", f"--pd-model {name} needs --prefill HOST:PORT@BOOTSTRAP_PORT[,...]")
+    if not decode:
+        raise ConfigError("--decode", f"--pd-model {name} needs --decode HOST:PORT[,...]")
+    pre = []
+    for i, item in enumerate(prefill.split(",")):
+        hp, sep, bport = item.rpartition("@")
+        if not sep or not bport.isdigit():
+            raise ConfigError("--prefill", f"expected [CLUSTER=]HOST:PORT@BOOTSTRAP_PORT, got {item!r}")
+        try:
+            _, ws = parse_model(f"{name}={hp}")
+        except ConfigError as e:
+            raise ConfigError("--prefill", e.reason) from None
+        w = ws[0]
+        if w.weight is not None:
+            raise ConfigError("--prefill", f"{item!r}: prefill workers take no weight")
+        cluster = w.cluster if "=" in hp else f"{cluster_id(name)}_prefill_{i}"
+        pre.append((Worker(cluster, w.host, w.port), int(bport)))
+    dec = []
+    for i, item in enumerate(decode.split(",")):
+        try:
+            _, ws = parse_model(f"{name}={item}")
+        except ConfigError as e:
+            raise ConfigError("--decode", e.reason) from None
+        w = ws[0]
+        cluster = w.cluster if "=" in item.split("@")[0] else f"{cluster_id(name)}_decode_{i}"
+        dec.append(Worker(cluster, w.host, w.port, w.weight))
+    return {name: PdModel(prefill=tuple(pre), decode=tuple(dec))}
+
+
+def parse_peers(spec: str) -> list[HostPort]:
+    urls = [u.strip() for u in spec.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError("--peers", "expected http://HOST:PORT[,http://HOST:PORT...], got an empty list")
+    peers: list[HostPort] = []
+    for u in urls:
+        if u.lower().startswith("https://"):
+            raise ConfigError("--peers", f"{u!r}: only http:// is supported (keep the peer port on a private network)")
+        m = PEER_URL_RE.match(u)
+        if not m:
+            raise ConfigError("--peers", f"expected http://HOST:PORT (the peer's --peer-listen address), got {u!r}")
+        host, port = m.group(1), int(m.group(2))
+        if not HOST_RE.match(host):
+            raise ConfigError("--peers", f"bad host {host!r} in {u!r}")
+        if not 0 < port < 65536:
+            raise ConfigError("--peers", f"bad port {port} in {u!r}")
+        if (host, port) in peers:
+            raise ConfigError("--peers", f"{u!r} is listed twice")
+        peers.append((host, port))
+    return peers
+
+
+def check_secret(secret: str, opt: str) -> str:
+    if len(secret) < MIN_SECRET_LEN:
+        raise ConfigError(opt, f"the secret is too short ({len(secret)} characters; at least {MIN_SECRET_LEN} are required)")
+    if any(not 0x21 <= ord(c) < 0x7F for c in secret):
+        raise ConfigError(opt, "the secret must be printable ASCII without spaces (it is sent as an HTTP header)")
+    return secret
+
+
+def cluster_id(model: str) -> str:
+    """Cluster-name-safe model id (model names may contain dots, slashes in the wild)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", model)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,49 @@
+"""The filter's configuration (the Wasm plugin's / native module's JSON) from `Options`."""
+
+from __future__ import annotations
+
+from .options import CLUSTER_HEADER, DEBUG_HEADER, Options, PEER_PREFIX, POLL_SUFFIX
+
+
+def merge(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base`, recursively for dict values."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def plugin_config(o: Options) -> dict:
+    """The filter's configuration (client listener), with Options.plugin merged in."""
+    models = {}
+    for model, ws in o.models.items():
+        models[model] = {"workers": [w.cluster if w.weight is None else {"cluster": w.cluster, "weight": w.weight}
+                                     for w in ws]}
+    for model, pd in o.pd_models.items():
+        models[model] = {
+            "prefill": [{"cluster": w.cluster, "bootstrap_host": w.host, "bootstrap_port": bport}
+                        for w, bport in pd.prefill],
+            "decode": [w.cluster if w.weight is None else {"cluster": w.cluster, "weight": w.weight}
+                       for w in pd.decode],
+        }
+    plugin: dict = {
+        "models": models,
+        "default_model": o.default_model or next(iter(models)),
+        "unknown_model": "default",
+        "cluster_header": CLUSTER_HEADER,
+        "debug_header": DEBUG_HEADER if o.debug_header else None,
+        "policy": {"name": "cache_aware"},  # tuned defaults: filter/src/config.rs
+    }
+    if o.load_poll_ms is not None:
+        if o.load_poll_ms:
+            plugin["load_poll"] = {"interval_ms": o.load_poll_ms, "cluster_suffix": POLL_SUFFIX}
+            if o.load_poll_ms > 1000:
+                # the filter's default stale_ms (1000) must not be below the interval
+                plugin["load_poll"]["stale_ms"] = min(10 * o.load_poll_ms, 600000)
+        else:
+            plugin["load_poll"] = {"interval_ms": 0}
+    if o.peer_secret is not None:
+        plugin["peers"] = {"clusters": [PEER_PREFIX + str(i) for i in range(len(o.peers))], "secret": o.peer_secret}
+    if o.hash_key is not None:
+        plugin["hash_key"] = o.hash_key
+    return merge(plugin, o.plugin)
