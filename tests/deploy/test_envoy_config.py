@@ -114,7 +114,7 @@ def test_overhead_bench_configs_validate(mode, upstream, tmp_path):
     """benches/overhead's proxies come from this module too (no hand-written YAML): each mode, with
     one upstream for all clusters (table mode) or one per worker (stream mode), is a config Envoy
     accepts."""
-    from benches import overhead
+    from benches.overhead_modes import common as overhead
 
     text = overhead.envoy_yaml(mode, 18000, 18001, upstream)
     if mode.startswith("prefix_router"):

@@ -1,0 +1,305 @@
+"""What every mode shares: the binaries and artifacts (built or installed by `ensure_tools`), the
+proxies under test (`KINDS`, their Envoy configs from prkit.envoy_config, `start_proxy`,
+`all_proxies`, pinned to the proxy core), the load generator (`wrk`, on the load core), and the
+meters (Envoy CPU seconds from /proc, or its instructions under callgrind)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from prkit import envoy_config as ec
+from prkit.build import ensure_smg, envoy_executable
+from prkit.paths import REPO_ROOT
+from prkit.ports import free_port
+from prkit.wait import Timeout, wait_http, wait_until
+
+ENVOY = REPO_ROOT / ".venv" / "bin" / "envoy"
+WASM = Path(os.environ.get("PREFIX_ROUTER_WASM", REPO_ROOT / "target/wasm32-wasip1/release/prefix_router.wasm"))
+# benches/wasm-floor: reads the body and sets the cluster header, nothing else (the Wasm floor),
+# on the lean ABI layer (the callbacks prefix-router exports) and on the proxy-wasm SDK (every one).
+FLOOR_WASM = REPO_ROOT / "target/wasm32-wasip1/release/wasm_floor.wasm"
+FLOOR_SDK_WASM = REPO_ROOT / "target/wasm32-wasip1/release/wasm_floor_sdk.wasm"
+# benches/dm-floor: the same floor as a native dynamic module (lib<name>.so in this directory).
+DM_DIR = REPO_ROOT / "target/release"
+DM_FLOOR = "dm_floor"
+DM_ROUTER = "prefix_router"
+SIM = Path(os.environ.get("SGLANG_SIM_BIN", REPO_ROOT / "target/release/sglang-sim"))
+PROXY_CPU, LOAD_CPU = "0", "1"
+WORKERS = 4
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def ensure_tools():
+    missing = [p for p, b in (("nginx", "/usr/sbin/nginx"), ("wrk", "wrk")) if not shutil.which(b)]
+    if missing:
+        print(f"installing {missing} with apt-get", flush=True)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        sh(["apt-get", "install", "-y", *missing], env=env, stdout=subprocess.DEVNULL)
+    ensure_smg()
+    if not ENVOY.exists():
+        sh([str(REPO_ROOT / "scripts" / "setup")])
+    if "PREFIX_ROUTER_WASM" not in os.environ:  # cargo decides whether it is fresh
+        sh(["cargo", "build", "-p", "prefix-router", "--target", "wasm32-wasip1", "--release"], cwd=REPO_ROOT)
+    build_floor = ["cargo", "build", "-p", "wasm-floor", "--target", "wasm32-wasip1", "--release"]
+    sh([*build_floor, "--features", "sdk"], cwd=REPO_ROOT)
+    shutil.copyfile(FLOOR_WASM, FLOOR_SDK_WASM)
+    sh(build_floor, cwd=REPO_ROOT)
+    sh(["cargo", "build", "-p", "dm-floor", "--release"], cwd=REPO_ROOT)
+    sh(["cargo", "build", "-p", "prefix-router", "--release", "--features", "dynamic-module"], cwd=REPO_ROOT)
+    if "SGLANG_SIM_BIN" not in os.environ:
+        sh(["cargo", "build", "-p", "sglang-sim", "--release"], cwd=REPO_ROOT)
+
+
+class Proc:
+    def __init__(self, cmd, cpu, log: Path, env: dict | None = None):
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(["taskset", "-c", cpu, *cmd], stdout=self.log, stderr=subprocess.STDOUT,
+                                  start_new_session=True, env={**os.environ, **(env or {})})
+
+    def stop(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+        self.log.close()
+
+    def rss_kib(self) -> int:
+        # The envoy process itself (taskset execs it, so the pid is envoy's).
+        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+
+def nginx_conf(port: int, tmp: Path) -> Path:
+    conf = tmp / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_buffer_size 128k;
+  client_max_body_size 16m;
+  client_body_temp_path {tmp}/nginx-body;
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{port} reuseport;
+    listen 127.0.0.2:{port} reuseport;
+    listen 127.0.0.3:{port} reuseport;
+    listen 127.0.0.4:{port} reuseport;
+    # What smg asks a worker at registration (it learns the served model from /v1/models).
+    location = /v1/models {{
+      default_type application/json;
+      return 200 '{{"object":"list","data":[{{"id":"llama","object":"model","owned_by":"bench"}}]}}';
+    }}
+    location = /server_info {{
+      default_type application/json;
+      return 200 '{{"model_path":"llama","served_model_name":"llama"}}';
+    }}
+    location / {{
+      default_type application/json;
+      return 200 '{{"id":"x","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}]}}';
+    }}
+  }}
+}}
+""")
+    return conf
+
+
+def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plugin: dict | None = None) -> str:
+    """`upstream`: one port (every cluster's endpoint) or one per worker (plain Envoy: one cluster
+    over all of them, round robin; Wasm modes: cluster w<i> on port i). From prkit.envoy_config:
+    the Wasm modes are the `bench` profile (one endpoint per worker cluster, no access log, no rate
+    limit; load polls at the filter's default, every 100 ms per worker, except in the `_nopoll`
+    modes); plain and buffer are its filter-less baseline."""
+    ups = upstream if isinstance(upstream, list) else [upstream] * WORKERS
+    listen, admin_addr = ("127.0.0.1", port), ("127.0.0.1", admin)
+    if mode in ("plain", "buffer"):
+        filters = [ec.buffer_filter()] if mode == "buffer" else []
+        pools = {"up": [("127.0.0.1", u) for u in sorted(set(ups))]}
+        return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
+    wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
+            "dm_floor": WASM, "prefix_router_dm": WASM, "prefix_router_nopoll": WASM,
+            "prefix_router_dm_nopoll": WASM}[mode]
+    if mode.endswith("_nopoll"):
+        # The same filter without its load polls (a per-second cost, not a per-request one).
+        plugin = {**(plugin or {}), "load_poll": {"interval_ms": 0}}
+        mode = mode.removesuffix("_nopoll")
+    module = {"dm_floor": DM_FLOOR, "prefix_router_dm": DM_ROUTER}.get(mode)
+    # One nginx for all clusters (table mode): worker i dials it on loopback address 127.0.0.<i+1>
+    # (nginx listens on all four), so the generator sees four distinct workers.
+    hosts = ["127.0.0.1"] * WORKERS if len(set(ups)) == WORKERS else [f"127.0.0.{i + 1}" for i in range(WORKERS)]
+    models = {"llama": [ec.Worker(f"w{i}", hosts[i], ups[i]) for i in range(WORKERS)]}
+    o = ec.profile("bench", models=models, listen=listen, admin=admin_addr, wasm=str(wasm),
+                   dynamic_module=module, plugin=plugin or {})
+    return ec.render(o)
+
+
+def body_of_size(kb: int) -> bytes:
+    words = ["the", "model", "cache", "prefix", "routing", "worker", "token", "prompt", "system"]
+    head = '{"model":"llama","messages":[{"role":"system","content":"'
+    tail = '"},{"role":"user","content":"What is the answer?"}],"max_tokens":64}'
+    n = kb * 1024 - len(head) - len(tail)
+    text, i = [], 0
+    while sum(len(w) + 1 for w in text) < n:
+        text.append(words[(i * 7 + i // 3) % len(words)])
+        i += 1
+    return (head + " ".join(text)[:n] + tail).encode()
+
+
+def wrk(url: str, lua: Path, conns: int, secs: int) -> dict:
+    out = subprocess.run(["taskset", "-c", LOAD_CPU, "wrk", "-t1", f"-c{conns}", f"-d{secs}s", "--latency",
+                          "-s", str(lua), url], check=True, capture_output=True, text=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+    def lat(p):
+        m = re.search(rf"\s{p}%\s+([\d.]+)(us|ms|s)\b", out)
+        v, u = float(m.group(1)), m.group(2)
+        return v * {"us": 1, "ms": 1e3, "s": 1e6}[u]
+
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    done = re.search(r"(\d+) requests in", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "p50": lat(50), "p99": lat(99), "non2xx": int(non2xx.group(1)) if non2xx else 0,
+            "requests": int(done.group(1)) if done else 0,
+            "errors": errors.group(1) if errors else "", "raw": out}
+
+
+def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool = False) -> tuple[Proc, str]:
+    port, admin = free_port(), free_port()
+    if kind == "smg":
+        urls = [f"http://127.0.0.1:{upstream}"] * 1
+        cmd = [str(ensure_smg()), "launch", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]
+        p = Proc(cmd, PROXY_CPU, tmp / "smg.log")
+    else:
+        mode = {"envoy": "plain", "envoy_buffer": "buffer", "prefix_router": "prefix_router",
+                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk", "dm_floor": "dm_floor",
+                "prefix_router_dm": "prefix_router_dm", "prefix_router_nopoll": "prefix_router_nopoll",
+                "prefix_router_dm_nopoll": "prefix_router_dm_nopoll"}[kind]
+        cfg = tmp / f"envoy-{kind}.yaml"
+        cfg.write_text(envoy_yaml(mode, port, admin, upstream))
+        cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
+               "--use-dynamic-base-id"]
+        if callgrind:
+            # The binary itself (the .venv entry point is a Python launcher); V8 writes code into
+            # heap pages, which valgrind must re-translate (--smc-check).
+            cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind-{kind}.out",
+                   "--smc-check=all-non-file", "--dump-instr=no", envoy_executable(), *cmd[1:]]
+        p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
+                 env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode.startswith("dm_")
+                 or "_dm" in mode else None)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        wait_http(url, 900 if callgrind else 60, "POST", body_of_size(1))
+    except Exception:
+        p.stop()
+        print((tmp / (p.log.name)).read_text()[-3000:], file=sys.stderr)
+        raise
+    return p, url
+
+
+KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buffer filter"),
+         ("prefix_router", "(iii) Envoy + prefix-router"), ("smg", "(iv) smg 1.13 cache_aware"),
+         ("wasm_floor", "(v) Envoy + no-op body-reading Wasm"),
+         ("dm_floor", "(vi) Envoy + no-op body-reading dynamic module"),
+         ("prefix_router_dm", "(vii) Envoy + prefix-router, dynamic module"),
+         ("prefix_router_nopoll", "(iii) without load polls"),
+         ("prefix_router_dm_nopoll", "(vii) without load polls")]
+# Measured only when named in --kinds: the filter without its per-second load polls.
+OPTIONAL = ("prefix_router_nopoll", "prefix_router_dm_nopoll")
+
+
+@contextlib.contextmanager
+def all_proxies(kinds: list, tmp: Path, upstream, callgrind: bool = False):
+    """Every proxy of `kinds` up for the whole bench ({kind: (proc, url)}), all stopped after.
+    With [`rotated`], each round measures every kind once in a shifted order, so a slow drift of
+    the machine hits all kinds alike."""
+    proxies: dict = {}
+    try:
+        for k in kinds:
+            proxies[k] = start_proxy(k, tmp, upstream, callgrind)
+        yield proxies
+    finally:
+        for p, _ in proxies.values():
+            p.stop()
+
+
+def rotated(kinds: list, r: int) -> list:
+    """Round `r`'s measuring order: `kinds` shifted by `r`."""
+    return kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+
+
+class Instructions:
+    """Instructions a process under callgrind has executed (all threads) since `zero()`.
+    `read()` asks callgrind for a dump (`callgrind_control`, through valgrind's gdbserver) and
+    reads its `summary:` line."""
+
+    def __init__(self, proc: "Proc", out: Path):
+        self.pid, self.out, self.dumps = proc.p.pid, out, 0
+
+    def _ctl(self, *args):
+        sh(["callgrind_control", *args, str(self.pid)], stdout=subprocess.DEVNULL)
+
+    def zero(self):
+        self._ctl("--zero")
+
+    def read(self) -> int:
+        self._ctl("--dump=measured")
+        self.dumps += 1
+        dump = self.out.with_name(f"{self.out.name}.{self.dumps}")
+
+        def summary():
+            return dump.exists() and re.search(r"^summary: (\d+)$", dump.read_text(errors="replace"), re.M)
+        try:
+            return int(wait_until(summary, f"callgrind dump {dump}", 120, 0.2).group(1))
+        except Timeout:
+            raise RuntimeError(f"no callgrind dump at {dump}") from None
+
+
+def meter(proc: "Proc", kind: str, tmp: Path, callgrind: bool):
+    """(start, stop) for one measured window: Envoy CPU seconds from /proc, or its instruction
+    count under callgrind."""
+    if callgrind:
+        counter = Instructions(proc, tmp / f"callgrind-{kind}.out")
+        return counter.zero, counter.read
+    c0 = [0.0]
+
+    def start():
+        c0[0] = cpu_seconds(proc.p.pid)
+
+    return start, lambda: cpu_seconds(proc.p.pid) - c0[0]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def workdir(keep: str | None, prefix: str):
+    """A fresh temporary directory, or `keep` (created, never removed)."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield Path(keep).resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as t:
+        yield Path(t)

@@ -1,0 +1,64 @@
+"""The callgrind table (`benches/overhead --callgrind`): Envoy's instructions per request."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from .common import KINDS, all_proxies, body_of_size, meter, rotated
+
+
+def sequential(url: str, body: bytes, n: int):
+    """n POSTs one after another on one keep-alive connection; raises on anything but 200."""
+    import http.client
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        for _ in range(n):
+            c.request("POST", u.path, body, {"content-type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            if r.status != 200:
+                raise RuntimeError(f"status {r.status}")
+    finally:
+        c.close()
+
+
+def run_count_table(args, tmp: Path, upstream: int):
+    """`--callgrind`: Envoy's instructions per request (all its threads, so the main thread's
+    timers and load polls count too), `--requests` requests sent one after another after 50
+    warm-up requests; each round counts every kind once, in a rotated order."""
+    kinds = [k for k, _ in KINDS if k in args.kinds]
+    labels = dict(KINDS)
+    runs: dict = {}
+    with all_proxies(kinds, tmp, upstream, callgrind=True) as proxies:
+        meters = {k: meter(p, k, tmp, True) for k, (p, _) in proxies.items()}
+        for r in range(args.rounds):
+            for kb in args.sizes:
+                body = body_of_size(kb)
+                for kind in rotated(kinds, r):
+                    _, url = proxies[kind]
+                    start, stop = meters[kind]
+                    sequential(url, body, 50)
+                    start()
+                    sequential(url, body, args.requests)
+                    per = stop() / args.requests
+                    runs.setdefault((kind, kb), []).append(per)
+                    print(f"round {r + 1} {labels[kind]:52s} {kb:3d} KB  {per:10,.0f} instructions/request", flush=True)
+    med = statistics.median
+    print()
+    print(f"Envoy instructions per request, medians over {args.rounds} round(s); (x): median of each round's "
+          "ratio to (ii) Envoy + buffer filter [range]:")
+    print("| prompt | proxy | instructions / request | vs (ii) |")
+    print("|---|---|---|---|")
+    for kb in args.sizes:
+        base = runs.get(("envoy_buffer", kb))
+        for k in kinds:
+            v = med(runs[(k, kb)])
+            rs = [a / b for a, b in zip(runs[(k, kb)], base)] if base else []
+            ratio = f"{med(rs):.3f}x [{min(rs):.3f}-{max(rs):.3f}]" if rs else ""
+            print(f"| {kb} KB | {labels[k]} | {v:,.0f} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{k}/{kb}": v for (k, kb), v in runs.items()}, indent=1))
