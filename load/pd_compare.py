@@ -34,11 +34,11 @@ from pathlib import Path
 from load.runner import REPO, log, run_k6
 from prkit.build import ensure_smg, sim_binary, smg_healthy_workers, wasm_path
 from prkit.envoy import Envoy
+from prkit.envoy_config import gen_result
 from prkit.ports import free_port
 from prkit.wait import Timeout, http_ok, wait_until
 
 LOAD = REPO / "load"
-GEN = REPO / "envoy" / "gen"
 MODEL = "llama"
 ENV = dict(GROUPS=32, PROMPTS=8, SYS_TOKENS=2048, Q_TOKENS=128, OUT_TOKENS=64, CONCURRENCY=16)
 QUICK = dict(GROUPS=8, PROMPTS=4, SYS_TOKENS=512, Q_TOKENS=32, OUT_TOKENS=8, CONCURRENCY=8)
@@ -122,14 +122,14 @@ POLICY_PARAMS: list = []  # --policy-param KEY=VALUE, passed to envoy/gen
 
 def start_prefix_router(f: PdFleet, workdir: Path):
     listener, admin = free_port(), free_port()
-    args = [sys.executable, str(GEN), "--profile", "test", "--listen", f"127.0.0.1:{listener}",
+    args = ["--profile", "test", "--listen", f"127.0.0.1:{listener}",
             "--admin", f"127.0.0.1:{admin}", "--wasm", str(wasm_path()), "--no-debug-header", "--no-access-log",
             "--pd-model", MODEL,
             "--prefill", ",".join(f"127.0.0.1:{p}@{b}" for p, b in f.prefill),
             "--decode", ",".join(f"127.0.0.1:{p}" for p in f.decode)]
     for kv in POLICY_PARAMS:
         args += ["--policy-param", kv]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    r = gen_result(*args)
     if r.returncode != 0:
         raise RuntimeError(r.stderr)
     e = Envoy(r.stdout, listener_port=listener, admin_port=admin, workdir=workdir, concurrency=2)

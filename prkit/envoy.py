@@ -231,6 +231,26 @@ class Envoy:
         return bad
 
 
+def validate_config(config_text: str, workdir: Path, name: str = "config.yaml",
+                    cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`envoy --mode validate` on `config_text` (written to workdir/name; relative paths in it
+    resolve from `cwd`). Validation loads the .wasm and runs the filter's configuration check."""
+    path = Path(workdir) / name
+    path.write_text(config_text)
+    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def check_config(config_text: str, workdir: Path, name: str = "config.yaml", cwd: Path | None = None) -> None:
+    """validate_config, which must pass: fails naming `name`, with Envoy's error lines."""
+    r = validate_config(config_text, workdir, name, cwd)
+    out = r.stdout + r.stderr
+    if r.returncode == 0 and " OK" in out:
+        return
+    errors = [line for line in out.splitlines() if "][critical]" in line or "][error]" in line]
+    raise AssertionError(f"envoy --mode validate failed for {name}:\n" + ("\n".join(errors) or out[-4000:]))
+
+
 def wait_inflight_zero(envoy: Envoy, timeout_s: float = 30.0, shared_load: bool = False) -> dict:
     """Polls until every prefix_router_inflight_* gauge reads 0 (or the deadline); returns the last
     reading, for the caller to assert on and show. `shared_load`: the two shared-data load gauges

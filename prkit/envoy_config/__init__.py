@@ -73,7 +73,7 @@ from .sections import (
     peers_listener, poll_cluster, rate_limit_filter, render, retry_policy, route_config,
     router_filter, simple_cluster, socket_address, stats_listener, wasm_filter, worker_cluster,
 )
-from .cli import arg_parser, main, options_from_args
+from .cli import GEN, arg_parser, gen_result, main, options_from_args, run_gen
 from .local import buffer_filter, local_demo, plain_proxy
 
 __all__ = [
@@ -89,6 +89,6 @@ __all__ = [
     "local_reply_413", "overload_manager", "pd_clusters", "pd_route", "peer_access_log",
     "peer_cluster", "peers_listener", "poll_cluster", "rate_limit_filter", "render", "retry_policy",
     "route_config", "router_filter", "simple_cluster", "socket_address", "stats_listener",
-    "wasm_filter", "worker_cluster", "arg_parser", "main", "options_from_args", "buffer_filter",
-    "local_demo", "plain_proxy",
+    "wasm_filter", "worker_cluster", "GEN", "arg_parser", "gen_result", "main", "options_from_args",
+    "run_gen", "buffer_filter", "local_demo", "plain_proxy",
 ]

@@ -7,8 +7,11 @@ import argparse
 import copy
 import json
 import re
+import subprocess
 import sys
+from pathlib import Path
 
+from ..paths import REPO_ROOT
 from .options import (
     ConfigError, HASH_KEY_PLACEHOLDER, NATIVE_MODULE, Options, PROFILES, Worker, _PROFILE_DEFAULTS,
     _worker_names, check_secret, parse_hostport, parse_model, parse_pd, parse_peers, profile,
@@ -259,3 +262,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.stdout.write(text)
     return 0
+
+
+# The executable, run as a user runs it (tests, load tools): a fresh process over this package.
+GEN = REPO_ROOT / "envoy" / "gen"
+
+
+def gen_result(*args: str, gen: Path = GEN, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """`envoy/gen ARGS` (or another generator `gen`) in a fresh process: exit code, stdout, stderr."""
+    return subprocess.run([str(gen), *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def run_gen(*args: str, gen: Path = GEN, timeout_s: float = 60) -> str:
+    """The config `envoy/gen ARGS` writes; fails with its stderr unless it exits 0."""
+    r = gen_result(*args, gen=gen, timeout_s=timeout_s)
+    if r.returncode != 0:
+        raise AssertionError(f"envoy/gen {' '.join(args)} failed ({r.returncode}):\n{r.stderr}")
+    return r.stdout

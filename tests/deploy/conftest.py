@@ -1,8 +1,9 @@
 """Fixtures for the deployment-artifact tests (compose file, Envoy configs, Kubernetes manifests).
 
-Tools: the real Envoy from .venv (`envoy --mode validate` loads the .wasm and checks the plugin
-configuration too), Go for tools/composecheck (the real compose-spec loader; it also dumps YAML as
-JSON, so no YAML library is needed in Python).
+Tools: the real Envoy from .venv (prkit.envoy.check_config: `envoy --mode validate` loads the
+.wasm and checks the plugin configuration too), envoy/gen run as users run it
+(prkit.envoy_config.run_gen / gen_result), Go for tools/composecheck (the real compose-spec
+loader; it also dumps YAML as JSON, so no YAML library is needed in Python).
 """
 
 from __future__ import annotations
@@ -15,26 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from prkit.build import envoy_binary, wasm_path
+from prkit.build import wasm_path
+from prkit.envoy_config import gen_result
 from prkit.paths import REPO_ROOT as REPO
-from prkit.ports import free_port  # noqa: F401 (the tests' free ports)
-
-GEN = REPO / "envoy" / "gen"
-
-
-def envoy_validate(config_text: str, tmp_path: Path, name: str = "config.yaml") -> None:
-    """`envoy --mode validate` on config_text; the config's .wasm path is replaced by the local build."""
-    path = tmp_path / name
-    path.write_text(config_text)
-    r = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warn"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0 and " OK" in r.stdout + r.stderr, (
-        f"envoy --mode validate failed for {name}:\n{r.stdout}\n{r.stderr}"
-    )
 
 
 def with_local_wasm(config_text: str, container_path: str) -> str:
@@ -65,10 +49,13 @@ def yaml_doc(composecheck: Path, text: str, tmp_path: Path) -> dict:
     return doc
 
 
-def run_gen(*args: str) -> str:
-    r = subprocess.run([str(GEN), *args], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+def gen_fail(*args: str) -> str:
+    """envoy/gen refuses `args` as it refuses bad input: exit 2, nothing on stdout, one line naming
+    the problem on stderr (returned)."""
+    r = gen_result(*args)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[:200])
+    assert r.stderr.startswith("envoy/gen: "), r.stderr
+    return r.stderr
 
 
 @pytest.fixture(scope="session")

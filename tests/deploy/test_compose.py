@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, envoy_binary, envoy_validate, with_local_wasm, yaml_doc
+from prkit.build import envoy_binary
+from prkit.envoy import check_config
+from prkit.paths import REPO_ROOT as REPO
+
+from .conftest import with_local_wasm, yaml_doc
 
 COMPOSE = REPO / "docker-compose.yml"
 
@@ -132,8 +136,8 @@ def test_every_mounted_envoy_config_validates(project, tmp_path):
     for c in configs:
         text = open(c).read()
         # validate mode does not resolve the STRICT_DNS names (w0..w3 exist only in the compose network)
-        envoy_validate(with_local_wasm(text, "/etc/prefix-router/prefix_router.wasm")
-                       .replace('"hash_key": "__HASH_KEY__"', '"hash_key": "' + "k" * 32 + '"'), tmp_path, "compose.yaml")
+        check_config(with_local_wasm(text, "/etc/prefix-router/prefix_router.wasm")
+                     .replace('"hash_key": "__HASH_KEY__"', '"hash_key": "' + "k" * 32 + '"'), tmp_path, "compose.yaml")
 
 
 def run_envoy_command(project, tmp_path, *envoy_args: str) -> tuple[subprocess.CompletedProcess, Path]:

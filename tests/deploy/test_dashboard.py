@@ -17,12 +17,14 @@ import urllib.request
 
 import pytest
 
+from prkit.build import wasm_path
 from prkit.envoy import Envoy
+from prkit.envoy_config import run_gen
 from prkit.fleet import SimFleet
+from prkit.paths import REPO_ROOT as REPO
 from prkit.ports import free_port
 from prkit.prom import metric_names
 
-from .conftest import REPO, run_gen, wasm_path
 
 DASHBOARD = REPO / "docker" / "grafana" / "dashboards" / "prefix-router.json"
 PROMETHEUS = REPO / "docker" / "prometheus" / "prometheus.yml"

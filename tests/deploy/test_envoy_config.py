@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from prkit import envoy_config as ec
+from prkit.build import wasm_path
+from prkit.envoy import check_config
+from prkit.envoy_config import gen_result
 
-from .conftest import GEN, envoy_validate, wasm_path, yaml_doc
+from .conftest import yaml_doc
 
 
 @pytest.mark.parametrize("profile", ec.PROFILES)
@@ -34,7 +36,7 @@ def test_test_profile_api_validates_with_plugin_overrides(tmp_path):
     assert [c["name"] for c in cfg["static_resources"]["clusters"]] == ["w0", "w1"]
     (li,) = cfg["static_resources"]["listeners"]
     assert li["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18000}
-    envoy_validate(ec.render(opts), tmp_path)
+    check_config(ec.render(opts), tmp_path)
 
 
 def test_listeners_default_to_loopback():
@@ -53,17 +55,13 @@ def test_access_log_switch():
     assert "access_log" not in bench["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
-def gen(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(GEN), *args], capture_output=True, text=True, timeout=30)
-
-
 def test_plugin_options_reach_the_plugin_config(composecheck, tmp_path):
-    r = gen("--model", "llama=w0=127.0.0.1:18010@2,w1=127.0.0.1:18011", "--policy-param", "load_eps=0.25",
+    r = gen_result("--model", "llama=w0=127.0.0.1:18010@2,w1=127.0.0.1:18011", "--policy-param", "load_eps=0.25",
             "--unknown-model", "reject", "--passthrough-cluster", "w1", "--index-capacity", "8192",
             "--index-ttl", "600", "--plugin", "index.local_cache_ms=200", "--no-access-log",
             "--wasm", str(wasm_path()))
     assert r.returncode == 0, r.stderr
-    envoy_validate(r.stdout, tmp_path)  # the filter accepts it
+    check_config(r.stdout, tmp_path)  # the filter accepts it
     doc = yaml_doc(composecheck, r.stdout, tmp_path)
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
@@ -93,7 +91,7 @@ def test_plugin_options_reach_the_plugin_config(composecheck, tmp_path):
     ],
 )
 def test_errors_name_the_option_and_the_reason(args, needles):
-    r = gen("--model", "m=10.0.0.1:8000", *args)
+    r = gen_result("--model", "m=10.0.0.1:8000", *args)
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[:200])
     assert r.stderr.startswith("envoy/gen: ")
     for n in needles:
@@ -121,4 +119,4 @@ def test_overhead_bench_configs_validate(mode, upstream, tmp_path):
         text = text.replace(str(overhead.WASM), str(wasm_path()))
         # The filter's default load polls, or none in the `_nopoll` mode.
         assert ('"interval_ms":0' in text.replace(" ", "")) == mode.endswith("_nopoll"), text
-    envoy_validate(text, tmp_path, f"overhead-{mode}.yaml")
+    check_config(text, tmp_path, f"overhead-{mode}.yaml")

@@ -7,28 +7,23 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
 
 from prkit import envoy_config as ec
+from prkit.build import wasm_path
+from prkit.envoy import check_config
+from prkit.envoy_config import run_gen
 
-from .conftest import GEN, envoy_validate, run_gen, wasm_path
+from .conftest import gen_fail
 
 PD = ["--pd-model", "m", "--prefill", "10.0.0.1:30000@8998,p1.llm.svc:30000@9000",
       "--decode", "10.0.0.3:30000,10.0.0.4:30000,10.0.0.5:30000"]
 
 
-def gen_fail(*args: str) -> str:
-    r = subprocess.run([str(GEN), *args], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[:200])
-    assert r.stderr.startswith("envoy/gen: "), r.stderr
-    return r.stderr
-
-
 def test_pd_config_validates(tmp_path):
-    envoy_validate(run_gen(*PD, "--wasm", str(wasm_path())), tmp_path)
-    envoy_validate(run_gen(*PD, "--profile", "test", "--wasm", str(wasm_path())), tmp_path, "test.yaml")
+    check_config(run_gen(*PD, "--wasm", str(wasm_path())), tmp_path)
+    check_config(run_gen(*PD, "--profile", "test", "--wasm", str(wasm_path())), tmp_path, "test.yaml")
 
 
 def test_pd_route_mirrors_to_the_prefill_header_and_clusters_have_the_right_fallbacks():

@@ -7,22 +7,18 @@ tools/composecheck yaml2json (no YAML library in Python)."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from .conftest import GEN, envoy_validate, run_gen, wasm_path, yaml_doc
+from prkit.build import wasm_path
+from prkit.envoy import check_config
+from prkit.envoy_config import run_gen
+
+from .conftest import gen_fail, yaml_doc
 
 SECRET = "s3cr3t-0123456789abcdef"
 HASH_KEY = "h4sh-k3y-0123456789abcdef"  # replicas sharing an index need one key (tests/deploy/test_hash_key.py)
 PEERS = "http://10.0.0.2:15100,http://envoy-1.prefix-router-peers.default.svc:15100"
-
-
-def gen_fail(*args: str) -> str:
-    r = subprocess.run([str(GEN), *args], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[:200])
-    assert r.stderr.startswith("envoy/gen: "), r.stderr
-    return r.stderr
 
 
 def as_json(composecheck, text: str, tmp_path) -> dict:
@@ -45,7 +41,7 @@ def test_peers_config_validates_and_listeners_share_the_vm(composecheck, tmp_pat
     args = ["--model", "m=10.0.0.1:8000,w1.llm.svc:8000", "--peers", PEERS,
             "--peer-listen", "127.0.0.1:0", "--peer-secret", SECRET, "--load-poll-ms", "50", "--hash-key", HASH_KEY]
     text = run_gen(*args, "--wasm", str(wasm_path()))
-    envoy_validate(text, tmp_path)
+    check_config(text, tmp_path)
     doc = as_json(composecheck, text, tmp_path)
     listeners = {li["name"]: li for li in doc["static_resources"]["listeners"]}
     assert list(listeners) == ["ingress", "stats", "peers"]
@@ -96,7 +92,7 @@ def test_secret_file_is_stripped_and_receive_only_listener(composecheck, tmp_pat
     f.write_text(f"  {SECRET}\n\n")
     text = run_gen("--model", "m=10.0.0.1:8000", "--peer-listen", "127.0.0.1:15100",
                    "--peer-secret-file", str(f), "--load-poll-ms", "0", "--wasm", str(wasm_path()), "--hash-key", HASH_KEY)
-    envoy_validate(text, tmp_path)
+    check_config(text, tmp_path)
     doc = as_json(composecheck, text, tmp_path)
     listeners = {li["name"]: li for li in doc["static_resources"]["listeners"]}
     plug = json.loads(wasm_config(listeners["peers"])["configuration"]["value"])

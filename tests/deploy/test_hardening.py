@@ -12,10 +12,14 @@ import urllib.request
 import pytest
 
 from prkit import envoy_config as ec
+from prkit.build import wasm_path
 from prkit.envoy import Envoy
+from prkit.envoy_config import run_gen
+from prkit.paths import REPO_ROOT as REPO
+from prkit.ports import free_port
 from prkit.wait import wait_until
 
-from .conftest import REPO, free_port, header_command, run_gen, wasm_path, yaml_doc
+from .conftest import header_command, yaml_doc
 from .test_ingress import Worker, get
 
 SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pytest
 
 from prkit import envoy_config as ec
+from prkit.build import wasm_path
+from prkit.envoy import validate_config
+from prkit.envoy_config import gen_result, run_gen
+from prkit.paths import REPO_ROOT as REPO
 
-from .conftest import GEN, REPO, envoy_binary, header_command, run_gen, wasm_path
+from .conftest import header_command
 from .test_ingress import plugin_config
 
 PRODUCTION = ["compose.yaml", "ingress.yaml", "scale-out.yaml"]
@@ -27,7 +30,9 @@ SECRET = "0123456789abcdef-peer"
 
 
 def gen_fail(*args: str) -> str:
-    r = subprocess.run([str(GEN), *args], capture_output=True, text=True, timeout=30)
+    """envoy/gen exits 2 on `args` (its own refusals and argparse's usage errors alike: no stderr
+    prefix is required, unlike tests/deploy/conftest.gen_fail); returns stderr."""
+    r = gen_result(*args)
     assert r.returncode == 2, (r.returncode, r.stdout[:300])
     return r.stderr
 
@@ -93,22 +98,15 @@ def test_demo_and_test_profiles_stay_unkeyed_unless_asked():
     assert plugin_config(text)["hash_key"] == "0123456789abcdef"
 
 
-def _validate(text: str, tmp_path) -> subprocess.CompletedProcess:
-    p = tmp_path / "c.yaml"
-    p.write_text(text)
-    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(p), "--log-level", "warn"],
-                          capture_output=True, text=True, timeout=60)
-
-
 def test_the_filter_refuses_an_unreplaced_placeholder(tmp_path):
     """Fail closed: a config whose placeholder was never replaced does not load (the real filter's
     config check, run by envoy --mode validate); the same config with a key does."""
     text = run_gen("--model", "m=10.0.0.1:8000", "--wasm", str(wasm_path()), "--hash-key-placeholder")
-    r = _validate(text, tmp_path)
+    r = validate_config(text, tmp_path)
     assert r.returncode != 0, r.stdout
     assert "hash_key" in r.stdout + r.stderr
     keyed = text.replace(f'"hash_key": "{ec.HASH_KEY_PLACEHOLDER}"', '"hash_key": "' + "a" * 64 + '"')
-    r = _validate(keyed, tmp_path)
+    r = validate_config(keyed, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import threading
 import urllib.error
 import urllib.request
@@ -14,10 +13,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from prkit.envoy import Envoy
+from prkit.build import wasm_path
+from prkit.envoy import Envoy, check_config
+from prkit.envoy_config import gen_result, run_gen
+from prkit.paths import REPO_ROOT as REPO
+from prkit.ports import free_port
 from prkit.wait import wait_until
 
-from .conftest import REPO, envoy_validate, free_port, header_command, run_gen, wasm_path, with_local_wasm, yaml_doc
+from .conftest import header_command, with_local_wasm, yaml_doc
 
 CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
 
@@ -152,7 +155,7 @@ def test_checked_in_config_validates(name, tmp_path):
     text = (REPO / "envoy" / name).read_text()
     # the hash_key placeholder is replaced at deploy time (the filter refuses it: test_hash_key.py)
     text = text.replace('"hash_key": "__HASH_KEY__"', '"hash_key": "' + "k" * 32 + '"')
-    envoy_validate(with_local_wasm(text, CONTAINER_WASM), tmp_path, name)
+    check_config(with_local_wasm(text, CONTAINER_WASM), tmp_path, name)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +167,7 @@ def test_checked_in_config_validates(name, tmp_path):
 )
 def test_generator_variants_validate(args, tmp_path):
     text = run_gen(*args, "--wasm", str(wasm_path()))
-    envoy_validate(text, tmp_path)
+    check_config(text, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +183,7 @@ def test_generator_variants_validate(args, tmp_path):
     ],
 )
 def test_generator_rejects_bad_input(args):
-    r = subprocess.run([str(REPO / "envoy" / "gen"), *args], capture_output=True, text=True)
+    r = gen_result(*args)
     assert r.returncode == 2 and "envoy/gen:" in r.stderr and r.stdout == ""
 
 

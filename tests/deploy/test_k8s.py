@@ -8,7 +8,9 @@ import subprocess
 
 import pytest
 
-from .conftest import REPO
+from prkit.envoy import check_config
+from prkit.paths import REPO_ROOT as REPO
+
 from .test_ingress import plugin_config
 
 K8S = REPO / "envoy" / "k8s"
@@ -261,14 +263,12 @@ def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
 def test_statefulset_init_writes_both_secrets_into_the_config(docs, tmp_path):
     """The init container really replaces both placeholders from the Secrets' files, and the
     result passes `envoy --mode validate` (which runs the filter's config check)."""
-    from .conftest import envoy_validate
-
     r, text = _init_script_here(docs, tmp_path, "p" * 32, "0123456789abcdef0123456789abcdef")
     assert r.returncode == 0, r.stderr
     assert "__HASH_KEY__" not in text.split("\n\n", 1)[1] and "__PREFIX_ROUTER_PEER_SECRET__" not in text.split("\n\n", 1)[1]
     plugin = plugin_config(text)
     assert plugin["hash_key"] == "0123456789abcdef0123456789abcdef" and plugin["peers"]["secret"] == "p" * 32
-    envoy_validate(text, tmp_path)
+    check_config(text, tmp_path)
 
 
 def test_statefulset_init_refuses_a_short_hash_key(docs, tmp_path):

@@ -11,8 +11,10 @@ import re
 import pytest
 
 from prkit import envoy_config as ec
+from prkit.envoy_config import run_gen
+from prkit.paths import REPO_ROOT as REPO
 
-from .conftest import REPO, run_gen, yaml_doc
+from .conftest import yaml_doc
 from .test_ingress import hcm_of, listener
 
 SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]

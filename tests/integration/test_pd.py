@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,27 +26,21 @@ import pytest
 from prkit.build import cargo_build, sim_binary, wasm_path
 from prkit.client import Client
 from prkit.envoy import Envoy, wait_inflight_zero
+from prkit.envoy_config import run_gen
 from prkit.fake_workers import WorkerPool
-from prkit.paths import REPO_ROOT, target_dir
+from prkit.paths import target_dir
 from prkit.ports import free_port
 from prkit.prom import parse_prometheus
 from prkit.wait import wait_until
 
 from . import conftest as it_conftest
 
-GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "m"
 PREFILL_HEADER = "x-prefix-router-prefill-cluster"
 BOOTSTRAP_PORT = 8998  # the fake fleet's: nobody connects to it
 DEADLINE_S = 30.0
 # sglang-sim decode workers give up on a room after this long (the bound a dead prefill costs).
 SIM_BOOTSTRAP_TIMEOUT_S = 2.0
-
-
-def gen(args: list) -> str:
-    r = subprocess.run([sys.executable, str(GEN), *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
 
 
 def base_args(listener: int, admin: int) -> list:
@@ -93,11 +86,11 @@ class FakeFleet:
             cargo_build("prefix-router", release=True, features=["dynamic-module"])
             args = [a for i, a in enumerate(args) if a != "--wasm" and args[i - 1] != "--wasm"] + ["--native"]
             env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(target_dir() / "release")}
-        text = gen(args + [
-            "--pd-model", MODEL,
+        text = run_gen(
+            *args, "--pd-model", MODEL,
             "--prefill", ",".join(f"127.0.0.1:{p[n]}@{BOOTSTRAP_PORT}" for n in PREFILLS),
             "--decode", ",".join(f"127.0.0.1:{p[n]}" for n in DECODES),
-        ])
+        )
         for n in PREFILLS + DECODES:
             assert f"- name: {n}\n" in text, n
         self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp, env=env)
@@ -310,13 +303,13 @@ class SimFleet:
         self.prefill = [SimWorker(f"p{i}", "prefill", *prefill_args) for i in range(2)]
         self.decode = [SimWorker(f"d{i}", "decode") for i in range(2)]
         listener, admin = free_port(), free_port()
-        text = gen(base_args(listener, admin) + [
-            "--profile", "test",
+        text = run_gen(
+            *base_args(listener, admin), "--profile", "test",
             "--pd-model", MODEL,
             "--prefill", ",".join(f"127.0.0.1:{w.port}@{w.bootstrap_port}" for w in self.prefill),
             "--decode", ",".join(f"127.0.0.1:{w.port}" for w in self.decode),
             *extra_gen,
-        ])
+        )
         self.envoy = Envoy(text, listener_port=listener, admin_port=admin, workdir=tmp)
         self.client = Client(listener)
 

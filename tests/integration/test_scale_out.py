@@ -38,8 +38,6 @@ import secrets
 import shutil
 import string
 import struct
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -50,15 +48,14 @@ import pytest
 from prkit.build import wasm_path
 from prkit.client import Client, Reply
 from prkit.envoy import Envoy
+from prkit.envoy_config import run_gen
 from prkit.fake_workers import WorkerPool
-from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
 from prkit.prom import inflight_gauges
 from prkit.wait import wait_until
 
 from . import conftest as it_conftest
 
-GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "llama"
 N_WORKERS = 6
 REPLICAS = ("A", "B", "C")
@@ -133,21 +130,20 @@ class Fleet:
         workers = ",".join(f"127.0.0.1:{self.pool.ports[n]}" for n in self.names)
         for name, peer_port in zip(REPLICAS, peer_ports):
             listener, admin = free_port(), free_port()
-            args = [sys.executable, str(GEN), "--model", f"{MODEL}={workers}",
+            args = ["--model", f"{MODEL}={workers}",
                     "--listen", f"127.0.0.1:{listener}", "--admin", f"127.0.0.1:{admin}",
                     "--stats-listen", "none", "--rate-limit", "0", "--debug-header",
                     "--wasm", str(wasm_path()), "--load-poll-ms", str(POLL_MS), "--health-timeout", "10s",
                     "--peers", peers, "--peer-listen", f"127.0.0.1:{peer_port}", "--peer-secret", self.secret,
                     "--hash-key", self.hash_key]
-            r = subprocess.run(args, capture_output=True, text=True, timeout=60)
-            assert r.returncode == 0, r.stderr
+            config = run_gen(*args)
             # gen names the worker clusters <model>_<i> in --model order: the fake workers' names.
             for n in self.names:
-                assert f"    - name: {n}\n" in r.stdout, n
-            assert '"peer_listener": true' in r.stdout and '"interval_ms": 50' in r.stdout
+                assert f"    - name: {n}\n" in config, n
+            assert '"peer_listener": true' in config and '"interval_ms": 50' in config
             d = tmp / f"envoy-{name}"
             d.mkdir()
-            envoy = Envoy(r.stdout, listener_port=listener, admin_port=admin, workdir=d, concurrency=2)
+            envoy = Envoy(config, listener_port=listener, admin_port=admin, workdir=d, concurrency=2)
             self.replicas[name] = Replica(name, envoy, peer_port)
 
     def start(self):

@@ -13,7 +13,6 @@ import json
 import random
 import socket
 import struct
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,12 +21,11 @@ from pathlib import Path
 from prkit.build import wasm_path
 from prkit.envoy import Envoy
 from prkit.envoy import wait_inflight_zero as envoy_wait_inflight_zero
+from prkit.envoy_config import run_gen
 from prkit.fleet import SimFleet
-from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
 from prkit.wait import wait_until
 
-GEN = REPO_ROOT / "envoy" / "gen"
 MODEL = "llama"
 DECISION = "x-prefix-router-decision"
 
@@ -36,12 +34,9 @@ def gen_config(workers: dict[str, int], listen: int, admin: int, *extra: str) ->
     """envoy/gen output for 127.0.0.1 workers (model `llama`, clusters llama_0..), debug header on,
     no rate limit, no stats listener (the tests read the admin directly)."""
     spec = ",".join(f"127.0.0.1:{p}" for p in workers.values())
-    args = [str(GEN), "--model", f"{MODEL}={spec}", "--listen", f"127.0.0.1:{listen}",
-            "--admin", f"127.0.0.1:{admin}", "--stats-listen", "none", "--wasm", str(wasm_path()),
-            "--debug-header", "--rate-limit", "0", *extra]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    return run_gen("--model", f"{MODEL}={spec}", "--listen", f"127.0.0.1:{listen}",
+                   "--admin", f"127.0.0.1:{admin}", "--stats-listen", "none", "--wasm", str(wasm_path()),
+                   "--debug-header", "--rate-limit", "0", *extra)
 
 
 def start_envoy(config: str, workdir: Path, listen: int, admin: int) -> Envoy:
