@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .build import envoy_binary
 from .paths import REPO_ROOT
-from .prom import SHARED_LOAD, inflight_and_shared_load, inflight_gauges, parse_prometheus
+from .prom import SHARED_LOAD, inflight_and_shared_load, inflight_gauges, parse_prometheus, vm_reloads
 from .wait import poll, wait_until
 
 # The filter's metric flush period (tick) plus margin.
@@ -222,13 +222,15 @@ class Envoy:
             keep += all_lines[marker:]
         return "\n".join(keep[-lines:])
 
+    def wasm_log_errors(self) -> list[str]:
+        """The log's wasm error/critical lines."""
+        return [x for x in self.log_text().splitlines()
+                if "][wasm]" in x and ("][error]" in x or "][critical]" in x)]
+
     def wasm_errors(self) -> list[str]:
         """Wasm VM reloads (a trapped filter under FAIL_RELOAD) and wasm error/critical log lines."""
-        bad = [f"{k}={v}" for k, v in self.stats().items()
-               if k.startswith("envoy_wasm_prefix_router_vm_reload") and v]
-        bad += [x for x in self.log_text().splitlines()
-                if "][wasm]" in x and ("][error]" in x or "][critical]" in x)]
-        return bad
+        bad = [f"{k}={v}" for k, v in vm_reloads(self.stats()).items() if v]
+        return bad + self.wasm_log_errors()
 
 
 def validate_config(config_text: str, workdir: Path, name: str = "config.yaml",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prkit.client import Client
+from prkit.prom import vm_reloads
 from prkit.stack import Stack
 
 _ACTIVE_STACKS: list = []
@@ -66,12 +67,7 @@ def pytest_runtest_makereport(item, call):
 def check_filter_healthy(stack):
     """The Wasm VM never failed: with failure_policy FAIL_RELOAD a panic would be papered over by a
     reload (only the request in flight fails), so look for it explicitly."""
-    stats = stack.envoy.stats()
-    reloads = {k: v for k, v in stats.items() if k.startswith("envoy_wasm_prefix_router_vm_reload")}
+    reloads = vm_reloads(stack.envoy.stats())
     assert reloads and all(v == 0 for v in reloads.values()), reloads
-    bad = [
-        line
-        for line in stack.envoy.log_text().splitlines()
-        if "][wasm]" in line and ("][error]" in line or "][critical]" in line)
-    ]
+    bad = stack.envoy.wasm_log_errors()
     assert not bad, "\n".join(bad[:20])
