@@ -36,6 +36,7 @@ from prkit.build import ensure_smg, sim_binary, smg_healthy_workers, wasm_path
 from prkit.envoy import Envoy
 from prkit.envoy_config import gen_result
 from prkit.ports import free_port
+from prkit.prom import sum_by_name
 from prkit.wait import Timeout, http_ok, wait_until
 
 LOAD = REPO / "load"
@@ -79,17 +80,7 @@ class PdFleet:
 
     def metrics(self, port: int) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        vals: dict = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                name = key.split("{", 1)[0]
-                try:
-                    vals[name] = vals.get(name, 0.0) + float(value)
-                except ValueError:
-                    pass
-        return vals
+            return sum_by_name(r.read().decode())
 
     def stop(self) -> None:
         for p in self.procs:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .build import envoy_binary
 from .paths import REPO_ROOT
+from .procfs import rss_kib
 from .prom import SHARED_LOAD, inflight_and_shared_load, inflight_gauges, parse_prometheus, vm_reloads
 from .wait import poll, wait_until
 
@@ -128,12 +129,9 @@ class Envoy:
     def rss_kib(self) -> int:
         """Resident memory of the Envoy process (VmRSS), 0 when it is gone."""
         try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
+            return rss_kib(self.pid)
         except OSError:
-            pass
-        return 0
+            return 0
 
     def stop(self):
         if self.proc is None or self.proc.poll() is not None:

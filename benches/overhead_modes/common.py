@@ -19,6 +19,7 @@ from prkit import envoy_config as ec
 from prkit.build import ensure_smg, envoy_executable
 from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
+from prkit.procfs import cpu_seconds, rss_kib
 from prkit.wait import Timeout, wait_http, wait_until
 
 ENVOY = REPO_ROOT / ".venv" / "bin" / "envoy"
@@ -79,10 +80,7 @@ class Proc:
 
     def rss_kib(self) -> int:
         # The envoy process itself (taskset execs it, so the pid is envoy's).
-        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        return 0
+        return rss_kib(self.p.pid)
 
 
 def nginx_conf(port: int, tmp: Path) -> Path:
@@ -286,12 +284,6 @@ def meter(proc: "Proc", kind: str, tmp: Path, callgrind: bool):
         c0[0] = cpu_seconds(proc.p.pid)
 
     return start, lambda: cpu_seconds(proc.p.pid) - c0[0]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -7,7 +7,9 @@ import json
 import statistics
 from pathlib import Path
 
-from .common import KINDS, all_proxies, body_of_size, cpu_seconds, rotated, wrk
+from prkit.procfs import cpu_seconds
+
+from .common import KINDS, all_proxies, body_of_size, rotated, wrk
 
 
 WRK_LUA = """

@@ -31,15 +31,9 @@ from prkit.build import wasm_path
 from prkit.envoy import Envoy
 from prkit.fleet import SimFleet
 from prkit.ports import free_port
+from prkit.procfs import rss_kib
 
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor " * 13
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def run(prefixes: int, capacity: int, threads: int = 4, samples: int = 20, log=print) -> dict:
