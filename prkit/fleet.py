@@ -9,13 +9,11 @@ deadline; `kill()` is a crash (SIGKILL: connections reset, the port refuses).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,7 +21,7 @@ from pathlib import Path
 from .build import sim_binary
 from .ports import free_port
 from .prom import sum_by_name
-from .wait import http_ok, wait_until
+from .wait import Timeout, http_ok, wait_until
 
 
 class SimWorker:
@@ -268,19 +266,17 @@ def cli_stop(quiet: bool = False) -> int:
             except OSError:
                 pass
     timeout = float(os.environ.get("FLEET_STOP_TIMEOUT", "30"))
-    deadline = time.monotonic() + timeout
-    while any(_alive(pid) for pid, _, _ in entries):
-        if time.monotonic() > deadline:
-            left = [pid for pid, _, _ in entries if _alive(pid)]
-            print(f"fleet: {len(left)} worker(s) still running after {timeout:g} s, sending SIGKILL",
-                  file=sys.stderr)
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            break
-        time.sleep(0.1)
+    try:
+        wait_until(lambda: not any(_alive(pid) for pid, _, _ in entries), "workers stopped", timeout, 0.1)
+    except Timeout:
+        left = [pid for pid, _, _ in entries if _alive(pid)]
+        print(f"fleet: {len(left)} worker(s) still running after {timeout:g} s, sending SIGKILL",
+              file=sys.stderr)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     (state / "pids").unlink(missing_ok=True)
     if not quiet:
         print(f"fleet: stopped {len(entries)} worker(s)")
