@@ -1,4 +1,6 @@
-"""Fixtures for the deployment-artifact tests (compose file, Envoy configs, Kubernetes manifests).
+"""Fixtures and shared helpers of the deployment-artifact tests (compose file, Envoy configs,
+Kubernetes manifests): the generated configs' parts (plugin_config, listener, hcm_of), tiny
+upstream workers and urllib clients (Worker, post, get), gen_fail, yaml_doc(s).
 
 Tools: the real Envoy from .venv (prkit.envoy.check_config: `envoy --mode validate` loads the
 .wasm and checks the plugin configuration too), envoy/gen run as users run it
@@ -12,6 +14,10 @@ import json
 import shlex
 import shutil
 import subprocess
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -56,6 +62,109 @@ def gen_fail(*args: str) -> str:
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[:200])
     assert r.stderr.startswith("envoy/gen: "), r.stderr
     return r.stderr
+
+
+# Shared by the deploy tests: the generated configs' parts, tiny upstream workers and clients.
+
+
+
+def plugin_config(text: str) -> dict:
+    """The Wasm plugin's JSON: the block scalar after `value: |` (lines indented deeper)."""
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.rstrip().endswith("value: |"))
+    base = len(lines[i]) - len(lines[i].lstrip())
+    block = []
+    for line in lines[i + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= base:
+            break
+        block.append(line)
+    return json.loads("\n".join(block))
+
+
+
+def listener(doc: dict, name: str) -> dict:
+    (li,) = [x for x in doc["static_resources"]["listeners"] if x["name"] == name]
+    return li
+
+
+
+def hcm_of(li: dict) -> dict:
+    (chain,) = li["filter_chains"]
+    (f,) = chain["filters"]
+    return f["typed_config"]
+
+
+
+class Worker:
+    """HTTP/1.0 server (closes each connection): /health 200, inference paths answer JSON."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.requests: list[tuple[str, str | None]] = []  # (path, x-envoy-attempt-count)
+        worker = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, code: int, body: bytes):
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.send_header("x-worker-id", worker.name)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._reply(200, b"" if self.path == "/health" else b'{"object":"list","data":[]}')
+
+            def do_POST(self):
+                n = int(self.headers.get("content-length") or 0)
+                self.rfile.read(n)
+                worker.requests.append((self.path, self.headers.get("x-envoy-attempt-count")))
+                self._reply(200, json.dumps({"worker": worker.name}).encode())
+
+        class Server(ThreadingHTTPServer):
+            # a loaded machine accepts slowly: a short backlog drops connects (Envoy retries them
+            # on another worker, and the test sees the wrong worker)
+            request_queue_size = 128
+
+        self.server = Server(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        """Stop listening: new connections are refused (the listening socket is closed)."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+
+def post(port: int, body: dict, timeout: float = 10):
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+
+def get(port: int, path: str, timeout: float = 5):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,7 @@ from prkit.paths import REPO_ROOT as REPO
 from prkit.ports import free_port
 from prkit.wait import wait_until
 
-from .conftest import header_command, yaml_doc
-from .test_ingress import Worker, get
+from .conftest import Worker, get, header_command, yaml_doc
 
 SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]
 

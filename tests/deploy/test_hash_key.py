@@ -21,8 +21,7 @@ from prkit.envoy import validate_config
 from prkit.envoy_config import gen_result, run_gen
 from prkit.paths import REPO_ROOT as REPO
 
-from .conftest import header_command
-from .test_ingress import plugin_config
+from .conftest import header_command, plugin_config
 
 PRODUCTION = ["compose.yaml", "ingress.yaml", "scale-out.yaml"]
 PEERS = "http://10.0.0.2:15100,http://10.0.0.3:15100"

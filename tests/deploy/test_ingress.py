@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,7 +16,8 @@ from prkit.paths import REPO_ROOT as REPO
 from prkit.ports import free_port
 from prkit.wait import wait_until
 
-from .conftest import header_command, with_local_wasm, yaml_doc
+from .conftest import (Worker, get, hcm_of, header_command, listener, plugin_config, post, with_local_wasm,
+                       yaml_doc)
 
 CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
 
@@ -58,17 +55,6 @@ def hosts_of(cluster: dict) -> list[tuple[str, int]]:
     """(address, priority) of every endpoint, in order."""
     return [(ep["endpoint"]["address"]["socket_address"]["address"], g.get("priority", 0))
             for g in cluster["load_assignment"]["endpoints"] for ep in g["lb_endpoints"]]
-
-
-def listener(doc: dict, name: str) -> dict:
-    (li,) = [x for x in doc["static_resources"]["listeners"] if x["name"] == name]
-    return li
-
-
-def hcm_of(li: dict) -> dict:
-    (chain,) = li["filter_chains"]
-    (f,) = chain["filters"]
-    return f["typed_config"]
 
 
 def test_ingress_structure(composecheck, tmp_path):
@@ -131,19 +117,6 @@ def test_ingress_structure(composecheck, tmp_path):
     assert [li["name"] for li in doc["static_resources"]["listeners"]] == ["ingress", "stats"]
 
 
-def plugin_config(text: str) -> dict:
-    """The Wasm plugin's JSON: the block scalar after `value: |` (lines indented deeper)."""
-    lines = text.splitlines()
-    i = next(n for n, line in enumerate(lines) if line.rstrip().endswith("value: |"))
-    base = len(lines[i]) - len(lines[i].lstrip())
-    block = []
-    for line in lines[i + 1:]:
-        if line.strip() and len(line) - len(line.lstrip()) <= base:
-            break
-        block.append(line)
-    return json.loads("\n".join(block))
-
-
 def test_compose_config_plugin():
     plugin = plugin_config((REPO / "envoy" / "compose.yaml").read_text())
     assert plugin["models"] == {"llama": {"workers": ["llama_0", "llama_1", "llama_2", "llama_3"]}}
@@ -190,76 +163,6 @@ def test_generator_rejects_bad_input(args):
 # --------------------------------------------------------------------------------------------
 # The generated config, run for real: 2 tiny upstream workers on 127.0.0.1
 # --------------------------------------------------------------------------------------------
-
-
-class Worker:
-    """HTTP/1.0 server (closes each connection): /health 200, inference paths answer JSON."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.requests: list[tuple[str, str | None]] = []  # (path, x-envoy-attempt-count)
-        worker = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _reply(self, code: int, body: bytes):
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.send_header("x-worker-id", worker.name)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                self._reply(200, b"" if self.path == "/health" else b'{"object":"list","data":[]}')
-
-            def do_POST(self):
-                n = int(self.headers.get("content-length") or 0)
-                self.rfile.read(n)
-                worker.requests.append((self.path, self.headers.get("x-envoy-attempt-count")))
-                self._reply(200, json.dumps({"worker": worker.name}).encode())
-
-        class Server(ThreadingHTTPServer):
-            # a loaded machine accepts slowly: a short backlog drops connects (Envoy retries them
-            # on another worker, and the test sees the wrong worker)
-            request_queue_size = 128
-
-        self.server = Server(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        """Stop listening: new connections are refused (the listening socket is closed)."""
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def post(port: int, body: dict, timeout: float = 10):
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
-
-
-def get(port: int, path: str, timeout: float = 5):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import pytest
 from prkit.envoy import check_config
 from prkit.paths import REPO_ROOT as REPO
 
-from .test_ingress import plugin_config
+from .conftest import plugin_config, with_local_wasm
+
 
 K8S = REPO / "envoy" / "k8s"
 PLUGIN_KEYS = {"models", "default_model", "unknown_model", "passthrough_cluster", "cluster_header",
@@ -239,8 +240,6 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
 def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
     """The StatefulSet's init container script, run here with its absolute paths mapped into
     tmp_path (the ConfigMap = envoy/scale-out.yaml with the local .wasm path, the two Secrets)."""
-    from .conftest import with_local_wasm
-
     pod = by_kind(docs, "statefulset.yaml", "StatefulSet")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["command"][:2] == ["sh", "-c"]

@@ -14,8 +14,7 @@ from prkit import envoy_config as ec
 from prkit.envoy_config import run_gen
 from prkit.paths import REPO_ROOT as REPO
 
-from .conftest import yaml_doc
-from .test_ingress import hcm_of, listener
+from .conftest import hcm_of, listener, yaml_doc
 
 SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]
 HEAP = "envoy.resource_monitors.fixed_heap"
