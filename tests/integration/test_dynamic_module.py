@@ -390,14 +390,13 @@ def _mutations(seed: str, n: int) -> list:
     """`n` request bodies the native layer must survive: the robustness suite's malformed bodies,
     then truncations, byte flips and splices of valid ones, random bytes, deep nesting and huge
     strings, on the three inference paths."""
-    from .test_robustness import MALFORMED
     r = wl.rng(seed)
     valid = [("/v1/chat/completions", json.dumps({"model": "llama", "messages": [
                 {"role": "user", "content": wl.text(r, 300)}]}).encode()),
              ("/v1/completions", json.dumps({"model": "llama", "prompt": wl.text(r, 300)}).encode()),
              ("/generate", json.dumps({"input_ids": [r.randrange(200_000) for _ in range(300)]}).encode()),
              ("/v1/completions", json.dumps({"model": "llama", "prompt": [[1, 2, 3], [4, 5]]}).encode())]
-    out = list(MALFORMED.values())
+    out = list(wl.MALFORMED.values())
     while len(out) < n:
         path, b = valid[r.randrange(len(valid))]
         k = r.randrange(6)

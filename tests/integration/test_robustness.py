@@ -10,18 +10,6 @@ from . import workload as wl
 
 MODEL = "llama"
 
-MALFORMED = {  # name -> (path, body)
-    "truncated-json": ("/v1/chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "hi"'),
-    "not-json": ("/v1/chat/completions", b"this is not json at all"),
-    "wrong-type-messages": ("/v1/chat/completions", b'{"model": "llama", "messages": 42}'),
-    "wrong-type-prompt": ("/v1/completions", b'{"model": "llama", "prompt": {"a": 1}}'),
-    "json-array": ("/v1/chat/completions", b"[1, 2, 3]"),
-    "invalid-utf8-chat": ("/v1/chat/completions",
-                          b'{"model": "llama", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
-    "invalid-utf8-prompt": ("/v1/completions", b'{"model": "llama", "prompt": "\xff\xfe"}'),
-    "bad-input-ids": ("/generate", b'{"input_ids": [1, "two", 3]}'),
-}
-
 
 def _warm_up_blocks(client):
     """A long prompt first, on the same connection (so the same Envoy worker thread and VM): any
@@ -30,9 +18,9 @@ def _warm_up_blocks(client):
     assert rep.status == 200 and rep.decision["total"] > 0, rep.decision
 
 
-@pytest.mark.parametrize("name", sorted(MALFORMED))
+@pytest.mark.parametrize("name", sorted(wl.MALFORMED))
 def test_malformed_body_is_served(env, client, name):
-    path, body = MALFORMED[name]
+    path, body = wl.MALFORMED[name]
     _warm_up_blocks(client)
     rep = client.post(path, body)
     assert rep.status == 200, (name, rep.status, rep.body)

@@ -1,4 +1,5 @@
-"""Seeded prompt generators: varied, random-but-reproducible long strings and token lists."""
+"""Seeded prompt generators (varied, random-but-reproducible long strings and token lists) and
+the malformed bodies the robustness tests send."""
 
 from __future__ import annotations
 
@@ -19,3 +20,16 @@ def text(r: random.Random, n_chars: int) -> str:
 
 def tokens(r: random.Random, n: int) -> list:
     return [r.randrange(1, 128_000) for _ in range(n)]
+
+
+MALFORMED = {  # name -> (path, body): bodies the filter cannot parse, each must still be served
+    "truncated-json": ("/v1/chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "hi"'),
+    "not-json": ("/v1/chat/completions", b"this is not json at all"),
+    "wrong-type-messages": ("/v1/chat/completions", b'{"model": "llama", "messages": 42}'),
+    "wrong-type-prompt": ("/v1/completions", b'{"model": "llama", "prompt": {"a": 1}}'),
+    "json-array": ("/v1/chat/completions", b"[1, 2, 3]"),
+    "invalid-utf8-chat": ("/v1/chat/completions",
+                          b'{"model": "llama", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+    "invalid-utf8-prompt": ("/v1/completions", b'{"model": "llama", "prompt": "\xff\xfe"}'),
+    "bad-input-ids": ("/generate", b'{"input_ids": [1, "two", 3]}'),
+}
