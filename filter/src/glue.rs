@@ -913,9 +913,6 @@ impl Stream {
                 m.add(m.reasons[d.reason.index()], 1);
                 m.add(m.blocks_prompt, i64::from(d.total_blocks));
                 m.add(m.blocks_matched, i64::from(d.matched_blocks));
-                m.add(m.index_writes, i64::from(d.index.writes));
-                m.add(m.index_conflicts, i64::from(d.index.conflicts));
-                m.add(m.index_dropped, i64::from(d.index.dropped));
                 m.add(m.index_probes, i64::from(d.probes));
                 m.add(m.truncated, i64::from(d.truncated));
                 m.inflight(&d, 1);
@@ -967,9 +964,6 @@ impl Stream {
         m.add(m.reasons[d.reason.index()], 1);
         m.add(m.blocks_prompt, i64::from(d.total_blocks));
         m.add(m.blocks_matched, i64::from(d.matched_blocks));
-        m.add(m.index_writes, i64::from(d.index.writes));
-        m.add(m.index_conflicts, i64::from(d.index.conflicts));
-        m.add(m.index_dropped, i64::from(d.index.dropped));
         m.add(m.index_probes, i64::from(d.probes));
         m.add(m.truncated, i64::from(d.truncated));
         m.add(m.pd_requests, 1);

@@ -55,9 +55,6 @@ pub struct Decision {
     /// ([`Router::release_prefill_tokens`]); 0/0 when nothing was charged.
     pub charged_reqs: u32,
     pub charged_tokens: u32,
-    /// Index writes made during the decision: none since records wait for the response
-    /// ([`Router::commit`] reports them); kept so every `Decision` has one shape.
-    pub index: WriteStats,
     pub probes: u32,
     pub truncated: bool,
     /// The deepest holder's load as the decision saw it (for the debug header); `None` when
@@ -705,7 +702,6 @@ fn plain(model: usize, worker: usize, reason: Reason) -> Decision {
         total_blocks: 0,
         charged_reqs: 0,
         charged_tokens: 0,
-        index: WriteStats::default(),
         probes: 0,
         truncated: false,
         holder: None,
