@@ -12,8 +12,9 @@
 
 use crate::config::{Config, PEER_PATH};
 use crate::header_pairs;
-use crate::host::{Buffer, Host, Map, MetricKind};
+use crate::host::{Buffer, Host, Map};
 use crate::index::Plan;
+use crate::metrics::{Counter, Gauge, Metrics};
 use crate::peers;
 use crate::policy::Reason;
 use crate::poll::{self, Lease, Polled, Poller};
@@ -37,228 +38,6 @@ pub enum Action {
     Continue = 0,
     /// Stop iteration (headers) / stop and buffer (body).
     Pause = 1,
-}
-
-/// Metric ids plus VM-local pending increments.
-///
-/// Increments are summed locally and sent to Envoy at most once per 100 ms (at the next decision)
-/// and every 200 ms from the tick, instead of 6-8 `increment_metric` host calls per request. Counters
-/// and gauges therefore lag by at most one tick; the routing state itself (shared data) never
-/// lags.
-struct Metrics {
-    ids: Vec<u32>,
-    pending: RefCell<Vec<i64>>,
-    last_flush: Cell<u32>,
-    reasons: [usize; Reason::ALL.len()],
-    blocks_prompt: usize,
-    blocks_matched: usize,
-    index_writes: usize,
-    index_conflicts: usize,
-    index_dropped: usize,
-    index_probes: usize,
-    truncated: usize,
-    poll_answers: usize,
-    poll_failures: usize,
-    peer_batches_sent: usize,
-    peer_records_sent: usize,
-    peer_send_failures: usize,
-    peer_records_dropped: usize,
-    peer_records_received: usize,
-    peer_records_ignored: usize,
-    peer_requests_rejected: usize,
-    peer_batches_stale: usize,
-    peer_batches_replayed: usize,
-    peer_batches_bad_mac: usize,
-    peer_records_over_budget: usize,
-    load_underflows: usize,
-    /// PD: requests sent to a prefill + decode pair, bodies refused, client bootstrap fields
-    /// dropped.
-    pd_requests: usize,
-    pd_bad_body: usize,
-    pd_client_fields: usize,
-    /// Gauges set (not added) by the poller: oldest answer's age, workers without a fresh one.
-    poll_age_ms: u32,
-    poll_unknown: u32,
-    /// Gauges set from shared data: in-flight requests / tokens over the live load leases.
-    load_requests: u32,
-    load_tokens: u32,
-    /// Per model, per worker: (in-flight requests, in-flight tokens) gauge slots.
-    inflight: Vec<Vec<(usize, usize)>>,
-    /// The index's self-check (`hits.rs`): workers aged out, failed counter reads, and per
-    /// model, per worker the (predicted, reported) reuse gauges of the last window (set, not
-    /// added).
-    hit_aged_out: usize,
-    hit_failures: usize,
-    hit_ppm: Vec<Vec<(u32, u32)>>,
-}
-
-impl Metrics {
-    fn define(h: &impl Host, cfg: &Config) -> Metrics {
-        let mut ids = Vec::new();
-        let mut def = |t: MetricKind, name: &str| {
-            ids.push(h.define_metric(t, name));
-            ids.len() - 1
-        };
-        let mut reasons = [0usize; Reason::ALL.len()];
-        for r in Reason::ALL {
-            reasons[r.index()] = def(
-                MetricKind::Counter,
-                &format!("prefix_router.requests.{}", r.as_str()),
-            );
-        }
-        let blocks_prompt = def(MetricKind::Counter, "prefix_router.blocks.prompt");
-        let blocks_matched = def(MetricKind::Counter, "prefix_router.blocks.matched");
-        let index_writes = def(MetricKind::Counter, "prefix_router.index.writes");
-        let index_conflicts = def(MetricKind::Counter, "prefix_router.index.cas_conflicts");
-        let index_dropped = def(MetricKind::Counter, "prefix_router.index.dropped_updates");
-        let index_probes = def(MetricKind::Counter, "prefix_router.index.probes");
-        let truncated = def(MetricKind::Counter, "prefix_router.prompts.truncated");
-        let poll_answers = def(MetricKind::Counter, "prefix_router.load_poll.answers");
-        let poll_failures = def(MetricKind::Counter, "prefix_router.load_poll.failures");
-        let peer_batches_sent = def(MetricKind::Counter, "prefix_router.peers.batches_sent");
-        let peer_records_sent = def(MetricKind::Counter, "prefix_router.peers.records_sent");
-        let peer_send_failures = def(MetricKind::Counter, "prefix_router.peers.send_failures");
-        let peer_records_dropped = def(MetricKind::Counter, "prefix_router.peers.records_dropped");
-        let peer_records_received =
-            def(MetricKind::Counter, "prefix_router.peers.records_received");
-        let peer_records_ignored = def(MetricKind::Counter, "prefix_router.peers.records_ignored");
-        let peer_requests_rejected =
-            def(MetricKind::Counter, "prefix_router.peers.requests_rejected");
-        let peer_batches_stale = def(MetricKind::Counter, "prefix_router.peers.batches_stale");
-        let peer_batches_replayed =
-            def(MetricKind::Counter, "prefix_router.peers.batches_replayed");
-        let peer_batches_bad_mac = def(MetricKind::Counter, "prefix_router.peers.batches_bad_mac");
-        let peer_records_over_budget = def(
-            MetricKind::Counter,
-            "prefix_router.peers.records_over_budget",
-        );
-        let load_underflows = def(MetricKind::Counter, "prefix_router.load.underflows");
-        let pd_requests = def(MetricKind::Counter, "prefix_router.pd.requests");
-        let pd_bad_body = def(MetricKind::Counter, "prefix_router.pd.bad_body");
-        let pd_client_fields = def(
-            MetricKind::Counter,
-            "prefix_router.pd.client_bootstrap_fields",
-        );
-        let gauge = |name: &str| h.define_metric(MetricKind::Gauge, name);
-        let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
-        let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
-        let load_requests = gauge("prefix_router.load.requests");
-        let load_tokens = gauge("prefix_router.load.tokens");
-        let inflight = cfg
-            .models
-            .iter()
-            .map(|m| {
-                m.workers
-                    .iter()
-                    .map(|w| {
-                        (
-                            def(
-                                MetricKind::Gauge,
-                                &format!("prefix_router.inflight_requests.{}", w.cluster),
-                            ),
-                            def(
-                                MetricKind::Gauge,
-                                &format!("prefix_router.inflight_tokens.{}", w.cluster),
-                            ),
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
-        let hit_aged_out = def(MetricKind::Counter, "prefix_router.hit_check.aged_out");
-        let hit_failures = def(MetricKind::Counter, "prefix_router.hit_check.failures");
-        let hit_ppm = cfg
-            .models
-            .iter()
-            .map(|m| {
-                m.workers
-                    .iter()
-                    .map(|w| {
-                        let c = &w.cluster;
-                        (
-                            gauge(&format!("prefix_router.hit_check.predicted_ppm.{c}")),
-                            gauge(&format!("prefix_router.hit_check.actual_ppm.{c}")),
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
-        let n = ids.len();
-        Metrics {
-            ids,
-            pending: RefCell::new(vec![0; n]),
-            last_flush: Cell::new(0),
-            reasons,
-            blocks_prompt,
-            blocks_matched,
-            index_writes,
-            index_conflicts,
-            index_dropped,
-            index_probes,
-            truncated,
-            poll_answers,
-            poll_failures,
-            peer_batches_sent,
-            peer_records_sent,
-            peer_send_failures,
-            peer_records_dropped,
-            peer_records_received,
-            peer_records_ignored,
-            peer_requests_rejected,
-            peer_batches_stale,
-            peer_batches_replayed,
-            peer_batches_bad_mac,
-            peer_records_over_budget,
-            load_underflows,
-            pd_requests,
-            pd_bad_body,
-            pd_client_fields,
-            poll_age_ms,
-            poll_unknown,
-            load_requests,
-            load_tokens,
-            inflight,
-            hit_aged_out,
-            hit_failures,
-            hit_ppm,
-        }
-    }
-
-    fn add(&self, slot: usize, by: i64) {
-        if let Some(p) = self.pending.borrow_mut().get_mut(slot) {
-            *p += by;
-        }
-    }
-
-    fn inflight(&self, d: &Decision, sign: i64) {
-        if let Some(&(r, t)) = self
-            .inflight
-            .get(usize::from(d.model))
-            .and_then(|m| m.get(usize::from(d.worker)))
-        {
-            self.add(r, sign * i64::from(d.charged_reqs));
-            self.add(t, sign * i64::from(d.charged_tokens));
-        }
-    }
-
-    /// Sends pending increments to Envoy (gauges take signed deltas).
-    fn flush(&self, h: &impl Host) {
-        let mut pending = self.pending.borrow_mut();
-        for (&id, p) in self.ids.iter().zip(pending.iter_mut()) {
-            if *p != 0 && id != 0 {
-                h.increment_metric(id, *p);
-            }
-            *p = 0;
-        }
-    }
-
-    /// Flushes when at least one clock unit (100 ms) passed since the last flush.
-    fn maybe_flush(&self, h: &impl Host, now: u32) {
-        if now != self.last_flush.get() {
-            self.last_flush.set(now);
-            self.flush(h);
-        }
-    }
 }
 
 struct Shared {
@@ -337,7 +116,7 @@ impl Root {
         let r = &mut *guard;
         let lp = &r.cfg.load_poll;
         let lost = self.poller.expire(now_ms, lp.timeout_ms);
-        s.metrics.add(s.metrics.poll_failures, lost as i64);
+        s.metrics.add(Counter::PollFailures, lost as i64);
         if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
             return; // a root that cannot call never takes the lease from one that can
         }
@@ -381,7 +160,7 @@ impl Root {
                 Err(_) => {
                     // Unknown cluster, or Envoy refused the call: a failed poll like any other.
                     self.poller.not_sent();
-                    s.metrics.add(s.metrics.poll_failures, 1);
+                    s.metrics.add(Counter::PollFailures, 1);
                 }
             }
         }
@@ -398,7 +177,7 @@ impl Root {
         }
         let m = &s.metrics;
         self.hit_calls
-            .expire(now_ms, lp.timeout_ms, |_| m.add(m.hit_failures, 1));
+            .expire(now_ms, lp.timeout_ms, |_| m.add(Counter::HitFailures, 1));
         if self
             .last_hit_round_ms
             .is_some_and(|at| since(at, now_ms) < u64::from(lp.metrics_interval_ms))
@@ -419,7 +198,7 @@ impl Root {
                 ];
                 match h.http_call(upstream, &headers, None, lp.timeout_ms) {
                     Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
-                    Err(_) => s.metrics.add(s.metrics.hit_failures, 1),
+                    Err(_) => s.metrics.add(Counter::HitFailures, 1),
                 }
             }
         }
@@ -441,7 +220,7 @@ impl Root {
             None
         };
         let Some(counters) = counters else {
-            s.metrics.add(s.metrics.hit_failures, 1);
+            s.metrics.add(Counter::HitFailures, 1);
             return;
         };
         let Ok(r) = s.router.try_borrow() else {
@@ -476,8 +255,9 @@ impl Root {
             return;
         };
         let m = &s.metrics;
-        self.peer_calls
-            .expire(now_ms, p.timeout_ms, |_| m.add(m.peer_send_failures, 1));
+        self.peer_calls.expire(now_ms, p.timeout_ms, |_| {
+            m.add(Counter::PeerSendFailures, 1)
+        });
         let since = since(self.last_peer_flush_ms, now_ms);
         if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
             return;
@@ -492,7 +272,7 @@ impl Root {
             ob.hand_off(h);
         }
         m.add(
-            m.peer_records_dropped,
+            Counter::PeerRecordsDropped,
             std::mem::take(&mut ob.dropped) as i64,
         );
         if ob.is_empty() {
@@ -503,7 +283,7 @@ impl Root {
         for c in &p.clusters {
             if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {
                 // Answers are overdue (timeouts pending): skip rather than pile up calls.
-                m.add(m.peer_send_failures, 1);
+                m.add(Counter::PeerSendFailures, 1);
                 continue;
             }
             let headers = [
@@ -515,10 +295,10 @@ impl Root {
             match h.http_call(c, &headers, Some(batch), p.timeout_ms) {
                 Ok(token) => {
                     self.peer_calls.push(token, now_ms, ());
-                    m.add(m.peer_batches_sent, 1);
-                    m.add(m.peer_records_sent, n);
+                    m.add(Counter::PeerBatchesSent, 1);
+                    m.add(Counter::PeerRecordsSent, n);
                 }
-                Err(_) => m.add(m.peer_send_failures, 1),
+                Err(_) => m.add(Counter::PeerSendFailures, 1),
             }
         }
         ob.clear();
@@ -539,7 +319,7 @@ impl Root {
         }
         if self.peer_calls.take(token).is_some() {
             if status != Some(204) && status != Some(200) {
-                m.add(m.peer_send_failures, 1);
+                m.add(Counter::PeerSendFailures, 1);
             }
             return;
         }
@@ -549,9 +329,9 @@ impl Root {
         };
         m.add(
             if load.is_some() {
-                m.poll_answers
+                Counter::PollAnswers
             } else {
-                m.poll_failures
+                Counter::PollFailures
             },
             1,
         );
@@ -597,8 +377,8 @@ impl Root {
             .map(|p| now.wrapping_sub(p.at))
             .max()
             .unwrap_or(0);
-        h.record_metric(m.poll_age_ms, u64::from(oldest) * 100);
-        h.record_metric(m.poll_unknown, unknown as u64);
+        m.set(h, Gauge::PollAgeMs, u64::from(oldest) * 100);
+        m.set(h, Gauge::PollUnknown, unknown as u64);
     }
 
     /// The root context's teardown (`proxy_on_delete` of the root; the module does not export
@@ -665,25 +445,21 @@ impl Root {
             if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.tick(h, TICK_MS, now_ticks(h).0);
                 let u = r.ledger.take_underflows();
-                s.metrics.add(s.metrics.load_underflows, u as i64);
+                s.metrics.add(Counter::LoadUnderflows, u as i64);
                 let (closed, aged_out) = r.take_hit_checks();
-                s.metrics.add(s.metrics.hit_aged_out, aged_out as i64);
+                s.metrics.add(Counter::HitAgedOut, aged_out as i64);
                 if closed {
-                    for (mi, ws) in s.metrics.hit_ppm.iter().enumerate() {
-                        for (wi, &(p, a)) in ws.iter().enumerate() {
-                            if let Some(win) = r.hit_window(mi, wi) {
-                                h.record_metric(p, u64::from(win.predicted_ppm));
-                                h.record_metric(a, u64::from(win.actual_ppm));
-                            }
-                        }
-                    }
+                    s.metrics.set_hit_check(h, |mi, wi| {
+                        let win = r.hit_window(mi, wi)?;
+                        Some((win.predicted_ppm, win.actual_ppm))
+                    });
                 }
                 if self.ticks.is_multiple_of(METRICS_EVERY) {
                     // In-flight load as shared data holds it (live leases), not as this VM
                     // counted it: a release that never reached shared data stays visible.
                     let (q, t) = r.ledger.sampled();
-                    h.record_metric(s.metrics.load_requests, q);
-                    h.record_metric(s.metrics.load_tokens, t);
+                    s.metrics.set(h, Gauge::LoadRequests, q);
+                    s.metrics.set(h, Gauge::LoadTokens, t);
                 }
             }
             let s = s.clone();
@@ -824,7 +600,7 @@ impl Stream {
         let ok = head.method == Some(b"POST") && head.path == Some(PEER_PATH.as_bytes());
         if !ok || end_of_stream {
             let m = &self.shared.metrics;
-            m.add(m.peer_requests_rejected, 1);
+            m.add(Counter::PeerRequestsRejected, 1);
             return peer_reply(h, 403, "prefix_router_peer_forbidden", "forbidden");
         }
         self.peer_batch = true;
@@ -841,14 +617,12 @@ impl Stream {
         let m = &self.shared.metrics;
         let action = match res {
             Ok(a) => {
-                m.add(m.peer_records_received, i64::from(a.records));
-                m.add(m.peer_records_ignored, i64::from(a.ignored));
-                m.add(m.index_writes, i64::from(a.writes.writes));
-                m.add(m.index_conflicts, i64::from(a.writes.conflicts));
-                m.add(m.index_dropped, i64::from(a.writes.dropped));
+                m.add(Counter::PeerRecordsReceived, i64::from(a.records));
+                m.add(Counter::PeerRecordsIgnored, i64::from(a.ignored));
+                m.index_writes(&a.writes);
                 if a.over_budget > 0 {
                     // Applied in part: the sender counts a failure, the log says why.
-                    m.add(m.peer_records_over_budget, i64::from(a.over_budget));
+                    m.add(Counter::PeerRecordsOverBudget, i64::from(a.over_budget));
                     peer_reply(
                         h,
                         429,
@@ -861,12 +635,12 @@ impl Stream {
                 }
             }
             Err(e) => {
-                m.add(m.peer_requests_rejected, 1);
+                m.add(Counter::PeerRequestsRejected, 1);
                 match e {
-                    peers::Refused::Stale => m.add(m.peer_batches_stale, 1),
-                    peers::Refused::Replay => m.add(m.peer_batches_replayed, 1),
+                    peers::Refused::Stale => m.add(Counter::PeerBatchesStale, 1),
+                    peers::Refused::Replay => m.add(Counter::PeerBatchesReplayed, 1),
                     peers::Refused::BadMac | peers::Refused::Legacy => {
-                        m.add(m.peer_batches_bad_mac, 1)
+                        m.add(Counter::PeerBatchesBadMac, 1)
                     }
                     _ => {}
                 }
@@ -897,7 +671,7 @@ impl Stream {
         let m = &self.shared.metrics;
         match outcome {
             Outcome::Reject { status, body } => {
-                m.add(m.reasons[Reason::Rejected.index()], 1);
+                m.request(Reason::Rejected);
                 m.maybe_flush(h, now);
                 local_reply(h, status, &body)
             }
@@ -910,12 +684,7 @@ impl Stream {
                 self.decision = Some(d);
                 self.charged = true;
                 let m = &self.shared.metrics;
-                m.add(m.reasons[d.reason.index()], 1);
-                m.add(m.blocks_prompt, i64::from(d.total_blocks));
-                m.add(m.blocks_matched, i64::from(d.matched_blocks));
-                m.add(m.index_probes, i64::from(d.probes));
-                m.add(m.truncated, i64::from(d.truncated));
-                m.inflight(&d, 1);
+                m.decision(&d);
                 m.maybe_flush(h, now);
                 let r = self.shared.router.borrow();
                 h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&d));
@@ -935,8 +704,8 @@ impl Stream {
         if rewritten.is_err() {
             // not a JSON object: no worker could use it; undo the prefill charge
             r.release(h, d);
-            m.add(m.pd_bad_body, 1);
-            m.add(m.reasons[Reason::Rejected.index()], 1);
+            m.add(Counter::PdBadBody, 1);
+            m.request(Reason::Rejected);
             m.maybe_flush(h, now);
             return Some(local_reply(
                 h,
@@ -961,14 +730,9 @@ impl Stream {
             &r.cfg.prefill_cluster_header,
             r.cluster(d),
         );
-        m.add(m.reasons[d.reason.index()], 1);
-        m.add(m.blocks_prompt, i64::from(d.total_blocks));
-        m.add(m.blocks_matched, i64::from(d.matched_blocks));
-        m.add(m.index_probes, i64::from(d.probes));
-        m.add(m.truncated, i64::from(d.truncated));
-        m.add(m.pd_requests, 1);
-        m.add(m.pd_client_fields, i64::from(r.pd.dropped));
-        m.inflight(d, 1);
+        m.decision(d);
+        m.add(Counter::PdRequests, 1);
+        m.add(Counter::PdClientFields, i64::from(r.pd.dropped));
         m.inflight(&dec, 1);
         m.maybe_flush(h, now);
         Some(Action::Continue)
@@ -1061,7 +825,7 @@ impl Stream {
             return Action::Pause;
         }
         let m = &self.shared.metrics;
-        m.add(m.reasons[Reason::Passthrough.index()], 1);
+        m.request(Reason::Passthrough);
         let mut r = self.shared.router.borrow_mut();
         let d = r.passthrough();
         let cluster = match (&d, &r.cfg.passthrough_cluster) {
@@ -1156,10 +920,7 @@ impl Stream {
         };
         // Stamped with the decision's time: no clock read (a host call) for it.
         let w = r.commit(h, plan, status, plan.at);
-        let m = &self.shared.metrics;
-        m.add(m.index_writes, i64::from(w.writes));
-        m.add(m.index_conflicts, i64::from(w.conflicts));
-        m.add(m.index_dropped, i64::from(w.dropped));
+        self.shared.metrics.index_writes(&w);
     }
 
     /// `proxy_on_delete` (Envoy calls it right after `on_done`, not exported): the stream ended,

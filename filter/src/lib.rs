@@ -20,6 +20,7 @@ pub mod ids;
 pub mod index;
 pub mod load;
 pub mod load_answer;
+pub mod metrics;
 pub mod pd;
 pub mod peers;
 pub mod placements;
