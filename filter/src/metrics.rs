@@ -24,7 +24,7 @@ use crate::host::{Host, MetricKind};
 use crate::index::WriteStats;
 use crate::policy::Reason;
 use crate::router::Decision;
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, RefCell, RefMut};
 
 /// An enum of metrics and its table of names (`prefix_router.` + the name), in one place.
 macro_rules! metric_table {
@@ -161,70 +161,51 @@ impl Metrics {
         }
     }
 
-    /// Batches `by` on slot `slot` (out of range: ignored).
-    fn add_slot(pending: &mut [i64], slot: usize, by: i64) {
-        if let Some(p) = pending.get_mut(slot) {
-            *p += by;
-        }
+    fn pending(&self) -> Pending<'_> {
+        Pending(self.pending.borrow_mut())
     }
 
     pub fn add(&self, c: Counter, by: i64) {
-        Self::add_slot(&mut self.pending.borrow_mut(), c as usize, by);
+        self.pending().add(c, by);
     }
 
     /// The outcome of index record writes (a commit, an applied peer batch).
     pub fn index_writes(&self, w: &WriteStats) {
-        let mut p = self.pending.borrow_mut();
-        Self::add_slot(&mut p, Counter::IndexWrites as usize, i64::from(w.writes));
-        Self::add_slot(
-            &mut p,
-            Counter::IndexConflicts as usize,
-            i64::from(w.conflicts),
-        );
-        Self::add_slot(&mut p, Counter::IndexDropped as usize, i64::from(w.dropped));
+        let mut p = self.pending();
+        p.add(Counter::IndexWrites, w.writes);
+        p.add(Counter::IndexConflicts, w.conflicts);
+        p.add(Counter::IndexDropped, w.dropped);
     }
 
     /// One request answered for `reason` without a routed decision (passthrough, rejected).
     pub fn request(&self, reason: Reason) {
-        Self::add_slot(&mut self.pending.borrow_mut(), REASONS + reason.index(), 1);
+        self.pending().slot(REASONS + reason.index(), 1);
     }
 
     /// A routed decision's counters and its charge on the in-flight gauges; both decide paths
     /// (plain and PD) count through here.
     pub fn decision(&self, d: &Decision) {
-        let mut p = self.pending.borrow_mut();
-        Self::add_slot(&mut p, REASONS + d.reason.index(), 1);
-        Self::add_slot(
-            &mut p,
-            Counter::BlocksPrompt as usize,
-            i64::from(d.total_blocks),
-        );
-        Self::add_slot(
-            &mut p,
-            Counter::BlocksMatched as usize,
-            i64::from(d.matched_blocks),
-        );
-        Self::add_slot(&mut p, Counter::IndexProbes as usize, i64::from(d.probes));
-        Self::add_slot(&mut p, Counter::Truncated as usize, i64::from(d.truncated));
+        let mut p = self.pending();
+        p.slot(REASONS + d.reason.index(), 1);
+        p.add(Counter::BlocksPrompt, d.total_blocks);
+        p.add(Counter::BlocksMatched, d.matched_blocks);
+        p.add(Counter::IndexProbes, d.probes);
+        p.add(Counter::Truncated, d.truncated);
         self.inflight_in(&mut p, d, 1);
     }
 
     /// Moves the in-flight gauges of `d`'s worker by `sign` times its charge (+1: charged, -1:
     /// released).
     pub fn inflight(&self, d: &Decision, sign: i64) {
-        self.inflight_in(&mut self.pending.borrow_mut(), d, sign);
+        self.inflight_in(&mut self.pending(), d, sign);
     }
 
-    fn inflight_in(&self, pending: &mut [i64], d: &Decision, sign: i64) {
+    fn inflight_in(&self, p: &mut Pending, d: &Decision, sign: i64) {
         let Some(w) = self.worker(usize::from(d.model), usize::from(d.worker)) else {
             return;
         };
-        Self::add_slot(pending, INFLIGHT + 2 * w, sign * i64::from(d.charged_reqs));
-        Self::add_slot(
-            pending,
-            INFLIGHT + 2 * w + 1,
-            sign * i64::from(d.charged_tokens),
-        );
+        p.slot(INFLIGHT + 2 * w, sign * i64::from(d.charged_reqs));
+        p.slot(INFLIGHT + 2 * w + 1, sign * i64::from(d.charged_tokens));
     }
 
     /// Worker `w` of model `m` among all workers; `None` when not configured.
@@ -272,6 +253,22 @@ impl Metrics {
             self.last_flush.set(now);
             self.flush(h);
         }
+    }
+}
+
+/// The pending increments, borrowed once for all of a caller's increments.
+struct Pending<'a>(RefMut<'a, Vec<i64>>);
+
+impl Pending<'_> {
+    /// Batches `by` on `slot` (out of range: ignored).
+    fn slot(&mut self, slot: usize, by: i64) {
+        if let Some(p) = self.0.get_mut(slot) {
+            *p += by;
+        }
+    }
+
+    fn add(&mut self, c: Counter, by: impl Into<i64>) {
+        self.slot(c as usize, by.into());
     }
 }
 
