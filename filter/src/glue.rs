@@ -12,7 +12,7 @@
 
 use crate::config::{Config, PEER_PATH};
 use crate::header_pairs;
-use crate::host::{Buffer, Host, Map};
+use crate::host::{self, now_ticks, Buffer, Host, Map};
 use crate::index::Plan;
 use crate::metrics::{Counter, Gauge, Metrics};
 use crate::peers;
@@ -80,12 +80,6 @@ pub struct Root {
     /// `None` before the first).
     hit_calls: Calls<(u16, u16)>,
     last_hit_round_ms: Option<u64>,
-}
-
-/// (clock in 100 ms units, the core's clock; nanoseconds since the epoch).
-fn now_ticks(h: &impl Host) -> (u32, u64) {
-    let nanos = h.now_nanos();
-    ((nanos / 100_000_000) as u32, nanos)
 }
 
 impl Default for Root {
@@ -309,9 +303,7 @@ impl Root {
         let Some(s) = self.shared.clone() else {
             return;
         };
-        let status = h
-            .header(Map::HttpCallResponseHeaders, ":status")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
+        let status = host::status(h, Map::HttpCallResponseHeaders);
         let m = &s.metrics;
         if let Some((mi, wi)) = self.hit_calls.take(token) {
             self.hit_counters_answer(h, &s, mi, wi, status, body_size);
@@ -911,10 +903,7 @@ impl Stream {
 
     /// Writes the decision's index records if the response status is 2xx (one `:status` read).
     fn commit(&mut self, h: &impl Host, plan: &Plan) {
-        let status = h
-            .header(Map::ResponseHeaders, ":status")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
-            .unwrap_or(0);
+        let status = host::status(h, Map::ResponseHeaders).unwrap_or(0);
         let Ok(mut r) = self.shared.router.try_borrow_mut() else {
             return;
         };
