@@ -17,7 +17,7 @@ use crate::index::Plan;
 use crate::metrics::{Counter, Gauge, Metrics};
 use crate::peers;
 use crate::policy::Reason;
-use crate::poll::{self, Lease, Polled, Poller};
+use crate::poller::Polls;
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
 use crate::schedule::{since, Calls};
@@ -68,18 +68,12 @@ impl Shared {
 pub struct Root {
     shared: Option<Rc<Shared>>,
     ticks: u32,
-    /// This root context's identity in the poller lease.
-    me: u64,
-    poller: Poller,
+    /// Load polls and counter reads (when this VM holds the poll lease).
+    polls: Polls,
     /// Peer batches awaiting an answer (bounded: at most one per peer per flush, and 4 per peer
     /// in all; expiring, see `schedule`).
     peer_calls: Calls<()>,
     last_peer_flush_ms: u64,
-    /// Counter reads for the index's self-check (`hits.rs`): `(model, worker)` per call
-    /// awaiting an answer (expiring, see `schedule`), and when the last round started (ms;
-    /// `None` before the first).
-    hit_calls: Calls<(u16, u16)>,
-    last_hit_round_ms: Option<u64>,
 }
 
 impl Default for Root {
@@ -93,148 +87,10 @@ impl Root {
         Root {
             shared: None,
             ticks: 0,
-            me: 0,
-            poller: Poller::default(),
+            polls: Polls::default(),
             peer_calls: Calls::default(),
             last_peer_flush_ms: 0,
-            hit_calls: Calls::default(),
-            last_hit_round_ms: None,
         }
-    }
-
-    /// The lease holder asks every worker for its load when a round is due.
-    fn poll_workers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
-        let Ok(mut guard) = s.router.try_borrow_mut() else {
-            return;
-        };
-        let r = &mut *guard;
-        let lp = &r.cfg.load_poll;
-        let lost = self.poller.expire(now_ms, lp.timeout_ms);
-        s.metrics.add(Counter::PollFailures, lost as i64);
-        if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
-            return; // a root that cannot call never takes the lease from one that can
-        }
-        let ttl = 3 * u64::from(lp.interval_ms.max(TICK_MS));
-        let mut buf = Vec::new();
-        if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
-            return;
-        }
-        let mut targets: Vec<poll::Target> = Vec::new();
-        for mi in 0..r.cfg.models.len() {
-            let activity = || r.ledger.activity(h, &r.cfg, mi);
-            if self.poller.due(
-                mi,
-                now_ms,
-                lp.interval_ms,
-                lp.no_traffic_interval_ms,
-                activity,
-            ) {
-                targets.extend(self.poller.round(mi));
-            }
-        }
-        for t in targets {
-            let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
-                let i = usize::from(t.worker);
-                Some((m.workers.get(i)?, m.poll_clusters.get(i)?))
-            }) else {
-                continue;
-            };
-            let path = if t.fallback {
-                lp.fallback_path.as_str()
-            } else {
-                lp.path.as_str()
-            };
-            let headers = [
-                (":method", "GET"),
-                (":path", path),
-                (":authority", w.cluster.as_str()),
-            ];
-            match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                Ok(token) => self.poller.sent(token, t, now_ms),
-                Err(_) => {
-                    // Unknown cluster, or Envoy refused the call: a failed poll like any other.
-                    self.poller.not_sent();
-                    s.metrics.add(Counter::PollFailures, 1);
-                }
-            }
-        }
-        self.read_hit_counters(h, s, r, now_ms);
-    }
-
-    /// The lease holder reads every worker's token counters each `metrics_interval_ms`
-    /// (`hits.rs`). A call whose answer never comes expires (`schedule::Calls`), so a lost
-    /// answer never stops a worker's reads; a clock step starts a round (`schedule::since`).
-    fn read_hit_counters(&mut self, h: &impl Host, s: &Shared, r: &Router, now_ms: u64) {
-        let lp = &r.cfg.load_poll;
-        if lp.metrics_interval_ms == 0 {
-            return;
-        }
-        let m = &s.metrics;
-        self.hit_calls
-            .expire(now_ms, lp.timeout_ms, |_| m.add(Counter::HitFailures, 1));
-        if self
-            .last_hit_round_ms
-            .is_some_and(|at| since(at, now_ms) < u64::from(lp.metrics_interval_ms))
-        {
-            return;
-        }
-        self.last_hit_round_ms = Some(now_ms);
-        for (mi, m) in r.cfg.models.iter().enumerate() {
-            for (wi, (w, upstream)) in m.workers.iter().zip(&m.poll_clusters).enumerate() {
-                let (mi, wi) = (mi as u16, wi as u16);
-                if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
-                    continue;
-                }
-                let headers = [
-                    (":method", "GET"),
-                    (":path", lp.metrics_path.as_str()),
-                    (":authority", w.cluster.as_str()),
-                ];
-                match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                    Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
-                    Err(_) => s.metrics.add(Counter::HitFailures, 1),
-                }
-            }
-        }
-    }
-
-    /// A counter read's answer: the sample is published for every VM's check (`hits.rs`).
-    fn hit_counters_answer(
-        &mut self,
-        h: &impl Host,
-        s: &Shared,
-        mi: u16,
-        wi: u16,
-        status: Option<u32>,
-        body_size: usize,
-    ) {
-        let counters = if status == Some(200) {
-            crate::hits::parse(&h.buffer(Buffer::HttpCallResponseBody, body_size))
-        } else {
-            None
-        };
-        let Some(counters) = counters else {
-            s.metrics.add(Counter::HitFailures, 1);
-            return;
-        };
-        let Ok(r) = s.router.try_borrow() else {
-            return;
-        };
-        let (mi, wi) = (usize::from(mi), usize::from(wi));
-        let Some((m, w)) = r
-            .cfg
-            .models
-            .get(mi)
-            .and_then(|m| Some((m, m.workers.get(wi)?)))
-        else {
-            return;
-        };
-        let sample = crate::hits::Sample {
-            counters,
-            at: now_ticks(h).0.max(1),
-        };
-        let mut buf = Vec::new();
-        crate::hits::publish(h, &m.hits_key, w.id, wi, &sample, &mut buf);
     }
 
     /// Sends this VM's new index records to every peer, every `peers.flush_ms`. A root that
@@ -305,8 +161,10 @@ impl Root {
         };
         let status = host::status(h, Map::HttpCallResponseHeaders);
         let m = &s.metrics;
-        if let Some((mi, wi)) = self.hit_calls.take(token) {
-            self.hit_counters_answer(h, &s, mi, wi, status, body_size);
+        if self
+            .polls
+            .counters_answer(h, &s.router, m, token, status, body_size)
+        {
             return;
         }
         if self.peer_calls.take(token).is_some() {
@@ -315,62 +173,8 @@ impl Root {
             }
             return;
         }
-        let body = h.buffer(Buffer::HttpCallResponseBody, body_size);
-        let Some((t, load)) = self.poller.answer(token, status, &body) else {
-            return;
-        };
-        m.add(
-            if load.is_some() {
-                Counter::PollAnswers
-            } else {
-                Counter::PollFailures
-            },
-            1,
-        );
-        let (now, _) = now_ticks(h);
-        let Ok(mut r) = s.router.try_borrow_mut() else {
-            return;
-        };
-        let (mi, w) = (usize::from(t.model), usize::from(t.worker));
-        let r = &mut *r;
-        let (snap_reqs, snap_tokens) = r.ledger.own_of(h, &r.cfg, mi, w);
-        let p = match load {
-            Some(l) => Polled {
-                reqs: l.reqs,
-                tokens: l.tokens,
-                snap_reqs,
-                snap_tokens,
-                at: now.max(1),
-                capacity: l.capacity,
-            },
-            None => Polled::default(), // failed: unknown until the next good answer
-        };
-        let Some(model) = r.cfg.models.get(mi) else {
-            return;
-        };
-        let mut buf = Vec::new();
-        poll::publish(h, &model.poll_key, model.workers[w].id, w, &p, &mut buf);
-        if !self.poller.settled(t.model) {
-            return; // the gauges once per round, at its last answer
-        }
-        // Gauges: the oldest answer's age and the workers without a fresh one.
-        let mut all = Vec::new();
-        if let Some(ids) = r.ledger.ids(mi) {
-            poll::decode(&buf, ids, model.workers.len(), &mut all);
-        }
-        let stale = r.cfg.load_poll.stale_ms / 100;
-        let unknown = all
-            .iter()
-            .filter(|p| p.at == 0 || now.wrapping_sub(p.at) > stale)
-            .count();
-        let oldest = all
-            .iter()
-            .filter(|p| p.at != 0)
-            .map(|p| now.wrapping_sub(p.at))
-            .max()
-            .unwrap_or(0);
-        m.set(h, Gauge::PollAgeMs, u64::from(oldest) * 100);
-        m.set(h, Gauge::PollUnknown, unknown as u64);
+        self.polls
+            .load_answer(h, &s.router, m, token, status, body_size);
     }
 
     /// The root context's teardown (`proxy_on_delete` of the root; the module does not export
@@ -399,16 +203,16 @@ impl Root {
         };
         let (_, nanos) = now_ticks(h);
         let metrics = Metrics::define(h, &cfg);
-        self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         let mut router = Router::new(cfg, nanos);
         router.init_store(h);
         // The poll lease's owner: unique among this Envoy's VMs (the id), and across restarts
         // (the clock); the clock alone can repeat between two VMs.
-        self.me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
+        let me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
+        self.polls.configure(&router.cfg, me);
         if let Some(ob) = router.outbox.as_mut() {
             // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
             // replicas' VMs would need the same id and the same clock nanoseconds).
-            ob.set_sender(self.me);
+            ob.set_sender(me);
         }
         if let Some(old) = &self.shared {
             // Reconfigured in place: streams of the old configuration release into the old
@@ -457,7 +261,7 @@ impl Root {
             let s = s.clone();
             let (_, nanos) = now_ticks(h);
             let now_ms = nanos / 1_000_000;
-            self.poll_workers(h, &s, now_ms);
+            self.polls.tick(h, &s.router, &s.metrics, now_ms, TICK_MS);
             self.flush_peers(h, &s, now_ms);
         }
     }
