@@ -10,17 +10,16 @@
 //! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
 //! a few metric increments; at stream end 1 load read + 1 load CAS.
 
-use crate::config::{Config, PEER_PATH};
+use crate::config::Config;
 use crate::header_pairs;
 use crate::host::{self, now_ticks, Buffer, Host, Map};
 use crate::index::Plan;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::peers;
+use crate::peer_flush::{self, PeerSender};
 use crate::policy::Reason;
 use crate::poller::Polls;
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
-use crate::schedule::{since, Calls};
 use std::cell::{Cell, RefCell};
 use std::fmt::Write;
 use std::rc::Rc;
@@ -70,10 +69,8 @@ pub struct Root {
     ticks: u32,
     /// Load polls and counter reads (when this VM holds the poll lease).
     polls: Polls,
-    /// Peer batches awaiting an answer (bounded: at most one per peer per flush, and 4 per peer
-    /// in all; expiring, see `schedule`).
-    peer_calls: Calls<()>,
-    last_peer_flush_ms: u64,
+    /// Index records sent to the peers.
+    peers: PeerSender,
 }
 
 impl Default for Root {
@@ -88,70 +85,8 @@ impl Root {
             shared: None,
             ticks: 0,
             polls: Polls::default(),
-            peer_calls: Calls::default(),
-            last_peer_flush_ms: 0,
+            peers: PeerSender::default(),
         }
-    }
-
-    /// Sends this VM's new index records to every peer, every `peers.flush_ms`. A root that
-    /// cannot call (a native worker thread) hands its records to the one that can instead
-    /// (`peers::Outbox::hand_off`), which sends them with its own.
-    fn flush_peers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
-        let Ok(mut guard) = s.router.try_borrow_mut() else {
-            return;
-        };
-        let r = &mut *guard;
-        let Some(p) = &r.cfg.peers else {
-            return;
-        };
-        let m = &s.metrics;
-        self.peer_calls.expire(now_ms, p.timeout_ms, |_| {
-            m.add(Counter::PeerSendFailures, 1)
-        });
-        let since = since(self.last_peer_flush_ms, now_ms);
-        if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
-            return;
-        }
-        self.last_peer_flush_ms = now_ms;
-        let Some(ob) = r.outbox.as_mut() else {
-            return;
-        };
-        if h.can_call() {
-            ob.take_relayed(h);
-        } else {
-            ob.hand_off(h);
-        }
-        m.add(
-            Counter::PeerRecordsDropped,
-            std::mem::take(&mut ob.dropped) as i64,
-        );
-        if ob.is_empty() {
-            return;
-        }
-        let n = ob.len() as i64;
-        let batch = ob.seal(&p.secret, now_ms);
-        for c in &p.clusters {
-            if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {
-                // Answers are overdue (timeouts pending): skip rather than pile up calls.
-                m.add(Counter::PeerSendFailures, 1);
-                continue;
-            }
-            let headers = [
-                (":method", "POST"),
-                (":path", PEER_PATH),
-                (":authority", c.as_str()),
-                ("content-type", "application/octet-stream"),
-            ];
-            match h.http_call(c, &headers, Some(batch), p.timeout_ms) {
-                Ok(token) => {
-                    self.peer_calls.push(token, now_ms, ());
-                    m.add(Counter::PeerBatchesSent, 1);
-                    m.add(Counter::PeerRecordsSent, n);
-                }
-                Err(_) => m.add(Counter::PeerSendFailures, 1),
-            }
-        }
-        ob.clear();
     }
 
     /// `proxy_on_http_call_response`: a peer batch's or a load poll's answer.
@@ -167,10 +102,7 @@ impl Root {
         {
             return;
         }
-        if self.peer_calls.take(token).is_some() {
-            if status != Some(204) && status != Some(200) {
-                m.add(Counter::PeerSendFailures, 1);
-            }
+        if self.peers.answer(m, token, status) {
             return;
         }
         self.polls
@@ -262,7 +194,7 @@ impl Root {
             let (_, nanos) = now_ticks(h);
             let now_ms = nanos / 1_000_000;
             self.polls.tick(h, &s.router, &s.metrics, now_ms, TICK_MS);
-            self.flush_peers(h, &s, now_ms);
+            self.peers.tick(h, &s.router, &s.metrics, now_ms);
         }
     }
 
@@ -306,26 +238,6 @@ pub struct Stream {
 
 fn header(h: &impl Host, name: &str) -> Vec<u8> {
     h.header(Map::RequestHeaders, name).unwrap_or_default()
-}
-
-/// The peer listener's refusal: an error body and the reason as response code details (the
-/// peer listener's access log records them).
-fn peer_reply(h: &impl Host, status: u32, details: &str, message: &str) -> Action {
-    let kind = match status {
-        400 => "BadRequestError",
-        403 => "PermissionDenied",
-        429 => "RateLimitError",
-        _ => "ServiceUnavailable",
-    };
-    let body =
-        format!(r#"{{"object":"error","message":"{message}","type":"{kind}","code":{status}}}"#);
-    h.local_reply_details(
-        status,
-        details,
-        &[("content-type", "application/json")],
-        body.as_bytes(),
-    );
-    Action::Pause
 }
 
 fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
@@ -388,69 +300,6 @@ impl Stream {
             }
         }
         head
-    }
-
-    /// Peer listener: only `POST /prefix-router/v1/records` with a body may be a batch; the
-    /// body decides the rest (`peers::receive`).
-    fn peer_headers(&mut self, h: &impl Host, head: &Head, end_of_stream: bool) -> Action {
-        let ok = head.method == Some(b"POST") && head.path == Some(PEER_PATH.as_bytes());
-        if !ok || end_of_stream {
-            let m = &self.shared.metrics;
-            m.add(Counter::PeerRequestsRejected, 1);
-            return peer_reply(h, 403, "prefix_router_peer_forbidden", "forbidden");
-        }
-        self.peer_batch = true;
-        Action::Pause
-    }
-
-    fn peer_body(&mut self, h: &impl Host, body: &[u8]) -> Action {
-        let (now, nanos) = now_ticks(h);
-        let res = {
-            let mut guard = self.shared.router.borrow_mut();
-            let r = &mut *guard;
-            peers::receive(h, &r.cfg, body, nanos / 1_000_000, now, &mut r.sc)
-        };
-        let m = &self.shared.metrics;
-        let action = match res {
-            Ok(a) => {
-                m.add(Counter::PeerRecordsReceived, i64::from(a.records));
-                m.add(Counter::PeerRecordsIgnored, i64::from(a.ignored));
-                m.index_writes(&a.writes);
-                if a.over_budget > 0 {
-                    // Applied in part: the sender counts a failure, the log says why.
-                    m.add(Counter::PeerRecordsOverBudget, i64::from(a.over_budget));
-                    peer_reply(
-                        h,
-                        429,
-                        peers::OVER_BUDGET_DETAILS,
-                        "sender over its record budget",
-                    )
-                } else {
-                    h.local_reply(204, &[], &[]);
-                    Action::Pause
-                }
-            }
-            Err(e) => {
-                m.add(Counter::PeerRequestsRejected, 1);
-                match e {
-                    peers::Refused::Stale => m.add(Counter::PeerBatchesStale, 1),
-                    peers::Refused::Replay => m.add(Counter::PeerBatchesReplayed, 1),
-                    peers::Refused::BadMac | peers::Refused::Legacy => {
-                        m.add(Counter::PeerBatchesBadMac, 1)
-                    }
-                    _ => {}
-                }
-                let msg = match e.status() {
-                    400 => "bad record batch",
-                    403 => "forbidden",
-                    429 => "too many peer senders",
-                    _ => "busy",
-                };
-                peer_reply(h, e.status(), e.details(), msg)
-            }
-        };
-        m.maybe_flush(h, now);
-        action
     }
 
     fn decide(&mut self, h: &impl Host, body: &[u8]) -> Action {
@@ -604,7 +453,10 @@ impl Stream {
         let raw = h.header_pairs(Map::RequestHeaders);
         let head = self.read_head(h, &raw);
         if self.shared.router.borrow().cfg.peer_listener {
-            return self.peer_headers(h, &head, end_of_stream);
+            let m = &self.shared.metrics;
+            self.peer_batch =
+                peer_flush::batch_headers(h, m, head.method, head.path, end_of_stream);
+            return Action::Pause;
         }
         let (method, path) = (
             head.method.unwrap_or_default(),
@@ -650,7 +502,8 @@ impl Stream {
             }
             self.peer_batch = false;
             let body = h.buffer(Buffer::RequestBody, body_size);
-            return self.peer_body(h, &body);
+            peer_flush::receive_batch(h, &self.shared.router, &self.shared.metrics, &body);
+            return Action::Pause;
         }
         if self.endpoint.is_none() {
             return Action::Continue;

@@ -22,6 +22,7 @@ pub mod load;
 pub mod load_answer;
 pub mod metrics;
 pub mod pd;
+pub mod peer_flush;
 pub mod peers;
 pub mod placements;
 pub mod policy;
