@@ -10,6 +10,7 @@
 //! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
 //! a few metric increments; at stream end 1 load read + 1 load CAS.
 
+use crate::charge::{Charge, Due};
 use crate::config::Config;
 use crate::header_pairs;
 use crate::host::{self, now_ticks, Buffer, Host, Map};
@@ -207,8 +208,7 @@ impl Root {
             endpoint: None,
             decision: None,
             decode: None,
-            prefill_held: false,
-            charged: false,
+            charge: Charge::default(),
             peer_batch: false,
             plan: None,
             tenant: Vec::new(),
@@ -219,14 +219,13 @@ impl Root {
 pub struct Stream {
     shared: Rc<Shared>,
     endpoint: Option<Endpoint>,
+    /// What was decided (kept for the debug header): the routed worker (the prefill worker for
+    /// PD models; passthrough's too) and, PD models only, the decode worker.
     decision: Option<Decision>,
-    /// PD models: the decode half (released when the stream ends).
     decode: Option<Decision>,
-    /// PD models: the prefill half (`decision`) is still charged; released at the first response
-    /// headers (the decode worker answers only once it has the prefill's KV) or at stream end.
-    prefill_held: bool,
-    /// True while this stream holds a load charge that must be released exactly once.
-    charged: bool,
+    /// The load still to give back (`charge.rs`); set before any host call after the charge,
+    /// so the stream's end releases it whatever happens next.
+    charge: Charge,
     /// A peer's record batch (peer listener only), applied when its body is complete.
     peer_batch: bool,
     // -- index records (issue 12 item 3) --
@@ -327,7 +326,10 @@ impl Stream {
                 // Owned by the stream before any host call: whatever happens next (a panic the
                 // native guard catches included), its end releases the charge.
                 self.decision = Some(d);
-                self.charged = true;
+                self.charge = Charge {
+                    routed: Some(d),
+                    decode: None,
+                };
                 let m = &self.shared.metrics;
                 m.decision(&d);
                 m.maybe_flush(h, now);
@@ -360,10 +362,12 @@ impl Stream {
         }
         let dec = crate::pd::decode_decision(r, h, d, body.len(), now)?;
         // Both charges are owned by the stream before any host call (see `decide`).
-        self.charged = true;
+        self.charge = Charge {
+            routed: Some(*d),
+            decode: Some(dec),
+        };
         self.decision = Some(*d);
         self.decode = Some(dec);
-        self.prefill_held = true;
         h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
         if !header(h, "content-length").is_empty() {
             let len = r.pd.out.len().to_string();
@@ -383,66 +387,24 @@ impl Stream {
         Some(Action::Continue)
     }
 
-    /// PD: releases the prefill worker's charge once (its work ends when the decode worker
-    /// answers, long before the decode stream does).
-    fn release_prefill(&mut self, h: &impl Host) {
-        if !std::mem::take(&mut self.prefill_held) {
-            return;
+    /// Gives back the part of this stream's charge that is due `at` (see [`Charge::take`]),
+    /// each part exactly once: the ledger write and the in-flight gauges together. At the end,
+    /// where no tick may follow (a closing root, the native build), batched state goes out now.
+    fn release(&mut self, h: &impl Host, at: Due) {
+        let parts = self.charge.take(at);
+        if parts == [None, None] {
+            return; // nothing charged, or released already: no host call
         }
-        if let Some(d) = &self.decision {
-            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
+        let s = &*self.shared;
+        for d in parts.iter().flatten() {
+            // Borrowed only if a callback re-entered the glue: the gauges still move.
+            if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.release(h, d);
             }
-            self.shared.metrics.inflight(d, -1);
+            s.metrics.inflight(d, -1);
         }
-    }
-
-    /// Non-PD models: the prompt's queued-prefill charge ends with the worker's first response
-    /// headers (SGLang sends them with the first token); the request charge stays until the
-    /// stream ends. A no-op after the first call, for PD (the prefill half has its own release)
-    /// and for streams without a charge.
-    fn release_queued_prefill(&mut self, h: &impl Host) {
-        if !self.charged || self.decode.is_some() {
-            return;
-        }
-        let Some(d) = self.decision.as_mut() else {
-            return;
-        };
-        if d.charged_tokens == 0 {
-            return;
-        }
-        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
-            return;
-        };
-        let released = r.release_prefill_tokens(h, d);
-        drop(r);
-        self.shared.metrics.inflight(&released, -1);
-    }
-
-    /// Gives back this stream's load charge; a no-op after the first call.
-    fn release(&mut self, h: &impl Host) {
-        if !std::mem::take(&mut self.charged) {
-            return;
-        }
-        if let Some(d) = self.decode.take() {
-            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(h, &d);
-            }
-            self.shared.metrics.inflight(&d, -1);
-            self.release_prefill(h);
-            if self.shared.closing.get() || h.eager_flush() {
-                self.shared.flush_all(h);
-            }
-            return;
-        }
-        if let Some(d) = &self.decision {
-            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(h, d);
-            }
-            self.shared.metrics.inflight(d, -1);
-            if self.shared.closing.get() || h.eager_flush() {
-                self.shared.flush_all(h);
-            }
+        if at == Due::End && (s.closing.get() || h.eager_flush()) {
+            s.flush_all(h);
         }
     }
 
@@ -518,8 +480,7 @@ impl Stream {
     /// `proxy_on_response_headers`: once per response (never per body chunk). Adds the debug
     /// header when configured.
     pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
-        self.release_prefill(h);
-        self.release_queued_prefill(h);
+        self.release(h, Due::Answer);
         if let Some(plan) = self.plan.take() {
             self.commit(h, &plan);
         }
@@ -572,6 +533,6 @@ impl Stream {
     /// `proxy_on_delete` (Envoy calls it right after `on_done`, not exported): the stream ended,
     /// whichever way (response complete, client reset, local reply). Releases the charge.
     pub fn on_done(&mut self, h: &impl Host) {
-        self.release(h);
+        self.release(h, Due::End);
     }
 }

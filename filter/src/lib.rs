@@ -7,6 +7,7 @@
 
 pub mod blocks;
 pub mod busy;
+pub mod charge;
 pub mod config;
 mod config_path;
 pub mod decay;

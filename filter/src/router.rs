@@ -52,7 +52,7 @@ pub struct Decision {
     pub total_blocks: u32,
     /// Load charged to the worker: the request until the stream ends, its estimated uncached
     /// prompt tokens (queued prefill) until the first response headers
-    /// ([`Router::release_prefill_tokens`]); 0/0 when nothing was charged.
+    /// ([`Decision::take_prompt_tokens`]); 0/0 when nothing was charged.
     pub charged_reqs: u32,
     pub charged_tokens: u32,
     pub probes: u32,
@@ -60,6 +60,22 @@ pub struct Decision {
     /// The deepest holder's load as the decision saw it (for the debug header); `None` when
     /// nobody held the prompt.
     pub holder: Option<HolderLoad>,
+}
+
+impl Decision {
+    /// Takes the prompt-token part out of the charge (`None` when there is none left), for
+    /// [`Router::release`] when the worker answers: a streamed SGLang answer starts with its
+    /// first token, so from then on the request is decoding, not queued prefill work, and a new
+    /// request on that worker no longer waits for it (`docs/design.md`, "Queued prefill"). The
+    /// request stays charged: the stream's end releases what is left of `self`.
+    pub fn take_prompt_tokens(&mut self) -> Option<Decision> {
+        let tokens = std::mem::take(&mut self.charged_tokens);
+        (tokens > 0).then_some(Decision {
+            charged_reqs: 0,
+            charged_tokens: tokens,
+            ..*self
+        })
+    }
 }
 
 /// A worker's load as one decision saw it: requests in flight, its running-request capacity
@@ -630,22 +646,6 @@ impl Router {
             d.charged_reqs,
             d.charged_tokens,
         );
-    }
-
-    /// Releases the prompt-token half of a decision's charge, once, when the worker answers: a
-    /// streamed SGLang answer starts with its first token, so from then on the request is
-    /// decoding, not queued prefill work, and a new request on that worker no longer waits
-    /// for it (`docs/design.md`, "Queued prefill"). The request stays charged until
-    /// [`Router::release`], which then gives back only what is left of `d`. Returns what was
-    /// released (for the in-flight gauges).
-    pub fn release_prefill_tokens<S: Store>(&mut self, store: &S, d: &mut Decision) -> Decision {
-        let released = Decision {
-            charged_reqs: 0,
-            charged_tokens: std::mem::take(&mut d.charged_tokens),
-            ..*d
-        };
-        self.release(store, &released);
-        released
     }
 
     /// The VM's timer at clock `now` (100 ms units; see [`Ledger::tick`]).
@@ -1228,13 +1228,14 @@ mod tests {
         assert!(d.charged_tokens >= 1000, "{d:?}");
         assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (1, d.charged_tokens));
         // The first response headers: the request is decoding, no longer queued prefill.
-        r.release_prefill_tokens(&s, &mut d);
+        let tokens = d.take_prompt_tokens().expect("tokens charged");
+        r.release(&s, &tokens);
         assert_eq!(d.charged_tokens, 0);
         assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (1, 0));
         let (reqs, tokens) = r.ledger.view(&s, &r.cfg, mi, 1);
         assert_eq!((reqs[w], tokens[w]), (1, 0), "what the next decision sees");
-        // Twice is a no-op; the stream end releases the request only.
-        r.release_prefill_tokens(&s, &mut d);
+        // Twice there is nothing left; the stream end releases the request only.
+        assert_eq!(d.take_prompt_tokens(), None);
         r.release(&s, &d);
         assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (0, 0));
         assert_eq!(r.ledger.take_underflows(), 0);
