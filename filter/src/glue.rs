@@ -15,14 +15,13 @@ use crate::config::Config;
 use crate::header_pairs;
 use crate::host::{self, now_ticks, Buffer, Host, Map};
 use crate::index::Plan;
-use crate::metrics::{Counter, Gauge, Metrics};
+use crate::metrics::{Counter, Metrics};
 use crate::peer_flush::{self, PeerSender};
 use crate::policy::Reason;
 use crate::poller::Polls;
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
 use std::cell::{Cell, RefCell};
-use std::fmt::Write;
 use std::rc::Rc;
 
 /// The root context's timer: flushes batched metrics and parked load releases, and re-measures
@@ -173,23 +172,8 @@ impl Root {
             }
             if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.tick(h, TICK_MS, now_ticks(h).0);
-                let u = r.ledger.take_underflows();
-                s.metrics.add(Counter::LoadUnderflows, u as i64);
-                let (closed, aged_out) = r.take_hit_checks();
-                s.metrics.add(Counter::HitAgedOut, aged_out as i64);
-                if closed {
-                    s.metrics.set_hit_check(h, |mi, wi| {
-                        let win = r.hit_window(mi, wi)?;
-                        Some((win.predicted_ppm, win.actual_ppm))
-                    });
-                }
-                if self.ticks.is_multiple_of(METRICS_EVERY) {
-                    // In-flight load as shared data holds it (live leases), not as this VM
-                    // counted it: a release that never reached shared data stays visible.
-                    let (q, t) = r.ledger.sampled();
-                    s.metrics.set(h, Gauge::LoadRequests, q);
-                    s.metrics.set(h, Gauge::LoadTokens, t);
-                }
+                let sample = self.ticks.is_multiple_of(METRICS_EVERY);
+                s.metrics.after_tick(h, &mut r, sample);
             }
             let s = s.clone();
             let (_, nanos) = now_ticks(h);
@@ -486,35 +470,11 @@ impl Stream {
         }
         let r = self.shared.router.borrow();
         if let (Some(name), Some(d)) = (&r.cfg.debug_header, &self.decision) {
-            let mut v = String::with_capacity(96);
-            let _ = write!(
-                v,
-                "worker={}; reason={}; matched={}; total={}",
-                r.cluster(d),
-                d.reason.as_str(),
-                d.matched_blocks,
-                d.total_blocks
+            h.add_header(
+                Map::ResponseHeaders,
+                name,
+                &r.debug_value(d, self.decode.as_ref()),
             );
-            if let Some(dec) = &self.decode {
-                let _ = write!(v, "; decode={}", r.cluster(dec));
-            }
-            if let Some(hl) = d.holder {
-                // The deepest holder's load as the decision saw it: requests / capacity (0: not
-                // reported) / queued prefill tokens.
-                let at = Decision {
-                    worker: hl.worker,
-                    ..*d
-                };
-                let _ = write!(
-                    v,
-                    "; holder={}; holder_load={}/{}/{}",
-                    r.cluster(&at),
-                    hl.reqs,
-                    hl.capacity,
-                    hl.tokens
-                );
-            }
-            h.add_header(Map::ResponseHeaders, name, &v);
         }
         Action::Continue
     }

@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::host::{Host, MetricKind};
 use crate::index::WriteStats;
 use crate::policy::Reason;
-use crate::router::Decision;
+use crate::router::{Decision, Router};
 use std::cell::{Cell, RefCell, RefMut};
 
 /// An enum of metrics and its table of names (`prefix_router.` + the name), in one place.
@@ -233,6 +233,27 @@ impl Metrics {
                     h.record_metric(a, u64::from(actual));
                 }
             }
+        }
+    }
+
+    /// After the router's tick: its load underflows and the self-check's verdicts, the
+    /// self-check gauges when a window closed, and with `sample` the in-flight load as shared
+    /// data holds it (live leases), not as this VM counted it: a release that never reached
+    /// shared data stays visible.
+    pub fn after_tick(&self, h: &impl Host, r: &mut Router, sample: bool) {
+        self.add(Counter::LoadUnderflows, r.ledger.take_underflows() as i64);
+        let (closed, aged_out) = r.take_hit_checks();
+        self.add(Counter::HitAgedOut, aged_out as i64);
+        if closed {
+            self.set_hit_check(h, |mi, wi| {
+                let win = r.hit_window(mi, wi)?;
+                Some((win.predicted_ppm, win.actual_ppm))
+            });
+        }
+        if sample {
+            let (q, t) = r.ledger.sampled();
+            self.set(h, Gauge::LoadRequests, q);
+            self.set(h, Gauge::LoadTokens, t);
         }
     }
 

@@ -682,6 +682,40 @@ impl Router {
         self.verifier.window(mi, w)
     }
 
+    /// The debug header's value for decision `d` (and a PD request's `decode` worker): the
+    /// worker, why, the matched and total blocks, and the deepest holder's load as the decision
+    /// saw it (requests / capacity, 0: not reported / queued prefill tokens).
+    pub fn debug_value(&self, d: &Decision, decode: Option<&Decision>) -> String {
+        use std::fmt::Write;
+        let mut v = String::with_capacity(96);
+        let _ = write!(
+            v,
+            "worker={}; reason={}; matched={}; total={}",
+            self.cluster(d),
+            d.reason.as_str(),
+            d.matched_blocks,
+            d.total_blocks
+        );
+        if let Some(dec) = decode {
+            let _ = write!(v, "; decode={}", self.cluster(dec));
+        }
+        if let Some(hl) = d.holder {
+            let at = Decision {
+                worker: hl.worker,
+                ..*d
+            };
+            let _ = write!(
+                v,
+                "; holder={}; holder_load={}/{}/{}",
+                self.cluster(&at),
+                hl.reqs,
+                hl.capacity,
+                hl.tokens
+            );
+        }
+        v
+    }
+
     /// Number of parked load deltas (should be 0 except under extreme contention).
     pub fn pending_len(&self) -> usize {
         self.ledger.pending_len()
