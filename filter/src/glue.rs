@@ -1,14 +1,28 @@
 //! The glue: moves data between the [`Host`] (Envoy) and the pure core, nothing else.
 //!
 //! [`Root`] is a plugin's root context, [`Stream`] one HTTP stream's context; `abi` calls their
-//! methods from the module's exported proxy-wasm callbacks, and native tests call them against
-//! `host::FakeHost`. Only the callbacks the filter needs exist (see `abi`): response bodies
-//! and trailers never enter the VM.
+//! methods from the module's exported proxy-wasm callbacks, `native` from Envoy's dynamic-module
+//! hooks, and tests call them against `host::FakeHost`. Only the callbacks the filter needs
+//! exist (see `abi`): response bodies and trailers never enter the VM. What a callback does
+//! beyond moving data lives beside it: the metrics (`metrics.rs`), a stream's load charge
+//! (`charge.rs`), the poll lease holder's calls (`poller.rs`), the peer batches
+//! (`peer_flush.rs`).
 //!
-//! Host calls per inference request (steady state, cache-aware): 1 header removal, 2 header
-//! reads (`:method`, `:path`), 1 clock read, 1 body read, 1 load read + 1 load CAS, the index
-//! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
-//! a few metric increments; at stream end 1 load read + 1 load CAS.
+//! Invariants:
+//! - A stream's load charge is owned by the stream before any host call after it is made, and
+//!   given back in parts through one path ([`Stream`]'s `release`), each part exactly once,
+//!   however the stream ends.
+//! - The router is borrowed for one step, never across callbacks. Root callbacks and releases
+//!   only try (a re-entered glue skips the step; a release still moves the gauges).
+//! - Metrics are batched per VM (`metrics.rs`); routing state in shared data never is. A
+//!   configuration replaced or removed flushes its VM's state, and its streams flush as they end.
+//!
+//! Host calls per inference request (steady state, cache-aware): 1 header-map read (and 1
+//! removal per filter header the client sent), 1 clock read, 1 body read, 1 load read + 1 load
+//! CAS, the index probes (O(log log n), see `index.rs`), 1 header add, a metric flush at most
+//! once per 100 ms; at the response headers the queued-prefill release and, when the decision
+//! planned records, 1 `:status` read (the writes only for a 2xx); at the end the release
+//! (`load.rs`: 1 load read + 1 CAS, or parked on a busy thread).
 
 use crate::charge::{Charge, Due};
 use crate::config::Config;
@@ -64,6 +78,7 @@ impl Shared {
     }
 }
 
+#[derive(Default)]
 pub struct Root {
     shared: Option<Rc<Shared>>,
     ticks: u32,
@@ -73,23 +88,13 @@ pub struct Root {
     peers: PeerSender,
 }
 
-impl Default for Root {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Root {
     pub fn new() -> Root {
-        Root {
-            shared: None,
-            ticks: 0,
-            polls: Polls::default(),
-            peers: PeerSender::default(),
-        }
+        Root::default()
     }
 
-    /// `proxy_on_http_call_response`: a peer batch's or a load poll's answer.
+    /// `proxy_on_http_call_response`: a counter read's, a peer batch's or a load poll's answer,
+    /// tried in that order (the load poll's reads the body before its token is looked up).
     pub fn on_http_call_response(&mut self, h: &impl Host, token: u32, body_size: usize) {
         let Some(s) = self.shared.clone() else {
             return;
@@ -217,10 +222,6 @@ pub struct Stream {
     plan: Option<Plan>,
     /// Value of `tenant_header` (set by Envoy after authentication); empty when not configured.
     tenant: Vec<u8>,
-}
-
-fn header(h: &impl Host, name: &str) -> Vec<u8> {
-    h.header(Map::RequestHeaders, name).unwrap_or_default()
 }
 
 fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
@@ -353,7 +354,8 @@ impl Stream {
         self.decision = Some(*d);
         self.decode = Some(dec);
         h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
-        if !header(h, "content-length").is_empty() {
+        let length = h.header(Map::RequestHeaders, "content-length");
+        if length.is_some_and(|v| !v.is_empty()) {
             let len = r.pd.out.len().to_string();
             h.replace_header(Map::RequestHeaders, "content-length", &len);
         }

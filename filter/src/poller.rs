@@ -11,9 +11,10 @@
 //! - Every answer, good or failed, is published to shared data for every VM: a failed poll
 //!   publishes "unknown" (never idle, see `poll.rs`).
 //!
-//! Costs (on the lease holder only; other VMs pay one lease read per tick): one HTTP call per
-//! worker per round; per answer one body read, one own-load read and one CAS; at a round's last
-//! answer two gauge writes. Nothing here runs on a request's path.
+//! Costs: every VM that may call reads the lease each tick (the holder also renews it with a
+//! CAS). The holder makes one HTTP call per worker per round; per answer one body read, one
+//! own-load read and the publish (a read and a CAS); at a round's last answer two gauge
+//! writes. Nothing here runs on a request's path.
 
 use crate::config::Config;
 use crate::hits;
