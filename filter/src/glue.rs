@@ -1,27 +1,41 @@
 //! The glue: moves data between the [`Host`] (Envoy) and the pure core, nothing else.
 //!
 //! [`Root`] is a plugin's root context, [`Stream`] one HTTP stream's context; `abi` calls their
-//! methods from the module's exported proxy-wasm callbacks, and native tests call them against
-//! `host::FakeHost`. Only the callbacks the filter needs exist (see `abi`): response bodies
-//! and trailers never enter the VM.
+//! methods from the module's exported proxy-wasm callbacks, `native` from Envoy's dynamic-module
+//! hooks, and tests call them against `host::FakeHost`. Only the callbacks the filter needs
+//! exist (see `abi`): response bodies and trailers never enter the VM. What a callback does
+//! beyond moving data lives beside it: the metrics (`metrics.rs`), a stream's load charge
+//! (`charge.rs`), the poll lease holder's calls (`poller.rs`), the peer batches
+//! (`peer_flush.rs`).
 //!
-//! Host calls per inference request (steady state, cache-aware): 1 header removal, 2 header
-//! reads (`:method`, `:path`), 1 clock read, 1 body read, 1 load read + 1 load CAS, the index
-//! probes (O(log log n), see `index.rs`), index writes for new checkpoints only, 1 header add,
-//! a few metric increments; at stream end 1 load read + 1 load CAS.
+//! Invariants:
+//! - A stream's load charge is owned by the stream before any host call after it is made, and
+//!   given back in parts through one path ([`Stream`]'s `release`), each part exactly once,
+//!   however the stream ends.
+//! - The router is borrowed for one step, never across callbacks. Root callbacks and releases
+//!   only try (a re-entered glue skips the step; a release still moves the gauges).
+//! - Metrics are batched per VM (`metrics.rs`); routing state in shared data never is. A
+//!   configuration replaced or removed flushes its VM's state, and its streams flush as they end.
+//!
+//! Host calls per inference request (steady state, cache-aware): 1 header-map read (and 1
+//! removal per filter header the client sent), 1 clock read, 1 body read, 1 load read + 1 load
+//! CAS, the index probes (O(log log n), see `index.rs`), 1 header add, a metric flush at most
+//! once per 100 ms; at the response headers the queued-prefill release and, when the decision
+//! planned records, 1 `:status` read (the writes only for a 2xx); at the end the release
+//! (`load.rs`: 1 load read + 1 CAS, or parked on a busy thread).
 
-use crate::config::{Config, PEER_PATH};
+use crate::charge::{Charge, Due};
+use crate::config::Config;
 use crate::header_pairs;
-use crate::host::{Buffer, Host, Map, MetricKind};
+use crate::host::{self, now_ticks, Buffer, Host, Map};
 use crate::index::Plan;
-use crate::peers;
+use crate::metrics::{Counter, Metrics};
+use crate::peer_flush::{self, PeerSender};
 use crate::policy::Reason;
-use crate::poll::{self, Lease, Polled, Poller};
+use crate::poller::Polls;
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
-use crate::schedule::{since, Calls};
 use std::cell::{Cell, RefCell};
-use std::fmt::Write;
 use std::rc::Rc;
 
 /// The root context's timer: flushes batched metrics and parked load releases, and re-measures
@@ -37,228 +51,6 @@ pub enum Action {
     Continue = 0,
     /// Stop iteration (headers) / stop and buffer (body).
     Pause = 1,
-}
-
-/// Metric ids plus VM-local pending increments.
-///
-/// Increments are summed locally and sent to Envoy at most once per 100 ms (at the next decision)
-/// and every 200 ms from the tick, instead of 6-8 `increment_metric` host calls per request. Counters
-/// and gauges therefore lag by at most one tick; the routing state itself (shared data) never
-/// lags.
-struct Metrics {
-    ids: Vec<u32>,
-    pending: RefCell<Vec<i64>>,
-    last_flush: Cell<u32>,
-    reasons: [usize; Reason::ALL.len()],
-    blocks_prompt: usize,
-    blocks_matched: usize,
-    index_writes: usize,
-    index_conflicts: usize,
-    index_dropped: usize,
-    index_probes: usize,
-    truncated: usize,
-    poll_answers: usize,
-    poll_failures: usize,
-    peer_batches_sent: usize,
-    peer_records_sent: usize,
-    peer_send_failures: usize,
-    peer_records_dropped: usize,
-    peer_records_received: usize,
-    peer_records_ignored: usize,
-    peer_requests_rejected: usize,
-    peer_batches_stale: usize,
-    peer_batches_replayed: usize,
-    peer_batches_bad_mac: usize,
-    peer_records_over_budget: usize,
-    load_underflows: usize,
-    /// PD: requests sent to a prefill + decode pair, bodies refused, client bootstrap fields
-    /// dropped.
-    pd_requests: usize,
-    pd_bad_body: usize,
-    pd_client_fields: usize,
-    /// Gauges set (not added) by the poller: oldest answer's age, workers without a fresh one.
-    poll_age_ms: u32,
-    poll_unknown: u32,
-    /// Gauges set from shared data: in-flight requests / tokens over the live load leases.
-    load_requests: u32,
-    load_tokens: u32,
-    /// Per model, per worker: (in-flight requests, in-flight tokens) gauge slots.
-    inflight: Vec<Vec<(usize, usize)>>,
-    /// The index's self-check (`hits.rs`): workers aged out, failed counter reads, and per
-    /// model, per worker the (predicted, reported) reuse gauges of the last window (set, not
-    /// added).
-    hit_aged_out: usize,
-    hit_failures: usize,
-    hit_ppm: Vec<Vec<(u32, u32)>>,
-}
-
-impl Metrics {
-    fn define(h: &impl Host, cfg: &Config) -> Metrics {
-        let mut ids = Vec::new();
-        let mut def = |t: MetricKind, name: &str| {
-            ids.push(h.define_metric(t, name));
-            ids.len() - 1
-        };
-        let mut reasons = [0usize; Reason::ALL.len()];
-        for r in Reason::ALL {
-            reasons[r.index()] = def(
-                MetricKind::Counter,
-                &format!("prefix_router.requests.{}", r.as_str()),
-            );
-        }
-        let blocks_prompt = def(MetricKind::Counter, "prefix_router.blocks.prompt");
-        let blocks_matched = def(MetricKind::Counter, "prefix_router.blocks.matched");
-        let index_writes = def(MetricKind::Counter, "prefix_router.index.writes");
-        let index_conflicts = def(MetricKind::Counter, "prefix_router.index.cas_conflicts");
-        let index_dropped = def(MetricKind::Counter, "prefix_router.index.dropped_updates");
-        let index_probes = def(MetricKind::Counter, "prefix_router.index.probes");
-        let truncated = def(MetricKind::Counter, "prefix_router.prompts.truncated");
-        let poll_answers = def(MetricKind::Counter, "prefix_router.load_poll.answers");
-        let poll_failures = def(MetricKind::Counter, "prefix_router.load_poll.failures");
-        let peer_batches_sent = def(MetricKind::Counter, "prefix_router.peers.batches_sent");
-        let peer_records_sent = def(MetricKind::Counter, "prefix_router.peers.records_sent");
-        let peer_send_failures = def(MetricKind::Counter, "prefix_router.peers.send_failures");
-        let peer_records_dropped = def(MetricKind::Counter, "prefix_router.peers.records_dropped");
-        let peer_records_received =
-            def(MetricKind::Counter, "prefix_router.peers.records_received");
-        let peer_records_ignored = def(MetricKind::Counter, "prefix_router.peers.records_ignored");
-        let peer_requests_rejected =
-            def(MetricKind::Counter, "prefix_router.peers.requests_rejected");
-        let peer_batches_stale = def(MetricKind::Counter, "prefix_router.peers.batches_stale");
-        let peer_batches_replayed =
-            def(MetricKind::Counter, "prefix_router.peers.batches_replayed");
-        let peer_batches_bad_mac = def(MetricKind::Counter, "prefix_router.peers.batches_bad_mac");
-        let peer_records_over_budget = def(
-            MetricKind::Counter,
-            "prefix_router.peers.records_over_budget",
-        );
-        let load_underflows = def(MetricKind::Counter, "prefix_router.load.underflows");
-        let pd_requests = def(MetricKind::Counter, "prefix_router.pd.requests");
-        let pd_bad_body = def(MetricKind::Counter, "prefix_router.pd.bad_body");
-        let pd_client_fields = def(
-            MetricKind::Counter,
-            "prefix_router.pd.client_bootstrap_fields",
-        );
-        let gauge = |name: &str| h.define_metric(MetricKind::Gauge, name);
-        let poll_age_ms = gauge("prefix_router.load_poll.age_ms");
-        let poll_unknown = gauge("prefix_router.load_poll.unknown_workers");
-        let load_requests = gauge("prefix_router.load.requests");
-        let load_tokens = gauge("prefix_router.load.tokens");
-        let inflight = cfg
-            .models
-            .iter()
-            .map(|m| {
-                m.workers
-                    .iter()
-                    .map(|w| {
-                        (
-                            def(
-                                MetricKind::Gauge,
-                                &format!("prefix_router.inflight_requests.{}", w.cluster),
-                            ),
-                            def(
-                                MetricKind::Gauge,
-                                &format!("prefix_router.inflight_tokens.{}", w.cluster),
-                            ),
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
-        let hit_aged_out = def(MetricKind::Counter, "prefix_router.hit_check.aged_out");
-        let hit_failures = def(MetricKind::Counter, "prefix_router.hit_check.failures");
-        let hit_ppm = cfg
-            .models
-            .iter()
-            .map(|m| {
-                m.workers
-                    .iter()
-                    .map(|w| {
-                        let c = &w.cluster;
-                        (
-                            gauge(&format!("prefix_router.hit_check.predicted_ppm.{c}")),
-                            gauge(&format!("prefix_router.hit_check.actual_ppm.{c}")),
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
-        let n = ids.len();
-        Metrics {
-            ids,
-            pending: RefCell::new(vec![0; n]),
-            last_flush: Cell::new(0),
-            reasons,
-            blocks_prompt,
-            blocks_matched,
-            index_writes,
-            index_conflicts,
-            index_dropped,
-            index_probes,
-            truncated,
-            poll_answers,
-            poll_failures,
-            peer_batches_sent,
-            peer_records_sent,
-            peer_send_failures,
-            peer_records_dropped,
-            peer_records_received,
-            peer_records_ignored,
-            peer_requests_rejected,
-            peer_batches_stale,
-            peer_batches_replayed,
-            peer_batches_bad_mac,
-            peer_records_over_budget,
-            load_underflows,
-            pd_requests,
-            pd_bad_body,
-            pd_client_fields,
-            poll_age_ms,
-            poll_unknown,
-            load_requests,
-            load_tokens,
-            inflight,
-            hit_aged_out,
-            hit_failures,
-            hit_ppm,
-        }
-    }
-
-    fn add(&self, slot: usize, by: i64) {
-        if let Some(p) = self.pending.borrow_mut().get_mut(slot) {
-            *p += by;
-        }
-    }
-
-    fn inflight(&self, d: &Decision, sign: i64) {
-        if let Some(&(r, t)) = self
-            .inflight
-            .get(usize::from(d.model))
-            .and_then(|m| m.get(usize::from(d.worker)))
-        {
-            self.add(r, sign * i64::from(d.charged_reqs));
-            self.add(t, sign * i64::from(d.charged_tokens));
-        }
-    }
-
-    /// Sends pending increments to Envoy (gauges take signed deltas).
-    fn flush(&self, h: &impl Host) {
-        let mut pending = self.pending.borrow_mut();
-        for (&id, p) in self.ids.iter().zip(pending.iter_mut()) {
-            if *p != 0 && id != 0 {
-                h.increment_metric(id, *p);
-            }
-            *p = 0;
-        }
-    }
-
-    /// Flushes when at least one clock unit (100 ms) passed since the last flush.
-    fn maybe_flush(&self, h: &impl Host, now: u32) {
-        if now != self.last_flush.get() {
-            self.last_flush.set(now);
-            self.flush(h);
-        }
-    }
 }
 
 struct Shared {
@@ -286,319 +78,40 @@ impl Shared {
     }
 }
 
+#[derive(Default)]
 pub struct Root {
     shared: Option<Rc<Shared>>,
     ticks: u32,
-    /// This root context's identity in the poller lease.
-    me: u64,
-    poller: Poller,
-    /// Peer batches awaiting an answer (bounded: at most one per peer per flush, and 4 per peer
-    /// in all; expiring, see `schedule`).
-    peer_calls: Calls<()>,
-    last_peer_flush_ms: u64,
-    /// Counter reads for the index's self-check (`hits.rs`): `(model, worker)` per call
-    /// awaiting an answer (expiring, see `schedule`), and when the last round started (ms;
-    /// `None` before the first).
-    hit_calls: Calls<(u16, u16)>,
-    last_hit_round_ms: Option<u64>,
-}
-
-/// (clock in 100 ms units, the core's clock; nanoseconds since the epoch).
-fn now_ticks(h: &impl Host) -> (u32, u64) {
-    let nanos = h.now_nanos();
-    ((nanos / 100_000_000) as u32, nanos)
-}
-
-impl Default for Root {
-    fn default() -> Self {
-        Self::new()
-    }
+    /// Load polls and counter reads (when this VM holds the poll lease).
+    polls: Polls,
+    /// Index records sent to the peers.
+    peers: PeerSender,
 }
 
 impl Root {
     pub fn new() -> Root {
-        Root {
-            shared: None,
-            ticks: 0,
-            me: 0,
-            poller: Poller::default(),
-            peer_calls: Calls::default(),
-            last_peer_flush_ms: 0,
-            hit_calls: Calls::default(),
-            last_hit_round_ms: None,
-        }
+        Root::default()
     }
 
-    /// The lease holder asks every worker for its load when a round is due.
-    fn poll_workers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
-        let Ok(mut guard) = s.router.try_borrow_mut() else {
-            return;
-        };
-        let r = &mut *guard;
-        let lp = &r.cfg.load_poll;
-        let lost = self.poller.expire(now_ms, lp.timeout_ms);
-        s.metrics.add(s.metrics.poll_failures, lost as i64);
-        if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
-            return; // a root that cannot call never takes the lease from one that can
-        }
-        let ttl = 3 * u64::from(lp.interval_ms.max(TICK_MS));
-        let mut buf = Vec::new();
-        if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
-            return;
-        }
-        let mut targets: Vec<poll::Target> = Vec::new();
-        for mi in 0..r.cfg.models.len() {
-            let activity = || r.ledger.activity(h, &r.cfg, mi);
-            if self.poller.due(
-                mi,
-                now_ms,
-                lp.interval_ms,
-                lp.no_traffic_interval_ms,
-                activity,
-            ) {
-                targets.extend(self.poller.round(mi));
-            }
-        }
-        for t in targets {
-            let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
-                let i = usize::from(t.worker);
-                Some((m.workers.get(i)?, m.poll_clusters.get(i)?))
-            }) else {
-                continue;
-            };
-            let path = if t.fallback {
-                lp.fallback_path.as_str()
-            } else {
-                lp.path.as_str()
-            };
-            let headers = [
-                (":method", "GET"),
-                (":path", path),
-                (":authority", w.cluster.as_str()),
-            ];
-            match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                Ok(token) => self.poller.sent(token, t, now_ms),
-                Err(_) => {
-                    // Unknown cluster, or Envoy refused the call: a failed poll like any other.
-                    self.poller.not_sent();
-                    s.metrics.add(s.metrics.poll_failures, 1);
-                }
-            }
-        }
-        self.read_hit_counters(h, s, r, now_ms);
-    }
-
-    /// The lease holder reads every worker's token counters each `metrics_interval_ms`
-    /// (`hits.rs`). A call whose answer never comes expires (`schedule::Calls`), so a lost
-    /// answer never stops a worker's reads; a clock step starts a round (`schedule::since`).
-    fn read_hit_counters(&mut self, h: &impl Host, s: &Shared, r: &Router, now_ms: u64) {
-        let lp = &r.cfg.load_poll;
-        if lp.metrics_interval_ms == 0 {
-            return;
-        }
-        let m = &s.metrics;
-        self.hit_calls
-            .expire(now_ms, lp.timeout_ms, |_| m.add(m.hit_failures, 1));
-        if self
-            .last_hit_round_ms
-            .is_some_and(|at| since(at, now_ms) < u64::from(lp.metrics_interval_ms))
-        {
-            return;
-        }
-        self.last_hit_round_ms = Some(now_ms);
-        for (mi, m) in r.cfg.models.iter().enumerate() {
-            for (wi, (w, upstream)) in m.workers.iter().zip(&m.poll_clusters).enumerate() {
-                let (mi, wi) = (mi as u16, wi as u16);
-                if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
-                    continue;
-                }
-                let headers = [
-                    (":method", "GET"),
-                    (":path", lp.metrics_path.as_str()),
-                    (":authority", w.cluster.as_str()),
-                ];
-                match h.http_call(upstream, &headers, None, lp.timeout_ms) {
-                    Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
-                    Err(_) => s.metrics.add(s.metrics.hit_failures, 1),
-                }
-            }
-        }
-    }
-
-    /// A counter read's answer: the sample is published for every VM's check (`hits.rs`).
-    fn hit_counters_answer(
-        &mut self,
-        h: &impl Host,
-        s: &Shared,
-        mi: u16,
-        wi: u16,
-        status: Option<u32>,
-        body_size: usize,
-    ) {
-        let counters = if status == Some(200) {
-            crate::hits::parse(&h.buffer(Buffer::HttpCallResponseBody, body_size))
-        } else {
-            None
-        };
-        let Some(counters) = counters else {
-            s.metrics.add(s.metrics.hit_failures, 1);
-            return;
-        };
-        let Ok(r) = s.router.try_borrow() else {
-            return;
-        };
-        let (mi, wi) = (usize::from(mi), usize::from(wi));
-        let Some((m, w)) = r
-            .cfg
-            .models
-            .get(mi)
-            .and_then(|m| Some((m, m.workers.get(wi)?)))
-        else {
-            return;
-        };
-        let sample = crate::hits::Sample {
-            counters,
-            at: now_ticks(h).0.max(1),
-        };
-        let mut buf = Vec::new();
-        crate::hits::publish(h, &m.hits_key, w.id, wi, &sample, &mut buf);
-    }
-
-    /// Sends this VM's new index records to every peer, every `peers.flush_ms`. A root that
-    /// cannot call (a native worker thread) hands its records to the one that can instead
-    /// (`peers::Outbox::hand_off`), which sends them with its own.
-    fn flush_peers(&mut self, h: &impl Host, s: &Shared, now_ms: u64) {
-        let Ok(mut guard) = s.router.try_borrow_mut() else {
-            return;
-        };
-        let r = &mut *guard;
-        let Some(p) = &r.cfg.peers else {
-            return;
-        };
-        let m = &s.metrics;
-        self.peer_calls
-            .expire(now_ms, p.timeout_ms, |_| m.add(m.peer_send_failures, 1));
-        let since = since(self.last_peer_flush_ms, now_ms);
-        if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
-            return;
-        }
-        self.last_peer_flush_ms = now_ms;
-        let Some(ob) = r.outbox.as_mut() else {
-            return;
-        };
-        if h.can_call() {
-            ob.take_relayed(h);
-        } else {
-            ob.hand_off(h);
-        }
-        m.add(
-            m.peer_records_dropped,
-            std::mem::take(&mut ob.dropped) as i64,
-        );
-        if ob.is_empty() {
-            return;
-        }
-        let n = ob.len() as i64;
-        let batch = ob.seal(&p.secret, now_ms);
-        for c in &p.clusters {
-            if self.peer_calls.len() >= 4 * p.clusters.len().max(1) {
-                // Answers are overdue (timeouts pending): skip rather than pile up calls.
-                m.add(m.peer_send_failures, 1);
-                continue;
-            }
-            let headers = [
-                (":method", "POST"),
-                (":path", PEER_PATH),
-                (":authority", c.as_str()),
-                ("content-type", "application/octet-stream"),
-            ];
-            match h.http_call(c, &headers, Some(batch), p.timeout_ms) {
-                Ok(token) => {
-                    self.peer_calls.push(token, now_ms, ());
-                    m.add(m.peer_batches_sent, 1);
-                    m.add(m.peer_records_sent, n);
-                }
-                Err(_) => m.add(m.peer_send_failures, 1),
-            }
-        }
-        ob.clear();
-    }
-
-    /// `proxy_on_http_call_response`: a peer batch's or a load poll's answer.
+    /// `proxy_on_http_call_response`: a counter read's, a peer batch's or a load poll's answer,
+    /// tried in that order (the load poll's reads the body before its token is looked up).
     pub fn on_http_call_response(&mut self, h: &impl Host, token: u32, body_size: usize) {
         let Some(s) = self.shared.clone() else {
             return;
         };
-        let status = h
-            .header(Map::HttpCallResponseHeaders, ":status")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
+        let status = host::status(h, Map::HttpCallResponseHeaders);
         let m = &s.metrics;
-        if let Some((mi, wi)) = self.hit_calls.take(token) {
-            self.hit_counters_answer(h, &s, mi, wi, status, body_size);
+        if self
+            .polls
+            .counters_answer(h, &s.router, m, token, status, body_size)
+        {
             return;
         }
-        if self.peer_calls.take(token).is_some() {
-            if status != Some(204) && status != Some(200) {
-                m.add(m.peer_send_failures, 1);
-            }
+        if self.peers.answer(m, token, status) {
             return;
         }
-        let body = h.buffer(Buffer::HttpCallResponseBody, body_size);
-        let Some((t, load)) = self.poller.answer(token, status, &body) else {
-            return;
-        };
-        m.add(
-            if load.is_some() {
-                m.poll_answers
-            } else {
-                m.poll_failures
-            },
-            1,
-        );
-        let (now, _) = now_ticks(h);
-        let Ok(mut r) = s.router.try_borrow_mut() else {
-            return;
-        };
-        let (mi, w) = (usize::from(t.model), usize::from(t.worker));
-        let r = &mut *r;
-        let (snap_reqs, snap_tokens) = r.ledger.own_of(h, &r.cfg, mi, w);
-        let p = match load {
-            Some(l) => Polled {
-                reqs: l.reqs,
-                tokens: l.tokens,
-                snap_reqs,
-                snap_tokens,
-                at: now.max(1),
-                capacity: l.capacity,
-            },
-            None => Polled::default(), // failed: unknown until the next good answer
-        };
-        let Some(model) = r.cfg.models.get(mi) else {
-            return;
-        };
-        let mut buf = Vec::new();
-        poll::publish(h, &model.poll_key, model.workers[w].id, w, &p, &mut buf);
-        if !self.poller.settled(t.model) {
-            return; // the gauges once per round, at its last answer
-        }
-        // Gauges: the oldest answer's age and the workers without a fresh one.
-        let mut all = Vec::new();
-        if let Some(ids) = r.ledger.ids(mi) {
-            poll::decode(&buf, ids, model.workers.len(), &mut all);
-        }
-        let stale = r.cfg.load_poll.stale_ms / 100;
-        let unknown = all
-            .iter()
-            .filter(|p| p.at == 0 || now.wrapping_sub(p.at) > stale)
-            .count();
-        let oldest = all
-            .iter()
-            .filter(|p| p.at != 0)
-            .map(|p| now.wrapping_sub(p.at))
-            .max()
-            .unwrap_or(0);
-        h.record_metric(m.poll_age_ms, u64::from(oldest) * 100);
-        h.record_metric(m.poll_unknown, unknown as u64);
+        self.polls
+            .load_answer(h, &s.router, m, token, status, body_size);
     }
 
     /// The root context's teardown (`proxy_on_delete` of the root; the module does not export
@@ -627,16 +140,16 @@ impl Root {
         };
         let (_, nanos) = now_ticks(h);
         let metrics = Metrics::define(h, &cfg);
-        self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         let mut router = Router::new(cfg, nanos);
         router.init_store(h);
         // The poll lease's owner: unique among this Envoy's VMs (the id), and across restarts
         // (the clock); the clock alone can repeat between two VMs.
-        self.me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
+        let me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
+        self.polls.configure(&router.cfg, me);
         if let Some(ob) = router.outbox.as_mut() {
             // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
             // replicas' VMs would need the same id and the same clock nanoseconds).
-            ob.set_sender(self.me);
+            ob.set_sender(me);
         }
         if let Some(old) = &self.shared {
             // Reconfigured in place: streams of the old configuration release into the old
@@ -664,33 +177,14 @@ impl Root {
             }
             if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.tick(h, TICK_MS, now_ticks(h).0);
-                let u = r.ledger.take_underflows();
-                s.metrics.add(s.metrics.load_underflows, u as i64);
-                let (closed, aged_out) = r.take_hit_checks();
-                s.metrics.add(s.metrics.hit_aged_out, aged_out as i64);
-                if closed {
-                    for (mi, ws) in s.metrics.hit_ppm.iter().enumerate() {
-                        for (wi, &(p, a)) in ws.iter().enumerate() {
-                            if let Some(win) = r.hit_window(mi, wi) {
-                                h.record_metric(p, u64::from(win.predicted_ppm));
-                                h.record_metric(a, u64::from(win.actual_ppm));
-                            }
-                        }
-                    }
-                }
-                if self.ticks.is_multiple_of(METRICS_EVERY) {
-                    // In-flight load as shared data holds it (live leases), not as this VM
-                    // counted it: a release that never reached shared data stays visible.
-                    let (q, t) = r.ledger.sampled();
-                    h.record_metric(s.metrics.load_requests, q);
-                    h.record_metric(s.metrics.load_tokens, t);
-                }
+                let sample = self.ticks.is_multiple_of(METRICS_EVERY);
+                s.metrics.after_tick(h, &mut r, sample);
             }
             let s = s.clone();
             let (_, nanos) = now_ticks(h);
             let now_ms = nanos / 1_000_000;
-            self.poll_workers(h, &s, now_ms);
-            self.flush_peers(h, &s, now_ms);
+            self.polls.tick(h, &s.router, &s.metrics, now_ms, TICK_MS);
+            self.peers.tick(h, &s.router, &s.metrics, now_ms);
         }
     }
 
@@ -703,8 +197,7 @@ impl Root {
             endpoint: None,
             decision: None,
             decode: None,
-            prefill_held: false,
-            charged: false,
+            charge: Charge::default(),
             peer_batch: false,
             plan: None,
             tenant: Vec::new(),
@@ -715,14 +208,13 @@ impl Root {
 pub struct Stream {
     shared: Rc<Shared>,
     endpoint: Option<Endpoint>,
+    /// What was decided (kept for the debug header): the routed worker (the prefill worker for
+    /// PD models; passthrough's too) and, PD models only, the decode worker.
     decision: Option<Decision>,
-    /// PD models: the decode half (released when the stream ends).
     decode: Option<Decision>,
-    /// PD models: the prefill half (`decision`) is still charged; released at the first response
-    /// headers (the decode worker answers only once it has the prefill's KV) or at stream end.
-    prefill_held: bool,
-    /// True while this stream holds a load charge that must be released exactly once.
-    charged: bool,
+    /// The load still to give back (`charge.rs`); set before any host call after the charge,
+    /// so the stream's end releases it whatever happens next.
+    charge: Charge,
     /// A peer's record batch (peer listener only), applied when its body is complete.
     peer_batch: bool,
     // -- index records (issue 12 item 3) --
@@ -730,30 +222,6 @@ pub struct Stream {
     plan: Option<Plan>,
     /// Value of `tenant_header` (set by Envoy after authentication); empty when not configured.
     tenant: Vec<u8>,
-}
-
-fn header(h: &impl Host, name: &str) -> Vec<u8> {
-    h.header(Map::RequestHeaders, name).unwrap_or_default()
-}
-
-/// The peer listener's refusal: an error body and the reason as response code details (the
-/// peer listener's access log records them).
-fn peer_reply(h: &impl Host, status: u32, details: &str, message: &str) -> Action {
-    let kind = match status {
-        400 => "BadRequestError",
-        403 => "PermissionDenied",
-        429 => "RateLimitError",
-        _ => "ServiceUnavailable",
-    };
-    let body =
-        format!(r#"{{"object":"error","message":"{message}","type":"{kind}","code":{status}}}"#);
-    h.local_reply_details(
-        status,
-        details,
-        &[("content-type", "application/json")],
-        body.as_bytes(),
-    );
-    Action::Pause
 }
 
 fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
@@ -818,71 +286,6 @@ impl Stream {
         head
     }
 
-    /// Peer listener: only `POST /prefix-router/v1/records` with a body may be a batch; the
-    /// body decides the rest (`peers::receive`).
-    fn peer_headers(&mut self, h: &impl Host, head: &Head, end_of_stream: bool) -> Action {
-        let ok = head.method == Some(b"POST") && head.path == Some(PEER_PATH.as_bytes());
-        if !ok || end_of_stream {
-            let m = &self.shared.metrics;
-            m.add(m.peer_requests_rejected, 1);
-            return peer_reply(h, 403, "prefix_router_peer_forbidden", "forbidden");
-        }
-        self.peer_batch = true;
-        Action::Pause
-    }
-
-    fn peer_body(&mut self, h: &impl Host, body: &[u8]) -> Action {
-        let (now, nanos) = now_ticks(h);
-        let res = {
-            let mut guard = self.shared.router.borrow_mut();
-            let r = &mut *guard;
-            peers::receive(h, &r.cfg, body, nanos / 1_000_000, now, &mut r.sc)
-        };
-        let m = &self.shared.metrics;
-        let action = match res {
-            Ok(a) => {
-                m.add(m.peer_records_received, i64::from(a.records));
-                m.add(m.peer_records_ignored, i64::from(a.ignored));
-                m.add(m.index_writes, i64::from(a.writes.writes));
-                m.add(m.index_conflicts, i64::from(a.writes.conflicts));
-                m.add(m.index_dropped, i64::from(a.writes.dropped));
-                if a.over_budget > 0 {
-                    // Applied in part: the sender counts a failure, the log says why.
-                    m.add(m.peer_records_over_budget, i64::from(a.over_budget));
-                    peer_reply(
-                        h,
-                        429,
-                        peers::OVER_BUDGET_DETAILS,
-                        "sender over its record budget",
-                    )
-                } else {
-                    h.local_reply(204, &[], &[]);
-                    Action::Pause
-                }
-            }
-            Err(e) => {
-                m.add(m.peer_requests_rejected, 1);
-                match e {
-                    peers::Refused::Stale => m.add(m.peer_batches_stale, 1),
-                    peers::Refused::Replay => m.add(m.peer_batches_replayed, 1),
-                    peers::Refused::BadMac | peers::Refused::Legacy => {
-                        m.add(m.peer_batches_bad_mac, 1)
-                    }
-                    _ => {}
-                }
-                let msg = match e.status() {
-                    400 => "bad record batch",
-                    403 => "forbidden",
-                    429 => "too many peer senders",
-                    _ => "busy",
-                };
-                peer_reply(h, e.status(), e.details(), msg)
-            }
-        };
-        m.maybe_flush(h, now);
-        action
-    }
-
     fn decide(&mut self, h: &impl Host, body: &[u8]) -> Action {
         let Some(ep) = self.endpoint.take() else {
             return Action::Continue;
@@ -897,7 +300,7 @@ impl Stream {
         let m = &self.shared.metrics;
         match outcome {
             Outcome::Reject { status, body } => {
-                m.add(m.reasons[Reason::Rejected.index()], 1);
+                m.request(Reason::Rejected);
                 m.maybe_flush(h, now);
                 local_reply(h, status, &body)
             }
@@ -908,17 +311,12 @@ impl Stream {
                 // Owned by the stream before any host call: whatever happens next (a panic the
                 // native guard catches included), its end releases the charge.
                 self.decision = Some(d);
-                self.charged = true;
+                self.charge = Charge {
+                    routed: Some(d),
+                    decode: None,
+                };
                 let m = &self.shared.metrics;
-                m.add(m.reasons[d.reason.index()], 1);
-                m.add(m.blocks_prompt, i64::from(d.total_blocks));
-                m.add(m.blocks_matched, i64::from(d.matched_blocks));
-                m.add(m.index_writes, i64::from(d.index.writes));
-                m.add(m.index_conflicts, i64::from(d.index.conflicts));
-                m.add(m.index_dropped, i64::from(d.index.dropped));
-                m.add(m.index_probes, i64::from(d.probes));
-                m.add(m.truncated, i64::from(d.truncated));
-                m.inflight(&d, 1);
+                m.decision(&d);
                 m.maybe_flush(h, now);
                 let r = self.shared.router.borrow();
                 h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&d));
@@ -938,8 +336,8 @@ impl Stream {
         if rewritten.is_err() {
             // not a JSON object: no worker could use it; undo the prefill charge
             r.release(h, d);
-            m.add(m.pd_bad_body, 1);
-            m.add(m.reasons[Reason::Rejected.index()], 1);
+            m.add(Counter::PdBadBody, 1);
+            m.request(Reason::Rejected);
             m.maybe_flush(h, now);
             return Some(local_reply(
                 h,
@@ -949,12 +347,15 @@ impl Stream {
         }
         let dec = crate::pd::decode_decision(r, h, d, body.len(), now)?;
         // Both charges are owned by the stream before any host call (see `decide`).
-        self.charged = true;
+        self.charge = Charge {
+            routed: Some(*d),
+            decode: Some(dec),
+        };
         self.decision = Some(*d);
         self.decode = Some(dec);
-        self.prefill_held = true;
         h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
-        if !header(h, "content-length").is_empty() {
+        let length = h.header(Map::RequestHeaders, "content-length");
+        if length.is_some_and(|v| !v.is_empty()) {
             let len = r.pd.out.len().to_string();
             h.replace_header(Map::RequestHeaders, "content-length", &len);
         }
@@ -964,82 +365,32 @@ impl Stream {
             &r.cfg.prefill_cluster_header,
             r.cluster(d),
         );
-        m.add(m.reasons[d.reason.index()], 1);
-        m.add(m.blocks_prompt, i64::from(d.total_blocks));
-        m.add(m.blocks_matched, i64::from(d.matched_blocks));
-        m.add(m.index_writes, i64::from(d.index.writes));
-        m.add(m.index_conflicts, i64::from(d.index.conflicts));
-        m.add(m.index_dropped, i64::from(d.index.dropped));
-        m.add(m.index_probes, i64::from(d.probes));
-        m.add(m.truncated, i64::from(d.truncated));
-        m.add(m.pd_requests, 1);
-        m.add(m.pd_client_fields, i64::from(r.pd.dropped));
-        m.inflight(d, 1);
+        m.decision(d);
+        m.add(Counter::PdRequests, 1);
+        m.add(Counter::PdClientFields, i64::from(r.pd.dropped));
         m.inflight(&dec, 1);
         m.maybe_flush(h, now);
         Some(Action::Continue)
     }
 
-    /// PD: releases the prefill worker's charge once (its work ends when the decode worker
-    /// answers, long before the decode stream does).
-    fn release_prefill(&mut self, h: &impl Host) {
-        if !std::mem::take(&mut self.prefill_held) {
-            return;
+    /// Gives back the part of this stream's charge that is due `at` (see [`Charge::take`]),
+    /// each part exactly once: the ledger write and the in-flight gauges together. At the end,
+    /// where no tick may follow (a closing root, the native build), batched state goes out now.
+    fn release(&mut self, h: &impl Host, at: Due) {
+        let parts = self.charge.take(at);
+        if parts == [None, None] {
+            return; // nothing charged, or released already: no host call
         }
-        if let Some(d) = &self.decision {
-            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
+        let s = &*self.shared;
+        for d in parts.iter().flatten() {
+            // Borrowed only if a callback re-entered the glue: the gauges still move.
+            if let Ok(mut r) = s.router.try_borrow_mut() {
                 r.release(h, d);
             }
-            self.shared.metrics.inflight(d, -1);
+            s.metrics.inflight(d, -1);
         }
-    }
-
-    /// Non-PD models: the prompt's queued-prefill charge ends with the worker's first response
-    /// headers (SGLang sends them with the first token); the request charge stays until the
-    /// stream ends. A no-op after the first call, for PD (the prefill half has its own release)
-    /// and for streams without a charge.
-    fn release_queued_prefill(&mut self, h: &impl Host) {
-        if !self.charged || self.decode.is_some() {
-            return;
-        }
-        let Some(d) = self.decision.as_mut() else {
-            return;
-        };
-        if d.charged_tokens == 0 {
-            return;
-        }
-        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
-            return;
-        };
-        let released = r.release_prefill_tokens(h, d);
-        drop(r);
-        self.shared.metrics.inflight(&released, -1);
-    }
-
-    /// Gives back this stream's load charge; a no-op after the first call.
-    fn release(&mut self, h: &impl Host) {
-        if !std::mem::take(&mut self.charged) {
-            return;
-        }
-        if let Some(d) = self.decode.take() {
-            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(h, &d);
-            }
-            self.shared.metrics.inflight(&d, -1);
-            self.release_prefill(h);
-            if self.shared.closing.get() || h.eager_flush() {
-                self.shared.flush_all(h);
-            }
-            return;
-        }
-        if let Some(d) = &self.decision {
-            if let Ok(mut r) = self.shared.router.try_borrow_mut() {
-                r.release(h, d);
-            }
-            self.shared.metrics.inflight(d, -1);
-            if self.shared.closing.get() || h.eager_flush() {
-                self.shared.flush_all(h);
-            }
+        if at == Due::End && (s.closing.get() || h.eager_flush()) {
+            s.flush_all(h);
         }
     }
 
@@ -1050,7 +401,10 @@ impl Stream {
         let raw = h.header_pairs(Map::RequestHeaders);
         let head = self.read_head(h, &raw);
         if self.shared.router.borrow().cfg.peer_listener {
-            return self.peer_headers(h, &head, end_of_stream);
+            let m = &self.shared.metrics;
+            self.peer_batch =
+                peer_flush::batch_headers(h, m, head.method, head.path, end_of_stream);
+            return Action::Pause;
         }
         let (method, path) = (
             head.method.unwrap_or_default(),
@@ -1067,7 +421,7 @@ impl Stream {
             return Action::Pause;
         }
         let m = &self.shared.metrics;
-        m.add(m.reasons[Reason::Passthrough.index()], 1);
+        m.request(Reason::Passthrough);
         let mut r = self.shared.router.borrow_mut();
         let d = r.passthrough();
         let cluster = match (&d, &r.cfg.passthrough_cluster) {
@@ -1096,7 +450,8 @@ impl Stream {
             }
             self.peer_batch = false;
             let body = h.buffer(Buffer::RequestBody, body_size);
-            return self.peer_body(h, &body);
+            peer_flush::receive_batch(h, &self.shared.router, &self.shared.metrics, &body);
+            return Action::Pause;
         }
         if self.endpoint.is_none() {
             return Action::Continue;
@@ -1111,66 +466,35 @@ impl Stream {
     /// `proxy_on_response_headers`: once per response (never per body chunk). Adds the debug
     /// header when configured.
     pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
-        self.release_prefill(h);
-        self.release_queued_prefill(h);
+        self.release(h, Due::Answer);
         if let Some(plan) = self.plan.take() {
             self.commit(h, &plan);
         }
         let r = self.shared.router.borrow();
         if let (Some(name), Some(d)) = (&r.cfg.debug_header, &self.decision) {
-            let mut v = String::with_capacity(96);
-            let _ = write!(
-                v,
-                "worker={}; reason={}; matched={}; total={}",
-                r.cluster(d),
-                d.reason.as_str(),
-                d.matched_blocks,
-                d.total_blocks
+            h.add_header(
+                Map::ResponseHeaders,
+                name,
+                &r.debug_value(d, self.decode.as_ref()),
             );
-            if let Some(dec) = &self.decode {
-                let _ = write!(v, "; decode={}", r.cluster(dec));
-            }
-            if let Some(hl) = d.holder {
-                // The deepest holder's load as the decision saw it: requests / capacity (0: not
-                // reported) / queued prefill tokens.
-                let at = Decision {
-                    worker: hl.worker,
-                    ..*d
-                };
-                let _ = write!(
-                    v,
-                    "; holder={}; holder_load={}/{}/{}",
-                    r.cluster(&at),
-                    hl.reqs,
-                    hl.capacity,
-                    hl.tokens
-                );
-            }
-            h.add_header(Map::ResponseHeaders, name, &v);
         }
         Action::Continue
     }
 
     /// Writes the decision's index records if the response status is 2xx (one `:status` read).
     fn commit(&mut self, h: &impl Host, plan: &Plan) {
-        let status = h
-            .header(Map::ResponseHeaders, ":status")
-            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
-            .unwrap_or(0);
+        let status = host::status(h, Map::ResponseHeaders).unwrap_or(0);
         let Ok(mut r) = self.shared.router.try_borrow_mut() else {
             return;
         };
         // Stamped with the decision's time: no clock read (a host call) for it.
         let w = r.commit(h, plan, status, plan.at);
-        let m = &self.shared.metrics;
-        m.add(m.index_writes, i64::from(w.writes));
-        m.add(m.index_conflicts, i64::from(w.conflicts));
-        m.add(m.index_dropped, i64::from(w.dropped));
+        self.shared.metrics.index_writes(&w);
     }
 
     /// `proxy_on_delete` (Envoy calls it right after `on_done`, not exported): the stream ended,
     /// whichever way (response complete, client reset, local reply). Releases the charge.
     pub fn on_done(&mut self, h: &impl Host) {
-        self.release(h);
+        self.release(h, Due::End);
     }
 }

@@ -95,6 +95,20 @@ pub trait Host: Store {
     }
 }
 
+/// A response's `:status` (`map`: the stream's response or an HTTP call's answer), one header
+/// read; `None` when absent or not a number (Envoy answers a call that timed out or failed
+/// without headers).
+pub fn status(h: &impl Host, map: Map) -> Option<u32> {
+    let v = h.header(map, ":status")?;
+    std::str::from_utf8(&v).ok()?.parse().ok()
+}
+
+/// The clock, one host call: (100 ms units, the core's clock; nanoseconds since the epoch).
+pub fn now_ticks(h: &impl Host) -> (u32, u64) {
+    let nanos = h.now_nanos();
+    ((nanos / 100_000_000) as u32, nanos)
+}
+
 /// A local reply the filter sent: (status, headers, body).
 pub type Reply = (u32, Vec<(String, String)>, Vec<u8>);
 

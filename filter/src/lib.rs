@@ -7,6 +7,7 @@
 
 pub mod blocks;
 pub mod busy;
+pub mod charge;
 pub mod config;
 mod config_path;
 pub mod decay;
@@ -20,11 +21,14 @@ pub mod ids;
 pub mod index;
 pub mod load;
 pub mod load_answer;
+pub mod metrics;
 pub mod pd;
+pub mod peer_flush;
 pub mod peers;
 pub mod placements;
 pub mod policy;
 pub mod poll;
+pub mod poller;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod process_store;
 pub mod records;

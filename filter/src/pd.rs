@@ -422,7 +422,6 @@ pub fn decode_decision<S: Store>(
         total_blocks: 0,
         charged_reqs: 1,
         charged_tokens: tok,
-        index: Default::default(),
         probes: 0,
         truncated: false,
         holder: None,

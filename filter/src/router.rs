@@ -52,17 +52,30 @@ pub struct Decision {
     pub total_blocks: u32,
     /// Load charged to the worker: the request until the stream ends, its estimated uncached
     /// prompt tokens (queued prefill) until the first response headers
-    /// ([`Router::release_prefill_tokens`]); 0/0 when nothing was charged.
+    /// ([`Decision::take_prompt_tokens`]); 0/0 when nothing was charged.
     pub charged_reqs: u32,
     pub charged_tokens: u32,
-    /// Index writes made during the decision: none since records wait for the response
-    /// ([`Router::commit`] reports them); kept so every `Decision` has one shape.
-    pub index: WriteStats,
     pub probes: u32,
     pub truncated: bool,
     /// The deepest holder's load as the decision saw it (for the debug header); `None` when
     /// nobody held the prompt.
     pub holder: Option<HolderLoad>,
+}
+
+impl Decision {
+    /// Takes the prompt-token part out of the charge (`None` when there is none left), for
+    /// [`Router::release`] when the worker answers: a streamed SGLang answer starts with its
+    /// first token, so from then on the request is decoding, not queued prefill work, and a new
+    /// request on that worker no longer waits for it (`docs/design.md`, "Queued prefill"). The
+    /// request stays charged: the stream's end releases what is left of `self`.
+    pub fn take_prompt_tokens(&mut self) -> Option<Decision> {
+        let tokens = std::mem::take(&mut self.charged_tokens);
+        (tokens > 0).then_some(Decision {
+            charged_reqs: 0,
+            charged_tokens: tokens,
+            ..*self
+        })
+    }
 }
 
 /// A worker's load as one decision saw it: requests in flight, its running-request capacity
@@ -635,22 +648,6 @@ impl Router {
         );
     }
 
-    /// Releases the prompt-token half of a decision's charge, once, when the worker answers: a
-    /// streamed SGLang answer starts with its first token, so from then on the request is
-    /// decoding, not queued prefill work, and a new request on that worker no longer waits
-    /// for it (`docs/design.md`, "Queued prefill"). The request stays charged until
-    /// [`Router::release`], which then gives back only what is left of `d`. Returns what was
-    /// released (for the in-flight gauges).
-    pub fn release_prefill_tokens<S: Store>(&mut self, store: &S, d: &mut Decision) -> Decision {
-        let released = Decision {
-            charged_reqs: 0,
-            charged_tokens: std::mem::take(&mut d.charged_tokens),
-            ..*d
-        };
-        self.release(store, &released);
-        released
-    }
-
     /// The VM's timer at clock `now` (100 ms units; see [`Ledger::tick`]).
     pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32, now: u32) {
         self.ledger.tick(store, &self.cfg, elapsed_ms, now);
@@ -685,6 +682,40 @@ impl Router {
         self.verifier.window(mi, w)
     }
 
+    /// The debug header's value for decision `d` (and a PD request's `decode` worker): the
+    /// worker, why, the matched and total blocks, and the deepest holder's load as the decision
+    /// saw it (requests / capacity, 0: not reported / queued prefill tokens).
+    pub fn debug_value(&self, d: &Decision, decode: Option<&Decision>) -> String {
+        use std::fmt::Write;
+        let mut v = String::with_capacity(96);
+        let _ = write!(
+            v,
+            "worker={}; reason={}; matched={}; total={}",
+            self.cluster(d),
+            d.reason.as_str(),
+            d.matched_blocks,
+            d.total_blocks
+        );
+        if let Some(dec) = decode {
+            let _ = write!(v, "; decode={}", self.cluster(dec));
+        }
+        if let Some(hl) = d.holder {
+            let at = Decision {
+                worker: hl.worker,
+                ..*d
+            };
+            let _ = write!(
+                v,
+                "; holder={}; holder_load={}/{}/{}",
+                self.cluster(&at),
+                hl.reqs,
+                hl.capacity,
+                hl.tokens
+            );
+        }
+        v
+    }
+
     /// Number of parked load deltas (should be 0 except under extreme contention).
     pub fn pending_len(&self) -> usize {
         self.ledger.pending_len()
@@ -705,7 +736,6 @@ fn plain(model: usize, worker: usize, reason: Reason) -> Decision {
         total_blocks: 0,
         charged_reqs: 0,
         charged_tokens: 0,
-        index: WriteStats::default(),
         probes: 0,
         truncated: false,
         holder: None,
@@ -1232,13 +1262,14 @@ mod tests {
         assert!(d.charged_tokens >= 1000, "{d:?}");
         assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (1, d.charged_tokens));
         // The first response headers: the request is decoding, no longer queued prefill.
-        r.release_prefill_tokens(&s, &mut d);
+        let tokens = d.take_prompt_tokens().expect("tokens charged");
+        r.release(&s, &tokens);
         assert_eq!(d.charged_tokens, 0);
         assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (1, 0));
         let (reqs, tokens) = r.ledger.view(&s, &r.cfg, mi, 1);
         assert_eq!((reqs[w], tokens[w]), (1, 0), "what the next decision sees");
-        // Twice is a no-op; the stream end releases the request only.
-        r.release_prefill_tokens(&s, &mut d);
+        // Twice there is nothing left; the stream end releases the request only.
+        assert_eq!(d.take_prompt_tokens(), None);
         r.release(&s, &d);
         assert_eq!(r.ledger.own(&s, &r.cfg, mi)[w], (0, 0));
         assert_eq!(r.ledger.take_underflows(), 0);

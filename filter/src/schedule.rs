@@ -1,5 +1,5 @@
 //! The root timer's schedules on the wall clock: load-poll rounds ([`crate::poll::Poller`]),
-//! peer batches (`glue`), and the HTTP calls they wait on ([`Calls`]).
+//! peer batches (`peer_flush`), and the HTTP calls they wait on ([`Calls`]).
 //!
 //! proxy-wasm gives a filter the wall clock only (`proxy_get_current_time_nanoseconds`), and NTP
 //! or an operator can step it either way. Two rules keep every schedule going through a step:

@@ -1,0 +1,270 @@
+//! The poll lease holder's HTTP calls: load polls (`poll.rs`) and the index self-check's
+//! counter reads (`hits.rs`), sent from the root context's tick, and their answers.
+//!
+//! Invariants:
+//! - Only the holder of the poll lease ([`Lease`], one VM per Envoy) sends; a root that cannot
+//!   make calls (a native worker thread) or a peer listener never takes the lease, so it never
+//!   takes it from one that can.
+//! - A worker has at most one load poll and one counter read in flight; a call whose answer
+//!   never comes expires after its timeout plus a margin (`schedule::Calls`) and counts as a
+//!   failure, so a lost answer never stops a worker's polls.
+//! - Every answer, good or failed, is published to shared data for every VM: a failed poll
+//!   publishes "unknown" (never idle, see `poll.rs`).
+//!
+//! Costs: every VM that may call reads the lease each tick (the holder also renews it with a
+//! CAS). The holder makes one HTTP call per worker per round; per answer one body read, one
+//! own-load read and the publish (a read and a CAS); at a round's last answer two gauge
+//! writes. Nothing here runs on a request's path.
+
+use crate::config::Config;
+use crate::hits;
+use crate::host::{now_ticks, Buffer, Host};
+use crate::metrics::{Counter, Gauge, Metrics};
+use crate::poll::{self, Lease, Polled, Poller, Target};
+use crate::router::Router;
+use crate::schedule::{since, Calls};
+use std::cell::RefCell;
+
+/// A root context's polls (lease holder or not: the lease can move between VMs).
+#[derive(Default)]
+pub struct Polls {
+    /// This root context's identity in the poller lease (set at each configuration).
+    pub me: u64,
+    poller: Poller,
+    /// Counter reads for the index's self-check: `(model, worker)` per call awaiting an answer
+    /// (expiring, see `schedule`), and when the last round started (ms; `None` before the
+    /// first).
+    hit_calls: Calls<(u16, u16)>,
+    last_hit_round_ms: Option<u64>,
+}
+
+impl Polls {
+    /// A new configuration: a fresh load-poll schedule for its workers. The counter reads keep
+    /// their schedule and calls in flight, as the root always did.
+    pub fn configure(&mut self, cfg: &Config, me: u64) {
+        self.me = me;
+        self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
+    }
+
+    /// The root's tick: expires lost calls and, holding the lease, asks every worker of each
+    /// model whose round is due for its load, then reads the counters when due. `lease_ttl_ms`
+    /// must outlast a few ticks, or the lease would change hands between two of its holder's
+    /// ticks.
+    pub fn tick(
+        &mut self,
+        h: &impl Host,
+        router: &RefCell<Router>,
+        m: &Metrics,
+        now_ms: u64,
+        tick_ms: u32,
+    ) {
+        let Ok(mut guard) = router.try_borrow_mut() else {
+            return;
+        };
+        let r = &mut *guard;
+        let lp = &r.cfg.load_poll;
+        let lost = self.poller.expire(now_ms, lp.timeout_ms);
+        m.add(Counter::PollFailures, lost as i64);
+        if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
+            return;
+        }
+        let ttl = 3 * u64::from(lp.interval_ms.max(tick_ms));
+        let mut buf = Vec::new();
+        if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
+            return;
+        }
+        let mut targets: Vec<Target> = Vec::new();
+        for mi in 0..r.cfg.models.len() {
+            let activity = || r.ledger.activity(h, &r.cfg, mi);
+            if self.poller.due(
+                mi,
+                now_ms,
+                lp.interval_ms,
+                lp.no_traffic_interval_ms,
+                activity,
+            ) {
+                targets.extend(self.poller.round(mi));
+            }
+        }
+        for t in targets {
+            let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
+                let i = usize::from(t.worker);
+                Some((m.workers.get(i)?, m.poll_clusters.get(i)?))
+            }) else {
+                continue;
+            };
+            let path = if t.fallback {
+                lp.fallback_path.as_str()
+            } else {
+                lp.path.as_str()
+            };
+            let headers = [
+                (":method", "GET"),
+                (":path", path),
+                (":authority", w.cluster.as_str()),
+            ];
+            match h.http_call(upstream, &headers, None, lp.timeout_ms) {
+                Ok(token) => self.poller.sent(token, t, now_ms),
+                Err(_) => {
+                    // Unknown cluster, or Envoy refused the call: a failed poll like any other.
+                    self.poller.not_sent();
+                    m.add(Counter::PollFailures, 1);
+                }
+            }
+        }
+        self.read_counters(h, r, m, now_ms);
+    }
+
+    /// Reads every worker's token counters each `metrics_interval_ms` (`hits.rs`); a clock
+    /// step starts a round (`schedule::since`).
+    fn read_counters(&mut self, h: &impl Host, r: &Router, m: &Metrics, now_ms: u64) {
+        let lp = &r.cfg.load_poll;
+        if lp.metrics_interval_ms == 0 {
+            return;
+        }
+        self.hit_calls
+            .expire(now_ms, lp.timeout_ms, |_| m.add(Counter::HitFailures, 1));
+        if self
+            .last_hit_round_ms
+            .is_some_and(|at| since(at, now_ms) < u64::from(lp.metrics_interval_ms))
+        {
+            return;
+        }
+        self.last_hit_round_ms = Some(now_ms);
+        for (mi, model) in r.cfg.models.iter().enumerate() {
+            for (wi, (w, upstream)) in model.workers.iter().zip(&model.poll_clusters).enumerate() {
+                let (mi, wi) = (mi as u16, wi as u16);
+                if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
+                    continue;
+                }
+                let headers = [
+                    (":method", "GET"),
+                    (":path", lp.metrics_path.as_str()),
+                    (":authority", w.cluster.as_str()),
+                ];
+                match h.http_call(upstream, &headers, None, lp.timeout_ms) {
+                    Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
+                    Err(_) => m.add(Counter::HitFailures, 1),
+                }
+            }
+        }
+    }
+
+    /// A counter read's answer, when `token` is one (`false`: not ours, nothing read): the
+    /// sample is published for every VM's check (`hits.rs`).
+    pub fn counters_answer(
+        &mut self,
+        h: &impl Host,
+        router: &RefCell<Router>,
+        m: &Metrics,
+        token: u32,
+        status: Option<u32>,
+        body_size: usize,
+    ) -> bool {
+        let Some((mi, wi)) = self.hit_calls.take(token) else {
+            return false;
+        };
+        let counters = if status == Some(200) {
+            hits::parse(&h.buffer(Buffer::HttpCallResponseBody, body_size))
+        } else {
+            None
+        };
+        let Some(counters) = counters else {
+            m.add(Counter::HitFailures, 1);
+            return true;
+        };
+        let Ok(r) = router.try_borrow() else {
+            return true;
+        };
+        let (mi, wi) = (usize::from(mi), usize::from(wi));
+        let Some((model, w)) = r
+            .cfg
+            .models
+            .get(mi)
+            .and_then(|model| Some((model, model.workers.get(wi)?)))
+        else {
+            return true;
+        };
+        let sample = hits::Sample {
+            counters,
+            at: now_ticks(h).0.max(1),
+        };
+        let mut buf = Vec::new();
+        hits::publish(h, &model.hits_key, w.id, wi, &sample, &mut buf);
+        true
+    }
+
+    /// A load poll's answer (any token that is not a counter read's or a peer batch's: the
+    /// body is read before the token is looked up, as always). Publishes the worker's load
+    /// with this Envoy's own load at the answer (`poll.rs`, "Merge"), and the poll gauges at a
+    /// round's last answer.
+    pub fn load_answer(
+        &mut self,
+        h: &impl Host,
+        router: &RefCell<Router>,
+        m: &Metrics,
+        token: u32,
+        status: Option<u32>,
+        body_size: usize,
+    ) {
+        let body = h.buffer(Buffer::HttpCallResponseBody, body_size);
+        let Some((t, load)) = self.poller.answer(token, status, &body) else {
+            return;
+        };
+        let counter = if load.is_some() {
+            Counter::PollAnswers
+        } else {
+            Counter::PollFailures
+        };
+        m.add(counter, 1);
+        let (now, _) = now_ticks(h);
+        let Ok(mut r) = router.try_borrow_mut() else {
+            return;
+        };
+        let (mi, w) = (usize::from(t.model), usize::from(t.worker));
+        let r = &mut *r;
+        let (snap_reqs, snap_tokens) = r.ledger.own_of(h, &r.cfg, mi, w);
+        let p = match load {
+            Some(l) => Polled {
+                reqs: l.reqs,
+                tokens: l.tokens,
+                snap_reqs,
+                snap_tokens,
+                at: now.max(1),
+                capacity: l.capacity,
+            },
+            None => Polled::default(), // failed: unknown until the next good answer
+        };
+        let Some(model) = r.cfg.models.get(mi) else {
+            return;
+        };
+        let mut buf = Vec::new();
+        poll::publish(h, &model.poll_key, model.workers[w].id, w, &p, &mut buf);
+        if !self.poller.settled(t.model) {
+            return; // the gauges once per round, at its last answer
+        }
+        let mut all = Vec::new();
+        if let Some(ids) = r.ledger.ids(mi) {
+            poll::decode(&buf, ids, model.workers.len(), &mut all);
+        }
+        let (oldest, unknown) = round_gauges(&all, now, r.cfg.load_poll.stale_ms / 100);
+        m.set(h, Gauge::PollAgeMs, u64::from(oldest) * 100);
+        m.set(h, Gauge::PollUnknown, unknown as u64);
+    }
+}
+
+/// A model's published loads at clock `now` (100 ms units): the oldest good answer's age, and
+/// the workers without a fresh one (never answered, failed, or older than `stale`).
+fn round_gauges(all: &[Polled], now: u32, stale: u32) -> (u32, usize) {
+    let unknown = all
+        .iter()
+        .filter(|p| p.at == 0 || now.wrapping_sub(p.at) > stale)
+        .count();
+    let oldest = all
+        .iter()
+        .filter(|p| p.at != 0)
+        .map(|p| now.wrapping_sub(p.at))
+        .max()
+        .unwrap_or(0);
+    (oldest, unknown)
+}
