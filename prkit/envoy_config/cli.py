@@ -101,6 +101,9 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-poll-ms", metavar="MS",
                     help="poll every worker's load this often through <worker>_load clusters "
                     "(0 = off: each replica sees only its own requests; default 100 in production profiles)")
+    ap.add_argument("--hit-check-ms", metavar="MS",
+                    help="read every worker's SGLang token counters (/metrics) this often through the same "
+                    "clusters, for the index's self-check (the filter's default 2000; 0 = off; needs --load-poll-ms > 0)")
     ap.add_argument("--peers", metavar="URL[,URL...]",
                     help="peer replicas' peer listeners (http://HOST:PORT); a replica may list itself")
     ap.add_argument("--peer-listen", metavar="HOST:PORT", help="listener for peers' index records")
@@ -174,7 +177,7 @@ def options_from_args(argv: list[str]) -> Options:
                      ("--rate-limit-clients", "rate_limit_clients"), ("--fallbacks", "fallbacks"), ("--max-requests", "max_requests"),
                      ("--max-ejection-percent", "max_ejection_percent"), ("--max-connections", "max_connections"),
                      ("--load-poll-ms", "load_poll_ms"), ("--max-concurrent-streams", "max_concurrent_streams"),
-                     ("--max-heap-mib", "max_heap_mib")):
+                     ("--max-heap-mib", "max_heap_mib"), ("--hit-check-ms", "hit_check_ms")):
         v = _int_opt(opt, getattr(a, key))
         if v is not None:
             over[key] = v

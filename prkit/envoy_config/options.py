@@ -127,6 +127,8 @@ class Options:
     # None: no load_poll key (the filter's default, polling through the worker clusters);
     # 0: off; > 0: poll every that many ms through <worker>_load clusters
     load_poll_ms: int | None = 100
+    # The index self-check's counter reads (load_poll.metrics_interval_ms); None: the filter's default.
+    hit_check_ms: int | None = None
     peers: list[HostPort] = field(default_factory=list)
     peer_listen: HostPort | None = None
     peer_secret: str | None = None
@@ -244,6 +246,8 @@ def validate(o: Options) -> None:
     _int_range("--max-connections", o.max_connections, 1, 10**9, "downstream connection cap")
     if o.load_poll_ms is not None:
         _int_range("--load-poll-ms", o.load_poll_ms, 0, 60000, "0 disables polling")
+    if o.hit_check_ms is not None:
+        _int_range("--hit-check-ms", o.hit_check_ms, 0, 600000, "0 disables the index self-check")
     if not isinstance(o.plugin, dict):
         raise ConfigError("--plugin", "the plugin overrides must be a JSON object")
     if (o.peers or o.peer_listen) and o.peer_secret is None:

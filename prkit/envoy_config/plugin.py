@@ -37,6 +37,8 @@ def plugin_config(o: Options) -> dict:
     if o.load_poll_ms is not None:
         if o.load_poll_ms:
             plugin["load_poll"] = {"interval_ms": o.load_poll_ms, "cluster_suffix": POLL_SUFFIX}
+            if o.hit_check_ms is not None:
+                plugin["load_poll"]["metrics_interval_ms"] = o.hit_check_ms
             if o.load_poll_ms > 1000:
                 # the filter's default stale_ms (1000) must not be below the interval
                 plugin["load_poll"]["stale_ms"] = min(10 * o.load_poll_ms, 600000)

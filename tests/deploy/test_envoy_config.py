@@ -88,6 +88,7 @@ def test_plugin_options_reach_the_plugin_config(composecheck, tmp_path):
         (["--plugin", "index."], ["--plugin", "PATH=JSON"]),
         (["--default-model", "other"], ["--default-model", "not one of the models"]),
         (["--model", "n=1.2.3.4:5@-1"], ["--model n", "weight"]),
+        (["--hit-check-ms", "-5"], ["--hit-check-ms", "between 0 and 600000", "got -5"]),
     ],
 )
 def test_errors_name_the_option_and_the_reason(args, needles):
@@ -96,6 +97,14 @@ def test_errors_name_the_option_and_the_reason(args, needles):
     assert r.stderr.startswith("envoy/gen: ")
     for n in needles:
         assert n in r.stderr, (n, r.stderr)
+
+
+def test_hit_check_interval_reaches_the_load_poll_section():
+    r = gen_result("--model", "m=10.0.0.1:8000", "--load-poll-ms", "50", "--hit-check-ms", "0")
+    assert r.returncode == 0, r.stderr
+    assert '"metrics_interval_ms": 0' in r.stdout
+    r = gen_result("--model", "m=10.0.0.1:8000", "--load-poll-ms", "50")
+    assert r.returncode == 0 and "metrics_interval_ms" not in r.stdout, "the filter's default otherwise"
 
 
 def test_api_errors_are_config_errors():

@@ -133,7 +133,7 @@ class Fleet:
             args = ["--model", f"{MODEL}={workers}",
                     "--listen", f"127.0.0.1:{listener}", "--admin", f"127.0.0.1:{admin}",
                     "--stats-listen", "none", "--rate-limit", "0", "--debug-header",
-                    "--wasm", str(wasm_path()), "--load-poll-ms", str(POLL_MS), "--health-timeout", "10s",
+                    "--wasm", str(wasm_path()), "--load-poll-ms", str(POLL_MS), "--hit-check-ms", "0", "--health-timeout", "10s",
                     "--peers", peers, "--peer-listen", f"127.0.0.1:{peer_port}", "--peer-secret", self.secret,
                     "--hash-key", self.hash_key]
             config = run_gen(*args)
@@ -226,7 +226,8 @@ def wait_polling(rep: Replica):
 
 def worker_requests(rep: Replica) -> dict:
     """Load polls this Envoy completed to each worker (envoy/gen polls through `<worker>_load`
-    clusters, which carry nothing else)."""
+    clusters, which carry nothing else here: the index self-check's counter reads, which share
+    them, are off in these replicas, `--hit-check-ms 0`)."""
     c = rep.envoy.counters(r"cluster\.llama_\d+_load\.upstream_rq_completed")
     return {n: c.get(f"cluster.{n}_load.upstream_rq_completed", 0) for n in FLEET_NAMES}
 
