@@ -39,11 +39,14 @@ pub struct Polls {
 }
 
 impl Polls {
-    /// A new configuration: a fresh load-poll schedule for its workers. The counter reads keep
-    /// their schedule and calls in flight, as the root always did.
+    /// A new configuration: fresh schedules for its workers. Calls in flight are forgotten (their
+    /// answers are then ignored as unknown tokens): they name worker positions of the old
+    /// worker list, which may be other workers now.
     pub fn configure(&mut self, cfg: &Config, me: u64) {
         self.me = me;
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
+        self.hit_calls = Calls::default();
+        self.last_hit_round_ms = None;
     }
 
     /// The root's tick: expires lost calls and, holding the lease, asks every worker of each

@@ -334,6 +334,46 @@ fn worker_token_counters_are_read_at_the_metrics_interval_and_published() {
     assert!(h.state.borrow().calls.iter().all(is_load_poll));
 }
 
+/// A counter read still in flight when the configuration changes is forgotten: its answer names
+/// a worker position of the old worker list, which may be another worker now.
+#[test]
+fn a_counter_read_in_flight_at_a_reconfiguration_is_not_filed_under_the_new_workers() {
+    let old = config(r#","load_poll":{"metrics_interval_ms":1000}"#);
+    let (h, mut root) = configured(&old);
+    h.state.borrow_mut().now_nanos += 50_000_000;
+    root.on_tick(&h);
+    let (token, upstream) = h
+        .state
+        .borrow()
+        .calls
+        .iter()
+        .find(|c| path_of(c) == "/metrics")
+        .map(|c| (c.token, c.upstream.clone()))
+        .expect("a counter read");
+    assert_eq!(upstream, "w0");
+    // The same model, its workers in another order: position 0 is w2 now.
+    let new = r#"{"models":{"llama":{"workers":["w2","w0","w1"]}},"load_poll":{"metrics_interval_ms":1000}}"#;
+    h.state.borrow_mut().plugin_config = new.as_bytes().to_vec();
+    assert!(root.on_configure(&h, new.len()));
+    let body = b"sglang:prompt_tokens_total 1000\nsglang:cached_tokens_total 10\n";
+    {
+        let mut s = h.state.borrow_mut();
+        s.call_headers = vec![(":status".into(), "200".into())];
+        s.call_body = body.to_vec();
+    }
+    root.on_http_call_response(&h, token, body.len());
+    let mut buf = Vec::new();
+    h.get("pr/h1/llama", &mut buf);
+    let parsed = Config::from_json(new.as_bytes()).unwrap();
+    let ids = ById::new(parsed.models[0].workers.iter().map(|w| w.id));
+    let mut samples = Vec::new();
+    prefix_router::hits::decode(&buf, &ids, 3, &mut samples);
+    assert!(
+        samples.iter().all(|s| s.at == 0),
+        "w0's answer was filed under another worker: {samples:?}"
+    );
+}
+
 /// Load polls follow traffic: every `interval_ms` while a model has requests, every
 /// `no_traffic_interval_ms` without; a new request brings the short period back at the next tick.
 #[test]
