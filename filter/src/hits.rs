@@ -39,7 +39,7 @@
 //! Envoy thread checks the requests it routed (the counters are the worker's, whoever sent).
 
 use crate::index::age;
-use crate::records::{find, rd, wr, ById};
+use crate::records::{rd, wr, ById};
 use crate::store::Store;
 
 /// A worker's cumulative prompt tokens and the share of them served from its cache.
@@ -150,26 +150,11 @@ pub fn publish<S: Store>(
     s: &Sample,
     buf: &mut Vec<u8>,
 ) -> bool {
-    for _ in 0..8 {
-        let cas = store.get(key, buf).unwrap_or(0);
-        buf.truncate(buf.len() - buf.len() % REC);
-        let o = match find(buf, REC, id, hint) {
-            Some(o) => o,
-            None => {
-                let o = buf.len();
-                buf.resize(o + REC, 0);
-                wr(buf, o, id);
-                o
-            }
-        };
-        wr64(buf, o + 4, s.counters.prompt);
-        wr64(buf, o + 12, s.counters.cached);
-        wr(buf, o + 20, s.at);
-        if store.set(key, buf, cas).is_ok() {
-            return true;
-        }
-    }
-    false
+    crate::records::publish(store, key, REC, id, hint, buf, |b, o| {
+        wr64(b, o + 4, s.counters.prompt);
+        wr64(b, o + 12, s.counters.cached);
+        wr(b, o + 20, s.at);
+    })
 }
 
 /// Reads a published value into one [`Sample`] per configured worker (none when missing).

@@ -26,7 +26,7 @@
 //! instead of the interval for a model's first request after a quiet spell).
 
 pub use crate::load_answer::Load;
-use crate::records::{find, rd, wr, ById};
+use crate::records::{rd, wr, ById};
 use crate::schedule::Calls;
 use crate::store::Store;
 
@@ -67,18 +67,8 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Polled>) {
     });
 }
 
-/// Writes one worker's record into a published value (appending it when missing).
-pub fn put(b: &mut Vec<u8>, id: u32, hint: usize, p: &Polled) {
-    b.truncate(b.len() - b.len() % REC);
-    let o = match find(b, REC, id, hint) {
-        Some(o) => o,
-        None => {
-            let o = b.len();
-            b.resize(o + REC, 0);
-            wr(b, o, id);
-            o
-        }
-    };
+/// Writes one worker's fields into its record at offset `o` of a published value.
+fn fill(b: &mut [u8], o: usize, p: &Polled) {
     for (k, v) in [
         p.reqs,
         p.tokens,
@@ -104,14 +94,7 @@ pub fn publish<S: Store>(
     p: &Polled,
     buf: &mut Vec<u8>,
 ) -> bool {
-    for _ in 0..8 {
-        let cas = store.get(key, buf).unwrap_or(0);
-        put(buf, id, hint, p);
-        if store.set(key, buf, cas).is_ok() {
-            return true;
-        }
-    }
-    false
+    crate::records::publish(store, key, REC, id, hint, buf, |b, o| fill(b, o, p))
 }
 
 /// Whether `p` is a good answer at most `stale` (100 ms units) old at `now`.

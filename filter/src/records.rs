@@ -1,6 +1,6 @@
 //! Fixed-size little-endian records keyed by worker id, the layout of the per-model shared-data
-//! values of `load.rs` (leases) and `poll.rs` (polled loads). A record starts with the worker id
-//! (u32); the rest is u32 fields.
+//! values of `load.rs` (leases), `poll.rs` (polled loads) and `hits.rs` (token counters). A
+//! record starts with the worker id (u32); the rest is u32 fields.
 //!
 //! Records are placed by id through [`ById`], the configured workers sorted by id: one pass over
 //! the records with a binary search each, O(m log n) for m records and n workers whatever order
@@ -38,6 +38,44 @@ pub fn find(b: &[u8], rec: usize, id: u32, hint: usize) -> Option<usize> {
 
 /// One config's workers by id: their ids in config order, and `(id, position)` sorted by id.
 /// Built once per config.
+/// The offset of worker `id`'s record in `b` (records of `rec` bytes; a partial tail is dropped),
+/// appending a zeroed record with that id when it is missing.
+pub fn slot(b: &mut Vec<u8>, rec: usize, id: u32, hint: usize) -> usize {
+    b.truncate(b.len() - b.len() % rec.max(1));
+    match find(b, rec, id, hint) {
+        Some(o) => o,
+        None => {
+            let o = b.len();
+            b.resize(o + rec, 0);
+            wr(b, o, id);
+            o
+        }
+    }
+}
+
+/// Writes worker `id`'s record in the value at `key` with a CAS read-modify-write: `fill` gets
+/// the value and the record's offset. For values with one writer (the poll lease holder), so
+/// conflicts are rare; false if all 8 tries lost.
+pub fn publish<S: crate::store::Store>(
+    store: &S,
+    key: &str,
+    rec: usize,
+    id: u32,
+    hint: usize,
+    buf: &mut Vec<u8>,
+    fill: impl Fn(&mut [u8], usize),
+) -> bool {
+    for _ in 0..8 {
+        let cas = store.get(key, buf).unwrap_or(0);
+        let o = slot(buf, rec, id, hint);
+        fill(buf, o);
+        if store.set(key, buf, cas).is_ok() {
+            return true;
+        }
+    }
+    false
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ById {
     order: Vec<u32>,
