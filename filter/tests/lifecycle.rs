@@ -3,6 +3,8 @@
 //! on the shared-data load leases, not only on the VM-side gauge), the passthrough choice, the
 //! client's routing headers stripped, the debug header, and streams of an unconfigured root.
 
+mod common;
+use common::configured;
 use prefix_router::config::Config;
 use prefix_router::glue::{Action, Root, Stream};
 use prefix_router::host::FakeHost;
@@ -11,27 +13,10 @@ use prefix_router::policy::Reason;
 use prefix_router::records::ById;
 use prefix_router::store::Store;
 
-const T0: u64 = 1_700_000_000_000_000_000;
 const WORKERS: [&str; 3] = ["w0", "w1", "w2"];
 
 fn config(extra: &str) -> String {
     format!(r#"{{"models":{{"llama":{{"workers":["w0","w1","w2"]}}}}{extra}}}"#)
-}
-
-fn configured(cfg: &str) -> (FakeHost, Root) {
-    let h = FakeHost::new();
-    {
-        let mut s = h.state.borrow_mut();
-        s.plugin_config = cfg.as_bytes().to_vec();
-        s.now_nanos = T0;
-    }
-    let mut root = Root::new();
-    assert!(
-        root.on_configure(&h, cfg.len()),
-        "{:?}",
-        h.state.borrow().errors
-    );
-    (h, root)
 }
 
 /// Runs a stream's request callbacks as Envoy does; returns the stream and the last action.
@@ -84,6 +69,15 @@ fn request_header(h: &FakeHost, name: &str) -> Option<String> {
     let v = it.next().map(|e| e.1.clone());
     assert!(it.next().is_none(), "{name} appears twice");
     v
+}
+
+/// The first response header named `name` the filter added.
+fn response_header(h: &FakeHost, name: &str) -> Option<String> {
+    let s = h.state.borrow();
+    s.response_headers
+        .iter()
+        .find(|e| e.0 == name)
+        .map(|e| e.1.clone())
 }
 
 /// In-flight requests per worker, from the shared-data load leases.
@@ -528,14 +522,7 @@ fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
     let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("dbg"));
     let worker = request_header(&h, "x-prefix-router-cluster").expect("routed");
     assert_eq!(s.on_response_headers(&h), Action::Continue);
-    let v = h
-        .state
-        .borrow()
-        .response_headers
-        .iter()
-        .find(|e| e.0 == "x-debug")
-        .map(|e| e.1.clone())
-        .expect("debug header on the response");
+    let v = response_header(&h, "x-debug").expect("debug header on the response");
     assert!(v.starts_with(&format!("worker={worker}; reason=")), "{v}");
     assert!(
         v.contains("; total=") && !v.contains("holder="),
@@ -553,14 +540,7 @@ fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
     h.state.borrow_mut().response_headers.clear();
     let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &long);
     s.on_response_headers(&h);
-    let v = h
-        .state
-        .borrow()
-        .response_headers
-        .iter()
-        .find(|e| e.0 == "x-debug")
-        .map(|e| e.1.clone())
-        .expect("debug header on the response");
+    let v = response_header(&h, "x-debug").expect("debug header on the response");
     assert!(
         v.ends_with(&format!("; holder={worker}; holder_load=0/0/0")),
         "{v}"
@@ -625,14 +605,7 @@ fn a_pd_prompt_reuses_its_prefill_worker_after_the_decode_worker_answered_2xx() 
             .response_headers
             .push((":status".into(), "200".into()));
         s.on_response_headers(&h);
-        let v = h
-            .state
-            .borrow()
-            .response_headers
-            .iter()
-            .find(|e| e.0 == "x-debug")
-            .map(|e| e.1.clone())
-            .expect("debug header");
+        let v = response_header(&h, "x-debug").expect("debug header");
         s.on_done(&h);
         seen.push(v);
     }

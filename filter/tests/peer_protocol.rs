@@ -3,10 +3,11 @@
 //! deliver it. A batch is authenticated without revealing the secret, fresh (sender's wall-clock
 //! timestamp within the window), never applied twice, and each sender has a record budget.
 
+mod common;
+use common::configured;
 use prefix_router::glue::{Action, Root};
 use prefix_router::host::FakeHost;
 
-const T0: u64 = 1_700_000_000_000_000_000;
 const SECRET: &str = "0123456789abcdef-peer-secret";
 const MS: u64 = 1_000_000;
 
@@ -23,22 +24,6 @@ fn config(extra: &str) -> String {
 
 fn listener_config(extra: &str) -> String {
     config_with(extra, r#","peer_listener":true"#)
-}
-
-fn configured(cfg: &str) -> (FakeHost, Root) {
-    let h = FakeHost::new();
-    {
-        let mut s = h.state.borrow_mut();
-        s.plugin_config = cfg.as_bytes().to_vec();
-        s.now_nanos = T0;
-    }
-    let mut root = Root::new();
-    assert!(
-        root.on_configure(&h, cfg.len()),
-        "{:?}",
-        h.state.borrow().errors
-    );
-    (h, root)
 }
 
 fn chat(user: &str) -> String {

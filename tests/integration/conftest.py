@@ -29,6 +29,15 @@ def stack(request):
     s.close(keep_logs=request.session.testsfailed > 0)  # failed runs keep config + log in /tmp
 
 
+@pytest.fixture(scope="module")
+def fresh():
+    """A fresh stack for one test module, with the default policy and the debug header: for tests
+    whose outcome depends on what earlier prompts left in the index or in the footprints."""
+    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision"}).start()
+    yield s
+    s.close()
+
+
 @pytest.fixture
 def env(stack):
     """Per test: worker counters reset, delays off; the invariant checks run after the test."""

@@ -6,21 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
 from prkit.client import Client
-from prkit.stack import Stack
 
 from . import workload as wl
 
 MODEL = "llama"
-
-
-@pytest.fixture(scope="module")
-def fresh():
-    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision"}).start()
-    yield s
-    s.close()
 
 
 def test_distinct_prefixes_fill_the_caches_evenly(fresh):

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import uuid
 
-import pytest
-
 from prkit.client import Client
 from prkit.stack import Stack
 from prkit.wait import wait_until
@@ -17,13 +15,6 @@ from . import workload as wl
 
 MODEL = "llama"
 POLLS = "prefix_router_load_poll_answers"
-
-
-@pytest.fixture(scope="module")
-def fresh():
-    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision"}).start()
-    yield s
-    s.close()
 
 
 def fresh_load(stack: Stack):
