@@ -110,5 +110,6 @@ pub fn decide_and_release(
             d.worker
         }
         Outcome::Reject { status, .. } => panic!("unexpected reject {status}"),
+        Outcome::Unplaced { model } => panic!("no worker for model {model}"),
     }
 }

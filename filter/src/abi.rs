@@ -84,6 +84,12 @@ mod raw {
             data: *const u8,
             data_len: usize,
         ) -> u32;
+        pub fn proxy_get_property(
+            path: *const u8,
+            path_len: usize,
+            ret: *mut *mut u8,
+            ret_len: *mut usize,
+        ) -> u32;
         pub fn proxy_get_shared_data(
             key: *const u8,
             key_len: usize,
@@ -227,6 +233,14 @@ impl Host for Envoy {
     fn set_buffer(&self, which: Buffer, len: usize, data: &[u8]) {
         // SAFETY: valid slice for the duration of the call.
         unsafe { raw::proxy_set_buffer_bytes(which as u32, 0, len, data.as_ptr(), data.len()) };
+    }
+    fn upstream_address(&self) -> Option<Vec<u8>> {
+        // A property path is its segments separated by NUL.
+        const PATH: &[u8] = b"upstream\0address";
+        let (mut p, mut n) = (std::ptr::null_mut(), 0usize);
+        // SAFETY: as in `get`.
+        let st = unsafe { raw::proxy_get_property(PATH.as_ptr(), PATH.len(), &mut p, &mut n) };
+        (st == OK).then(|| unsafe { owned(p, n) })
     }
     fn buffer(&self, which: Buffer, max: usize) -> Vec<u8> {
         let (mut p, mut n) = (std::ptr::null_mut(), 0usize);

@@ -57,6 +57,13 @@ pub struct RawConfig {
     /// nothing else) there. The client listener never accepts them.
     #[serde(default)]
     pub peer_listener: bool,
+    /// Request header naming the chosen host of a pool model (`IP:PORT`, fallbacks after it,
+    /// comma-separated), read by the pool cluster's override_host load-balancing policy.
+    #[serde(default = "default_destination_header")]
+    pub destination_header: String,
+    /// How pool models learn their hosts (`membership.rs`).
+    #[serde(default)]
+    pub membership: MembershipConfig,
 }
 
 /// Polling every worker's own load (`/v1/loads`, else `/get_load`), so several Envoy replicas
@@ -110,6 +117,50 @@ impl Default for LoadPollConfig {
             metrics_interval_ms: default_poll_metrics_interval_ms(),
         }
     }
+}
+
+/// Where pool models' hosts are read: Envoy's admin `/clusters` (text format) through a
+/// loopback cluster the public route can never name. See `membership.rs`.
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct MembershipConfig {
+    #[serde(default = "default_membership_cluster")]
+    pub cluster: String,
+    #[serde(default = "default_membership_path")]
+    pub path: String,
+    /// How often the poll lease holder reads it and every VM looks at the result; 0 = never
+    /// (pool models are then served only by the pool cluster's fallback policy).
+    #[serde(default = "default_membership_interval_ms")]
+    pub interval_ms: u32,
+    #[serde(default = "default_membership_timeout_ms")]
+    pub timeout_ms: u32,
+}
+
+impl Default for MembershipConfig {
+    fn default() -> Self {
+        MembershipConfig {
+            cluster: default_membership_cluster(),
+            path: default_membership_path(),
+            interval_ms: default_membership_interval_ms(),
+            timeout_ms: default_membership_timeout_ms(),
+        }
+    }
+}
+
+fn default_membership_cluster() -> String {
+    "admin".into()
+}
+fn default_membership_path() -> String {
+    "/clusters".into()
+}
+fn default_membership_interval_ms() -> u32 {
+    1000
+}
+fn default_membership_timeout_ms() -> u32 {
+    1000
+}
+fn default_destination_header() -> String {
+    "x-gateway-destination-endpoint".into()
 }
 
 /// Other Envoy replicas that receive this replica's index records. See `peers.rs`.
@@ -195,6 +246,9 @@ pub struct RawModel {
     pub prefill: Vec<crate::pd::RawPrefill>,
     #[serde(default)]
     pub decode: Vec<RawWorker>,
+    /// Pool mode: the workers are the healthy hosts of one Envoy cluster (`membership.rs`).
+    #[serde(default)]
+    pub pool: Option<RawPool>,
     #[serde(default)]
     pub text_block_bytes: Option<usize>,
     #[serde(default)]
@@ -209,7 +263,47 @@ pub enum RawWorker {
         cluster: String,
         #[serde(default = "default_weight")]
         weight: f64,
+        /// The worker's `IP:PORT`, to credit it with the requests it served as another
+        /// worker's fallback (`upstream.address` at the response).
+        #[serde(default)]
+        address: Option<String>,
     },
+}
+
+/// A pool model's cluster (`membership.rs`).
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct RawPool {
+    /// The Envoy cluster whose hosts are the workers (override_host load balancing).
+    pub cluster: String,
+    /// The cluster load polls and counter reads go through (same hosts, override_host, no
+    /// health checks or outlier detection); default `<cluster><load_poll.cluster_suffix>`.
+    #[serde(default)]
+    pub load_cluster: Option<String>,
+    /// Hosts named after the chosen one in the destination header (tried on retries).
+    #[serde(default = "default_pool_fallbacks")]
+    pub fallbacks: usize,
+    /// Most hosts used; more are left to the cluster's fallback policy (counted).
+    #[serde(default = "default_pool_max_workers")]
+    pub max_workers: usize,
+}
+
+fn default_pool_fallbacks() -> usize {
+    2
+}
+fn default_pool_max_workers() -> usize {
+    64
+}
+
+/// A validated pool (see [`RawPool`]).
+#[derive(Debug, Clone)]
+pub struct Pool {
+    pub cluster: String,
+    pub load_cluster: String,
+    pub fallbacks: usize,
+    pub max_workers: usize,
+    /// Shared-data key of the published membership.
+    pub members_key: String,
 }
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
@@ -486,8 +580,11 @@ pub(crate) fn err(field: impl Into<String>, message: impl Into<String>) -> Confi
 /// One upstream worker (an Envoy cluster).
 #[derive(Debug, Clone)]
 pub struct Worker {
+    /// The worker's cluster; a pool worker's address.
     pub cluster: String,
     pub weight: f64,
+    /// `IP:PORT` when known (always for a pool worker): matched against `upstream.address`.
+    pub address: Option<String>,
     /// Stable non-zero identity stored in shared data: index holders and load entries name
     /// workers by this id, so a config with reordered or removed workers never misreads them.
     pub id: u32,
@@ -520,6 +617,8 @@ pub struct Model {
     pub pd: Option<crate::pd::Pd>,
     /// Hidden decode model of the PD model at this index; never matched by name.
     pub decode_of: Option<usize>,
+    /// Pool mode: the workers are this cluster's current hosts (empty until first learned).
+    pub pool: Option<Pool>,
 }
 
 /// Validated configuration.
@@ -542,6 +641,8 @@ pub struct Config {
     pub load_poll: LoadPollConfig,
     pub peers: Option<PeersConfig>,
     pub peer_listener: bool,
+    pub destination_header: String,
+    pub membership: MembershipConfig,
 }
 
 /// Worker identity: xxh3 of the cluster name, never 0 (0 marks an empty slot).
@@ -553,6 +654,60 @@ pub fn worker_id(cluster: &str) -> u32 {
     } else {
         id
     }
+}
+
+/// Validates a model's `pool` (exclusive with `workers`, `prefill` and `decode`).
+fn check_pool(
+    field: &str,
+    m: &RawModel,
+    suffix: &str,
+    model: &str,
+) -> Result<Option<Pool>, ConfigError> {
+    let Some(p) = &m.pool else {
+        return Ok(None);
+    };
+    if !m.workers.is_empty() || !m.prefill.is_empty() || !m.decode.is_empty() {
+        return Err(err(
+            format!("{field}.pool"),
+            "a pool model has no `workers`, `prefill` or `decode`",
+        ));
+    }
+    let printable = |c: &str| !c.is_empty() && !c.bytes().any(|b| b.is_ascii_control());
+    if !printable(&p.cluster) {
+        return Err(err(
+            format!("{field}.pool.cluster"),
+            "must be a non-empty printable name",
+        ));
+    }
+    let load_cluster = p
+        .load_cluster
+        .clone()
+        .unwrap_or_else(|| format!("{}{suffix}", p.cluster));
+    if !printable(&load_cluster) {
+        return Err(err(
+            format!("{field}.pool.load_cluster"),
+            "must be a non-empty printable name",
+        ));
+    }
+    if p.fallbacks > 16 {
+        return Err(err(
+            format!("{field}.pool.fallbacks"),
+            "must be between 0 and 16",
+        ));
+    }
+    if p.max_workers == 0 || p.max_workers > MAX_WORKERS_PER_MODEL {
+        return Err(err(
+            format!("{field}.pool.max_workers"),
+            format!("must be between 1 and {MAX_WORKERS_PER_MODEL}"),
+        ));
+    }
+    Ok(Some(Pool {
+        cluster: p.cluster.clone(),
+        load_cluster,
+        fallbacks: p.fallbacks,
+        max_workers: p.max_workers,
+        members_key: crate::membership::key(model),
+    }))
 }
 
 /// The 64-bit hashing key of a `hash_key` secret.
@@ -600,8 +755,9 @@ impl Config {
             if name.is_empty() {
                 return Err(err("models", "model names must not be empty"));
             }
+            let pool = check_pool(&field, m, &raw.load_poll.cluster_suffix, name)?;
             let (raw_workers, key) = crate::pd::routing_workers(&field, m)?;
-            if raw_workers.is_empty() {
+            if raw_workers.is_empty() && pool.is_none() {
                 return Err(err(format!("{field}.{key}"), "at least one worker"));
             }
             if raw_workers.len() > MAX_WORKERS_PER_MODEL {
@@ -612,11 +768,20 @@ impl Config {
             }
             let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
             for (i, w) in raw_workers.iter().enumerate() {
-                let (cluster, weight) = match w {
-                    RawWorker::Name(c) => (c.clone(), 1.0),
-                    RawWorker::Weighted { cluster, weight } => (cluster.clone(), *weight),
+                let (cluster, weight, address) = match w {
+                    RawWorker::Name(c) => (c.clone(), 1.0, None),
+                    RawWorker::Weighted {
+                        cluster,
+                        weight,
+                        address,
+                    } => (cluster.clone(), *weight, address.clone()),
                 };
                 let wf = format!("{field}.{key}[{i}]");
+                if let Some(a) = &address {
+                    if !crate::membership::valid_address(a.as_bytes()) {
+                        return Err(err(format!("{wf}.address"), "must be IP:PORT"));
+                    }
+                }
                 if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
                     return Err(err(wf, "cluster must be a non-empty printable name"));
                 }
@@ -635,6 +800,7 @@ impl Config {
                 workers.push(Worker {
                     cluster,
                     weight,
+                    address,
                     id,
                 });
             }
@@ -650,7 +816,7 @@ impl Config {
                 token_block_size,
                 MAX_TOKEN_BLOCK,
             )?;
-            let uniform_weights = workers.iter().all(|w| w.weight == workers[0].weight);
+            let uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
             let total_weight = workers.iter().map(|w| w.weight).sum();
             models.push(Model {
                 index_key_prefix: crate::index::KEY_PREFIX.to_string(),
@@ -671,6 +837,7 @@ impl Config {
                 total_weight,
                 pd: None,
                 decode_of: None,
+                pool,
             });
         }
         let default_model = match &raw.default_model {
@@ -882,7 +1049,40 @@ impl Config {
                 "needs `peers.secret` (the secret that authenticates peers' batches)",
             ));
         }
+        let mem = &raw.membership;
+        if models.iter().any(|m| m.pool.is_some()) {
+            if !valid_header_name(&raw.destination_header)
+                || raw.destination_header == raw.cluster_header
+                || raw.debug_header.as_ref() == Some(&raw.destination_header)
+                || raw.tenant_header.as_ref() == Some(&raw.destination_header)
+                || raw.destination_header == raw.prefill_cluster_header
+            {
+                return Err(err(
+                    "destination_header",
+                    "must be a lower-case header name distinct from the filter's other headers",
+                ));
+            }
+            if mem.interval_ms > 0 {
+                if mem.cluster.is_empty() || !mem.path.starts_with('/') {
+                    return Err(err(
+                        "membership",
+                        "needs a cluster and a path starting with /",
+                    ));
+                }
+                if !(100..=600_000).contains(&mem.interval_ms) {
+                    return Err(err(
+                        "membership.interval_ms",
+                        "must be 0 (off) or between 100 and 600000",
+                    ));
+                }
+                if mem.timeout_ms == 0 || mem.timeout_ms > 60_000 {
+                    return Err(err("membership.timeout_ms", "must be between 1 and 60000"));
+                }
+            }
+        }
         Ok(Config {
+            destination_header: raw.destination_header,
+            membership: raw.membership,
             load_poll: raw.load_poll,
             peers: raw.peers,
             peer_listener: raw.peer_listener,
@@ -906,6 +1106,29 @@ impl Config {
     }
 
     /// Index of the model named `name`, if configured. Linear: configs hold a handful of models.
+    /// This configuration with pool model `mi`'s workers set to `members` (at most its
+    /// `max_workers`; `membership.rs`). `None` when `mi` is not a pool model.
+    pub fn with_members(&self, mi: usize, members: &[crate::membership::Member]) -> Option<Config> {
+        let mut cfg = self.clone();
+        let m = cfg.models.get_mut(mi)?;
+        let pool = m.pool.as_ref()?;
+        let workers: Vec<Worker> = members
+            .iter()
+            .take(pool.max_workers)
+            .map(|x| Worker {
+                cluster: x.address.clone(),
+                weight: f64::from(x.weight.max(1)),
+                address: Some(x.address.clone()),
+                id: worker_id(&x.address),
+            })
+            .collect();
+        m.poll_clusters = vec![pool.load_cluster.clone(); workers.len()];
+        m.uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
+        m.total_weight = workers.iter().map(|w| w.weight).sum();
+        m.workers = workers;
+        Some(cfg)
+    }
+
     pub fn model_index(&self, name: &[u8]) -> Option<usize> {
         self.models
             .iter()

@@ -29,6 +29,7 @@ use crate::config::Config;
 use crate::header_pairs;
 use crate::host::{self, now_ticks, Buffer, Host, Map};
 use crate::index::Plan;
+use crate::membership::{self, Member};
 use crate::metrics::{Counter, Metrics};
 use crate::peer_flush::{self, PeerSender};
 use crate::policy::Reason;
@@ -86,6 +87,8 @@ pub struct Root {
     polls: Polls,
     /// Index records sent to the peers.
     peers: PeerSender,
+    /// Pool models' published memberships as this VM last applied them (`membership.rs`).
+    members: membership::View,
 }
 
 impl Root {
@@ -104,6 +107,9 @@ impl Root {
         if self
             .polls
             .counters_answer(h, &s.router, m, token, status, body_size)
+            || self
+                .polls
+                .members_answer(h, &s.router, m, token, status, body_size)
         {
             return;
         }
@@ -138,13 +144,29 @@ impl Root {
                 return false;
             }
         };
+        self.members.reset();
+        self.install(h, cfg, None);
+        h.set_tick_period_ms(TICK_MS);
+        self.look_at_members(h, true);
+        true
+    }
+
+    /// Puts a validated configuration in place: a new router and metrics; streams of the old
+    /// configuration release into the old state, which no tick flushes any more. `change`: a
+    /// membership change (`membership.rs`), whose router keeps what the old one knew of the
+    /// workers that stay.
+    fn install(&mut self, h: &impl Host, cfg: Config, change: Option<&[(usize, Vec<Member>)]>) {
         let (_, nanos) = now_ticks(h);
         let metrics = Metrics::define(h, &cfg);
         let mut router = Router::new(cfg, nanos);
         router.init_store(h);
         // The poll lease's owner: unique among this Envoy's VMs (the id), and across restarts
-        // (the clock); the clock alone can repeat between two VMs.
-        let me = (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1;
+        // (the clock); the clock alone can repeat between two VMs. A membership change keeps
+        // it, so the lease stays with its holder.
+        let me = match change {
+            Some(_) => self.polls.me,
+            None => (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1,
+        };
         self.polls.configure(&router.cfg, me);
         if let Some(ob) = router.outbox.as_mut() {
             // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
@@ -152,8 +174,9 @@ impl Root {
             ob.set_sender(me);
         }
         if let Some(old) = &self.shared {
-            // Reconfigured in place: streams of the old configuration release into the old
-            // state, which no tick flushes any more.
+            if let (Some(joined), Ok(o)) = (change, old.router.try_borrow()) {
+                router.adopt(&o, joined);
+            }
             old.closing.set(true);
             old.flush_all(h);
         }
@@ -162,8 +185,27 @@ impl Root {
             metrics,
             closing: Cell::new(false),
         }));
-        h.set_tick_period_ms(TICK_MS);
-        true
+    }
+
+    /// Applies pool models' published memberships when they changed (`membership.rs`): every
+    /// `membership.interval_ms / 2`, or now (`force`).
+    fn look_at_members(&mut self, h: &impl Host, force: bool) {
+        let Some(s) = &self.shared else {
+            return;
+        };
+        let now_ms = h.now_nanos() / 1_000_000;
+        let change = {
+            let Ok(r) = s.router.try_borrow() else {
+                return;
+            };
+            self.members.look(h, &r.cfg, now_ms, force)
+        };
+        if let Some(c) = change {
+            self.install(h, c.cfg, Some(&c.members));
+            if let Some(s) = &self.shared {
+                s.metrics.add(Counter::MembershipRebuilds, 1);
+            }
+        }
     }
 
     /// `proxy_on_tick`.
@@ -180,6 +222,9 @@ impl Root {
                 let sample = self.ticks.is_multiple_of(METRICS_EVERY);
                 s.metrics.after_tick(h, &mut r, sample);
             }
+        }
+        self.look_at_members(h, false);
+        if let Some(s) = &self.shared {
             let s = s.clone();
             let (_, nanos) = now_ticks(h);
             let now_ms = nanos / 1_000_000;
@@ -224,6 +269,27 @@ pub struct Stream {
     tenant: Vec<u8>,
 }
 
+/// Points the request at decision `d`'s worker: its cluster in the cluster header, or for a
+/// pool model the pool's cluster and, in the destination header, the chosen host and its
+/// fallbacks (`Router::destination`).
+fn point(h: &impl Host, r: &mut Router, d: &Decision) {
+    let pool = r
+        .cfg
+        .models
+        .get(usize::from(d.model))
+        .and_then(|m| m.pool.as_ref());
+    match pool {
+        None => h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(d)),
+        Some(p) => {
+            h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, &p.cluster);
+            let mut dest = std::mem::take(&mut r.dest);
+            r.destination(d, &mut dest);
+            h.add_header(Map::RequestHeaders, &r.cfg.destination_header, &dest);
+            r.dest = dest;
+        }
+    }
+}
+
 fn local_reply(h: &impl Host, status: u32, body: &str) -> Action {
     h.local_reply(
         status,
@@ -256,8 +322,9 @@ impl Stream {
             Some(cfg.cluster_header.as_str()),
             Some(cfg.prefill_cluster_header.as_str()),
             cfg.debug_header.as_deref(),
+            Some(cfg.destination_header.as_str()),
         ];
-        let mut removed = [false; 3];
+        let mut removed = [false; 4];
         let mut head = Head::default();
         for (k, v) in header_pairs::decode(raw) {
             let slot = match k {
@@ -304,6 +371,21 @@ impl Stream {
                 m.maybe_flush(h, now);
                 local_reply(h, status, &body)
             }
+            Outcome::Unplaced { model } => {
+                m.add(Counter::PoolUnplaced, 1);
+                m.request(Reason::Fallback);
+                m.maybe_flush(h, now);
+                let r = self.shared.router.borrow();
+                if let Some(pool) = r
+                    .cfg
+                    .models
+                    .get(usize::from(model))
+                    .and_then(|m| m.pool.as_ref())
+                {
+                    h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, &pool.cluster);
+                }
+                Action::Continue
+            }
             Outcome::Route(d) => {
                 if let Some(action) = self.pd_route(h, &d, body, now) {
                     return action;
@@ -318,8 +400,7 @@ impl Stream {
                 let m = &self.shared.metrics;
                 m.decision(&d);
                 m.maybe_flush(h, now);
-                let r = self.shared.router.borrow();
-                h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&d));
+                point(h, &mut self.shared.router.borrow_mut(), &d);
                 Action::Continue
             }
         }
@@ -424,12 +505,20 @@ impl Stream {
         m.request(Reason::Passthrough);
         let mut r = self.shared.router.borrow_mut();
         let d = r.passthrough();
-        let cluster = match (&d, &r.cfg.passthrough_cluster) {
-            (Some(d), _) => r.cluster(d),
-            (None, Some(c)) => c.as_str(),
-            (None, None) => "",
-        };
-        h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, cluster);
+        match (&d, &r.cfg.passthrough_cluster) {
+            (Some(d), _) => point(h, &mut r, d),
+            (None, Some(c)) => h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, c),
+            (None, None) => {
+                // a pool model with no known worker: its cluster's fallback policy picks
+                let cfg = &r.cfg;
+                let pool = cfg
+                    .models
+                    .get(cfg.default_model)
+                    .and_then(|m| m.pool.as_ref());
+                let cluster = pool.map_or("", |p| p.cluster.as_str());
+                h.add_header(Map::RequestHeaders, &cfg.cluster_header, cluster);
+            }
+        }
         self.decision = d;
         Action::Continue
     }
@@ -466,6 +555,7 @@ impl Stream {
     /// `proxy_on_response_headers`: once per response (never per body chunk). Adds the debug
     /// header when configured.
     pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
+        self.credit_server(h);
         self.release(h, Due::Answer);
         if let Some(plan) = self.plan.take() {
             self.commit(h, &plan);
@@ -479,6 +569,55 @@ impl Stream {
             );
         }
         Action::Continue
+    }
+
+    /// When another worker than the chosen one answered (a fallback, after a retry or because
+    /// the chosen one was unusable), the stream's charge, its index records and its debug header
+    /// go to the worker that served (one `upstream.address` read, for models whose workers have
+    /// addresses). PD decisions keep their pair.
+    fn credit_server(&mut self, h: &impl Host) {
+        let Some(d) = self.charge.routed.or(self.decision) else {
+            return;
+        };
+        if self.decode.is_some() {
+            return;
+        }
+        let mi = usize::from(d.model);
+        {
+            let r = self.shared.router.borrow();
+            let addressed = r
+                .cfg
+                .models
+                .get(mi)
+                .and_then(|m| m.workers.get(usize::from(d.worker)))
+                .is_some_and(|w| w.address.is_some());
+            if !addressed {
+                return;
+            }
+        }
+        let Some(served) = h.upstream_address() else {
+            return;
+        };
+        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
+            return;
+        };
+        let Some(to) = r.worker_at(mi, &served).filter(|&w| w != d.worker) else {
+            return;
+        };
+        let m = &self.shared.metrics;
+        m.add(Counter::ServedByFallback, 1);
+        if let Some(mut charged) = self.charge.routed {
+            m.inflight(&charged, -1);
+            r.move_charge(h, &mut charged, to);
+            m.inflight(&charged, 1);
+            self.charge.routed = Some(charged);
+        }
+        if let Some(dec) = self.decision.as_mut() {
+            dec.worker = to;
+        }
+        if let Some(plan) = self.plan.as_mut() {
+            plan.worker = r.worker_id(mi, to);
+        }
     }
 
     /// Writes the decision's index records if the response status is 2xx (one `:status` read).

@@ -184,6 +184,10 @@ pub struct Window {
     matched: u64,
     /// Entries of the worker recorded before this (100 ms units) are ignored; 0: none.
     pub cutoff: u32,
+    /// When the worker last joined its pool (`membership.rs`; 0: not a pool worker or unknown):
+    /// its entries from before are ignored too (a host that left and came back may have been
+    /// restarted with an empty cache).
+    pub joined: u32,
     /// The last completed window, parts per million of prompt tokens: predicted and reported
     /// reuse.
     pub predicted_ppm: u32,
@@ -240,9 +244,25 @@ impl Verifier {
 
     /// Whether worker `w`'s record stamped `oldest` is older than its cutoff at `now`.
     pub fn stale(&self, mi: usize, w: usize, oldest: u32, now: u32) -> bool {
-        match self.windows.get(mi).and_then(|m| m.get(w)) {
-            Some(win) if win.cutoff != 0 => age(now, oldest) > age(now, win.cutoff),
-            _ => false,
+        let Some(win) = self.windows.get(mi).and_then(|m| m.get(w)) else {
+            return false;
+        };
+        let before = |t: u32| t != 0 && age(now, oldest) > age(now, t);
+        before(win.cutoff) || before(win.joined)
+    }
+
+    /// Worker `w` of pool model `mi` joined its pool at `at` (`membership.rs`).
+    pub fn joined(&mut self, mi: usize, w: usize, at: u32) {
+        if let Some(win) = self.windows.get_mut(mi).and_then(|m| m.get_mut(w)) {
+            win.joined = at;
+        }
+    }
+
+    /// Worker `w` of model `mi` keeps the window it had in another VM state (a rebuild after a
+    /// membership change).
+    pub fn carry(&mut self, mi: usize, w: usize, from: &Window) {
+        if let Some(win) = self.windows.get_mut(mi).and_then(|m| m.get_mut(w)) {
+            *win = *from;
         }
     }
 

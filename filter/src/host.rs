@@ -88,6 +88,12 @@ pub trait Host: Store {
     fn eager_flush(&self) -> bool {
         false
     }
+    /// The address (`IP:PORT`) of the upstream host that answered the current stream (Envoy's
+    /// `upstream.address` attribute, once the response headers came); `None` before, without an
+    /// upstream, or where the host cannot tell (the native build).
+    fn upstream_address(&self) -> Option<Vec<u8>> {
+        None
+    }
     /// Whether this root may make HTTP calls at all (load polls, peer batches). The native
     /// build answers false on Envoy's worker threads: its calls must all start on one thread.
     fn can_call(&self) -> bool {
@@ -157,6 +163,8 @@ pub struct FakeState {
     pub eager_flush: bool,
     /// Makes [`Host::can_call`] answer false (a native worker thread).
     pub cannot_call: bool,
+    /// What [`Host::upstream_address`] answers.
+    pub upstream_address: Option<String>,
 }
 
 impl FakeState {
@@ -325,5 +333,9 @@ impl Host for FakeHost {
     }
     fn can_call(&self) -> bool {
         !self.state.borrow().cannot_call
+    }
+    fn upstream_address(&self) -> Option<Vec<u8>> {
+        let s = self.count();
+        s.upstream_address.as_ref().map(|a| a.as_bytes().to_vec())
     }
 }

@@ -21,6 +21,7 @@ pub mod ids;
 pub mod index;
 pub mod load;
 pub mod load_answer;
+pub mod membership;
 pub mod metrics;
 pub mod pd;
 pub mod peer_flush;

@@ -80,6 +80,16 @@ metric_table! {
         /// The index's self-check (`hits.rs`): workers aged out, failed counter reads.
         HitAgedOut = "prefix_router.hit_check.aged_out",
         HitFailures = "prefix_router.hit_check.failures",
+        /// Pool models (`membership.rs`): admin reads answered and failed, hosts dropped
+        /// (malformed or beyond `max_workers`), worker lists rebuilt (per VM), requests left to
+        /// the pool's fallback policy (no known worker), requests a fallback served (their
+        /// record and load went to it).
+        MembershipAnswers = "prefix_router.membership.answers",
+        MembershipFailures = "prefix_router.membership.failures",
+        MembershipDropped = "prefix_router.membership.dropped_hosts",
+        MembershipRebuilds = "prefix_router.membership.rebuilds",
+        PoolUnplaced = "prefix_router.pool.unplaced",
+        ServedByFallback = "prefix_router.served_by_fallback",
     }
 }
 
@@ -92,6 +102,23 @@ metric_table! {
         /// In-flight requests / tokens over the live load leases.
         LoadRequests = "prefix_router.load.requests",
         LoadTokens = "prefix_router.load.tokens",
+    }
+}
+
+/// A worker's name in per-worker metrics: its cluster, or for a pool worker
+/// `<pool cluster>_<address>` with the address's dots and colons as underscores (a dot would
+/// split the stat name).
+fn stat_name(m: &crate::config::Model, w: &crate::config::Worker) -> String {
+    match &m.pool {
+        Some(p) => {
+            let a: String = w
+                .cluster
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            format!("{}_{a}", p.cluster)
+        }
+        None => w.cluster.clone(),
     }
 }
 
@@ -122,7 +149,6 @@ impl Metrics {
         for m in &cfg.models {
             base.push(base.last().copied().unwrap_or(0) + m.workers.len());
         }
-        let workers = || cfg.models.iter().flat_map(|m| &m.workers);
         let mut ids = Vec::with_capacity(INFLIGHT + 2 * base.last().copied().unwrap_or(0));
         for &(_, name) in Counter::ALL {
             ids.push(h.define_metric(MetricKind::Counter, name));
@@ -131,8 +157,12 @@ impl Metrics {
             let name = format!("prefix_router.requests.{}", r.as_str());
             ids.push(h.define_metric(MetricKind::Counter, &name));
         }
-        for w in workers() {
-            let c = &w.cluster;
+        for (m, w) in cfg
+            .models
+            .iter()
+            .flat_map(|m| m.workers.iter().map(move |w| (m, w)))
+        {
+            let c = stat_name(m, w);
             for family in ["inflight_requests", "inflight_tokens"] {
                 let name = format!("prefix_router.{family}.{c}");
                 ids.push(h.define_metric(MetricKind::Gauge, &name));
@@ -142,10 +172,14 @@ impl Metrics {
         for (id, &(_, name)) in gauges.iter_mut().zip(Gauge::ALL) {
             *id = h.define_metric(MetricKind::Gauge, name);
         }
-        let hit_ppm = workers()
-            .map(|w| {
+        let hit_ppm = cfg
+            .models
+            .iter()
+            .flat_map(|m| m.workers.iter().map(move |w| (m, w)))
+            .map(|(m, w)| {
+                let c = stat_name(m, w);
                 let gauge = |family: &str| {
-                    let name = format!("prefix_router.hit_check.{family}.{}", w.cluster);
+                    let name = format!("prefix_router.hit_check.{family}.{c}");
                     h.define_metric(MetricKind::Gauge, &name)
                 };
                 (gauge("predicted_ppm"), gauge("actual_ppm"))

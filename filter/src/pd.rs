@@ -146,11 +146,21 @@ pub fn add_decode_models<'a>(
         };
         let mut workers = Vec::with_capacity(m.decode.len());
         for (i, w) in m.decode.iter().enumerate() {
-            let (cluster, weight) = match w {
-                RawWorker::Name(c) => (c.clone(), 1.0),
-                RawWorker::Weighted { cluster, weight } => (cluster.clone(), *weight),
+            let (cluster, weight, address) = match w {
+                RawWorker::Name(c) => (c.clone(), 1.0, None),
+                RawWorker::Weighted {
+                    cluster,
+                    weight,
+                    address,
+                } => (cluster.clone(), *weight, address.clone()),
             };
             let wf = format!("{field}.decode[{i}]");
+            if address
+                .as_ref()
+                .is_some_and(|a| !crate::membership::valid_address(a.as_bytes()))
+            {
+                return Err(err(format!("{wf}.address"), "must be IP:PORT"));
+            }
             if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
                 return Err(err(wf, "cluster must be a non-empty printable name"));
             }
@@ -172,6 +182,7 @@ pub fn add_decode_models<'a>(
             workers.push(crate::config::Worker {
                 cluster,
                 weight,
+                address,
                 id,
             });
         }

@@ -382,6 +382,7 @@ mod tests {
                     id: worker_id(&c),
                     cluster: c,
                     weight: 1.0,
+                    address: None,
                 }
             })
             .collect()

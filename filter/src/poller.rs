@@ -19,6 +19,7 @@
 use crate::config::Config;
 use crate::hits;
 use crate::host::{now_ticks, Buffer, Host};
+use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
 use crate::poll::{self, Lease, Polled, Poller, Target};
 use crate::router::Router;
@@ -36,6 +37,9 @@ pub struct Polls {
     /// first).
     hit_calls: Calls<(u16, u16)>,
     last_hit_round_ms: Option<u64>,
+    /// The admin read of pool models' hosts (`membership.rs`): at most one in flight.
+    member_calls: Calls<()>,
+    last_member_read_ms: Option<u64>,
 }
 
 impl Polls {
@@ -47,6 +51,8 @@ impl Polls {
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         self.hit_calls = Calls::default();
         self.last_hit_round_ms = None;
+        self.member_calls = Calls::default();
+        self.last_member_read_ms = None;
     }
 
     /// The root's tick: expires lost calls and, holding the lease, asks every worker of each
@@ -101,12 +107,19 @@ impl Polls {
             } else {
                 lp.path.as_str()
             };
+            let pooled = r
+                .cfg
+                .models
+                .get(usize::from(t.model))
+                .is_some_and(|m| m.pool.is_some());
             let headers = [
                 (":method", "GET"),
                 (":path", path),
                 (":authority", w.cluster.as_str()),
+                (r.cfg.destination_header.as_str(), w.cluster.as_str()),
             ];
-            match h.http_call(upstream, &headers, None, lp.timeout_ms) {
+            let headers = if pooled { &headers[..] } else { &headers[..3] };
+            match h.http_call(upstream, headers, None, lp.timeout_ms) {
                 Ok(token) => self.poller.sent(token, t, now_ms),
                 Err(_) => {
                     // Unknown cluster, or Envoy refused the call: a failed poll like any other.
@@ -116,6 +129,87 @@ impl Polls {
             }
         }
         self.read_counters(h, r, m, now_ms);
+        self.read_members(h, r, m, now_ms);
+    }
+
+    /// Reads Envoy's admin `/clusters` each `membership.interval_ms` when a model is a pool
+    /// (`membership.rs`); one read in flight at most.
+    fn read_members(&mut self, h: &impl Host, r: &Router, m: &Metrics, now_ms: u64) {
+        let mc = &r.cfg.membership;
+        if mc.interval_ms == 0 || !r.cfg.models.iter().any(|m| m.pool.is_some()) {
+            return;
+        }
+        self.member_calls.expire(now_ms, mc.timeout_ms, |_| {
+            m.add(Counter::MembershipFailures, 1)
+        });
+        let due = self
+            .last_member_read_ms
+            .is_none_or(|at| since(at, now_ms) >= u64::from(mc.interval_ms));
+        if !due || self.member_calls.iter().next().is_some() {
+            return;
+        }
+        self.last_member_read_ms = Some(now_ms);
+        let headers = [
+            (":method", "GET"),
+            (":path", mc.path.as_str()),
+            (":authority", "prefix-router"),
+        ];
+        match h.http_call(&mc.cluster, &headers, None, mc.timeout_ms) {
+            Ok(token) => self.member_calls.push(token, now_ms, ()),
+            Err(_) => m.add(Counter::MembershipFailures, 1),
+        }
+    }
+
+    /// The admin read's answer, when `token` is one (`false`: not ours): each pool model's
+    /// healthy hosts, stamped with their join times, published for every VM.
+    pub fn members_answer(
+        &mut self,
+        h: &impl Host,
+        router: &RefCell<Router>,
+        m: &Metrics,
+        token: u32,
+        status: Option<u32>,
+        body_size: usize,
+    ) -> bool {
+        if self.member_calls.take(token).is_none() {
+            return false;
+        }
+        if status != Some(200) || body_size > membership::MAX_ANSWER {
+            m.add(Counter::MembershipFailures, 1);
+            return true;
+        }
+        let body = h.buffer(Buffer::HttpCallResponseBody, body_size);
+        let Ok(r) = router.try_borrow() else {
+            return true;
+        };
+        let (now, _) = now_ticks(h);
+        let (mut buf, mut previous) = (Vec::new(), Vec::new());
+        let mut read = false;
+        for model in &r.cfg.models {
+            let Some(pool) = &model.pool else {
+                continue;
+            };
+            let Some(mut scan) = membership::scan(&body, &pool.cluster, pool.max_workers) else {
+                continue; // the cluster is not in the answer: keep what was published
+            };
+            read = true;
+            m.add(Counter::MembershipDropped, scan.dropped as i64);
+            previous.clear();
+            if h.get(&pool.members_key, &mut buf).is_some() {
+                membership::decode(&buf, pool.max_workers, &mut previous);
+            }
+            membership::stamp(&mut scan.members, &previous, now);
+            membership::publish(h, &pool.members_key, &scan.members, &mut buf);
+        }
+        m.add(
+            if read {
+                Counter::MembershipAnswers
+            } else {
+                Counter::MembershipFailures
+            },
+            1,
+        );
+        true
     }
 
     /// Reads every worker's token counters each `metrics_interval_ms` (`hits.rs`); a clock
@@ -135,6 +229,7 @@ impl Polls {
         }
         self.last_hit_round_ms = Some(now_ms);
         for (mi, model) in r.cfg.models.iter().enumerate() {
+            let pooled = model.pool.is_some();
             for (wi, (w, upstream)) in model.workers.iter().zip(&model.poll_clusters).enumerate() {
                 let (mi, wi) = (mi as u16, wi as u16);
                 if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
@@ -144,8 +239,10 @@ impl Polls {
                     (":method", "GET"),
                     (":path", lp.metrics_path.as_str()),
                     (":authority", w.cluster.as_str()),
+                    (r.cfg.destination_header.as_str(), w.cluster.as_str()),
                 ];
-                match h.http_call(upstream, &headers, None, lp.timeout_ms) {
+                let headers = if pooled { &headers[..] } else { &headers[..3] };
+                match h.http_call(upstream, headers, None, lp.timeout_ms) {
                     Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
                     Err(_) => m.add(Counter::HitFailures, 1),
                 }

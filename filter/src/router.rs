@@ -97,6 +97,11 @@ pub enum Outcome {
         status: u32,
         body: String,
     },
+    /// A pool model with no known worker yet (`membership.rs`): its cluster's own fallback
+    /// policy picks the host; nothing is charged or recorded.
+    Unplaced {
+        model: u16,
+    },
 }
 
 pub struct Router {
@@ -114,6 +119,10 @@ pub struct Router {
     pub sc: Scratch,
     matches: Matches,
     matched: Vec<u32>,
+    /// The model `matched` belongs to (the last decision's; `usize::MAX`: none).
+    last_model: usize,
+    /// The destination header's value, reused (`glue`; see [`Router::destination`]).
+    pub dest: String,
     /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
     ids: Vec<ById>,
     pub ledger: Ledger,
@@ -178,6 +187,8 @@ impl Router {
             // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
             matches: Matches::with_capacity(),
             matched: Vec::with_capacity(max_workers),
+            last_model: usize::MAX,
+            dest: String::with_capacity(256),
             ids,
             ledger: Ledger::new(&cfg).seeded(seed),
             busy: Busy::new(&cfg),
@@ -224,6 +235,119 @@ impl Router {
             .map_or("", |w| w.cluster.as_str())
     }
 
+    /// The destination header's value for a pool model's decision (`membership.rs`): the chosen
+    /// worker's address, then up to the pool's `fallbacks` others, those predicted to hold the
+    /// most of the prompt first (ties: list order after the chosen one). Empty for a model that
+    /// is not a pool. Call right after the decision's [`Router::route`].
+    pub fn destination(&self, d: &Decision, out: &mut String) {
+        out.clear();
+        let Some(m) = self.cfg.models.get(usize::from(d.model)) else {
+            return;
+        };
+        let (Some(pool), Some(first)) = (&m.pool, m.workers.get(usize::from(d.worker))) else {
+            return;
+        };
+        out.push_str(&first.cluster);
+        let n = m.workers.len();
+        let chosen = usize::from(d.worker);
+        let held = |w: usize| {
+            if usize::from(d.model) == self.last_model {
+                self.matched.get(w).copied().unwrap_or(0)
+            } else {
+                0
+            }
+        };
+        let mut taken = 0u64; // bitmap of positions used, for the first 64 after `chosen`
+        for _ in 0..pool.fallbacks.min(n.saturating_sub(1)).min(63) {
+            let mut best: Option<(u32, usize)> = None;
+            for k in 1..n.min(64) {
+                let w = (chosen + k) % n;
+                if taken & (1 << k) != 0 {
+                    continue;
+                }
+                let b = held(w);
+                if best.is_none_or(|(bb, _)| b > bb) {
+                    best = Some((b, k));
+                }
+            }
+            let Some((_, k)) = best else { break };
+            taken |= 1 << k;
+            if let Some(w) = m.workers.get((chosen + k) % n) {
+                out.push(',');
+                out.push_str(&w.cluster);
+            }
+        }
+    }
+
+    /// The position of model `mi`'s worker at `address` (`IP:PORT`, as Envoy's
+    /// `upstream.address` gives it), if it has one.
+    pub fn worker_at(&self, mi: usize, address: &[u8]) -> Option<u16> {
+        let m = self.cfg.models.get(mi)?;
+        m.workers
+            .iter()
+            .position(|w| w.address.as_deref().map(str::as_bytes) == Some(address))
+            .map(|w| w as u16)
+    }
+
+    /// Moves what is left of decision `d`'s charge to worker `to` of the same model (a fallback
+    /// served the request): released on the chosen worker, charged to the one that serves.
+    pub fn move_charge<S: Store>(&mut self, store: &S, d: &mut Decision, to: u16) {
+        let (mi, from) = (usize::from(d.model), usize::from(d.worker));
+        let (reqs, tokens) = (d.charged_reqs, d.charged_tokens);
+        self.ledger
+            .release(store, &self.cfg, mi, from, reqs, tokens);
+        self.ledger.add(
+            store,
+            &self.cfg,
+            mi,
+            usize::from(to),
+            i64::from(reqs),
+            i64::from(tokens),
+        );
+        d.worker = to;
+    }
+
+    /// The id of worker `w` of model `mi` (0 when there is none).
+    pub fn worker_id(&self, mi: usize, w: u16) -> u32 {
+        self.cfg
+            .models
+            .get(mi)
+            .and_then(|m| m.workers.get(usize::from(w)))
+            .map_or(0, |w| w.id)
+    }
+
+    /// After a membership change rebuilt this router from `old`'s configuration: every worker
+    /// still present keeps its self-check window, and each pool worker's join time applies
+    /// (`membership.rs`).
+    pub fn adopt(&mut self, old: &Router, joined: &[(usize, Vec<crate::membership::Member>)]) {
+        for (mi, m) in self.cfg.models.iter().enumerate() {
+            let (Some(old_m), Some(old_ids)) = (old.cfg.models.get(mi), old.ids.get(mi)) else {
+                continue;
+            };
+            if old_m.name != m.name {
+                continue;
+            }
+            for (w, wk) in m.workers.iter().enumerate() {
+                if let Some(win) = old_ids
+                    .position(wk.id)
+                    .and_then(|ow| old.verifier.window(mi, ow))
+                {
+                    self.verifier.carry(mi, w, win);
+                }
+            }
+        }
+        for (mi, members) in joined {
+            let Some(m) = self.cfg.models.get(*mi) else {
+                continue;
+            };
+            for (w, wk) in m.workers.iter().enumerate() {
+                if let Some(x) = members.iter().find(|x| x.address == wk.cluster) {
+                    self.verifier.joined(*mi, w, x.joined);
+                }
+            }
+        }
+    }
+
     /// A non-inference request: the passthrough cluster, or round robin over the default model.
     /// Returns `None` when `passthrough_cluster` is configured (use it as is).
     pub fn passthrough(&mut self) -> Option<Decision> {
@@ -232,6 +356,9 @@ impl Router {
         }
         let m = self.cfg.default_model;
         let n = self.cfg.models[m].workers.len();
+        if n == 0 {
+            return None; // a pool model with no known worker: its cluster picks
+        }
         self.rr = self.rr.wrapping_add(1);
         Some(plain(m, self.rr % n, Reason::Passthrough))
     }
@@ -259,6 +386,7 @@ impl Router {
         now: u32,
     ) -> Outcome {
         self.plan = None;
+        self.last_model = usize::MAX;
         let cfg = &self.cfg;
         let cpt = cfg.policy.chars_per_token as usize;
         let dm = cfg.default_model;
@@ -272,6 +400,9 @@ impl Router {
         ) {
             Ok(p) => p,
             Err(_) => {
+                if cfg.models.get(dm).is_none_or(|m| m.workers.is_empty()) {
+                    return Outcome::Unplaced { model: dm as u16 };
+                }
                 let est = cfg.policy.body_tokens(body.len());
                 return Outcome::Route(self.least_loaded(store, dm, Reason::ParseError, est, now));
             }
@@ -290,6 +421,9 @@ impl Router {
             },
         };
         let model = &cfg.models[mi];
+        if model.workers.is_empty() {
+            return Outcome::Unplaced { model: mi as u16 };
+        }
         // Charge what the engine prefills: rendered text, a fixed amount per media part, token
         // ids; never raw JSON sizes, and never more than `max_request_tokens` per request.
         let media = parsed
@@ -448,6 +582,7 @@ impl Router {
         // (dropped from the matches too, so the chosen worker's path is rewritten fresh).
         self.matched.clear();
         self.matched.resize(model.workers.len(), 0);
+        self.last_model = mi;
         let ids = &self.ids[mi];
         let verifier = &self.verifier;
         self.matches.workers.retain(|h| {
@@ -774,6 +909,7 @@ mod tests {
         match o {
             Outcome::Route(d) => d,
             Outcome::Reject { status, body } => panic!("rejected {status}: {body}"),
+            Outcome::Unplaced { model } => panic!("no worker for model {model}"),
         }
     }
 
