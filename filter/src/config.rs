@@ -1340,6 +1340,65 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_model_is_validated_and_takes_its_members() {
+        let pool = |p: &str| format!(r#"{{"models":{{"m":{{"pool":{p}}}}}}}"#);
+        let c = Config::from_json(pool(r#"{"cluster":"m"}"#).as_bytes()).unwrap();
+        let p = c.models[0].pool.as_ref().unwrap();
+        assert_eq!(
+            (p.load_cluster.as_str(), p.fallbacks, p.max_workers),
+            ("m", 2, 64)
+        );
+        assert!(c.models[0].workers.is_empty());
+        assert_eq!(c.destination_header, "x-gateway-destination-endpoint");
+        for (bad, field) in [
+            (r#"{"cluster":""}"#, "models.m.pool.cluster"),
+            (
+                r#"{"cluster":"m","fallbacks":17}"#,
+                "models.m.pool.fallbacks",
+            ),
+            (
+                r#"{"cluster":"m","max_workers":0}"#,
+                "models.m.pool.max_workers",
+            ),
+        ] {
+            assert_eq!(field_of(&pool(bad)), field, "{bad}");
+        }
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":["w"],"pool":{"cluster":"m"}}}}"#),
+            "models.m.pool"
+        );
+        assert_eq!(
+            field_of(r#"{"models":{"m":{"workers":[{"cluster":"w","address":"nope"}]}}}"#),
+            "models.m.workers[0].address"
+        );
+        assert_eq!(
+            field_of(&format!(
+                r#"{{"models":{{"m":{{"pool":{{"cluster":"m"}}}}}},"destination_header":"x-prefix-router-cluster"}}"#
+            )),
+            "destination_header"
+        );
+        let members: Vec<crate::membership::Member> = (0..3)
+            .map(|i| crate::membership::Member {
+                address: format!("10.0.0.{i}:80"),
+                weight: 1 + i,
+                joined: 5,
+            })
+            .collect();
+        let c = Config::from_json(pool(r#"{"cluster":"m","max_workers":2}"#).as_bytes()).unwrap();
+        let next = c.with_members(0, &members).unwrap();
+        let m = &next.models[0];
+        assert_eq!(m.workers.len(), 2, "at most max_workers");
+        assert_eq!(
+            m.workers[1].id,
+            worker_id("10.0.0.1:80"),
+            "identity is the address"
+        );
+        assert_eq!(m.poll_clusters, vec!["m", "m"]);
+        assert!(!m.uniform_weights);
+        assert_eq!(m.total_weight, 3.0);
+    }
+
+    #[test]
     fn worker_ids_are_stable_and_nonzero() {
         assert_eq!(worker_id("w0"), worker_id("w0"));
         assert_ne!(worker_id("w0"), worker_id("w1"));

@@ -4,7 +4,7 @@
 //! client's routing headers stripped, the debug header, and streams of an unconfigured root.
 
 mod common;
-use common::configured;
+use common::{answer, configured, request, request_header, response_header};
 use prefix_router::config::Config;
 use prefix_router::glue::{Action, Root, Stream};
 use prefix_router::host::FakeHost;
@@ -19,36 +19,6 @@ fn config(extra: &str) -> String {
     format!(r#"{{"models":{{"llama":{{"workers":["w0","w1","w2"]}}}}{extra}}}"#)
 }
 
-/// Runs a stream's request callbacks as Envoy does; returns the stream and the last action.
-fn request(
-    h: &FakeHost,
-    root: &Root,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> (Stream, Action) {
-    {
-        let mut s = h.state.borrow_mut();
-        s.request_headers = vec![
-            (":method".into(), method.into()),
-            (":path".into(), path.into()),
-        ];
-        s.request_headers
-            .extend(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        s.request_body = body.as_bytes().to_vec();
-        s.response_headers.clear();
-    }
-    let mut st = root.new_stream().expect("a configured root makes streams");
-    let a = st.on_request_headers(h, body.is_empty());
-    if body.is_empty() {
-        return (st, a);
-    }
-    assert_eq!(a, Action::Pause, "an inference request waits for its body");
-    let a = st.on_request_body(h, body.len(), true);
-    (st, a)
-}
-
 /// `n` chat streams decided and left open (users "0", "1", ...).
 fn open_chats(h: &FakeHost, root: &Root, n: usize) -> Vec<Stream> {
     (0..n)
@@ -61,23 +31,6 @@ fn open_chats(h: &FakeHost, root: &Root, n: usize) -> Vec<Stream> {
 
 fn chat(user: &str) -> String {
     format!(r#"{{"model":"llama","messages":[{{"role":"user","content":"{user}"}}]}}"#)
-}
-
-fn request_header(h: &FakeHost, name: &str) -> Option<String> {
-    let s = h.state.borrow();
-    let mut it = s.request_headers.iter().filter(|e| e.0 == name);
-    let v = it.next().map(|e| e.1.clone());
-    assert!(it.next().is_none(), "{name} appears twice");
-    v
-}
-
-/// The first response header named `name` the filter added.
-fn response_header(h: &FakeHost, name: &str) -> Option<String> {
-    let s = h.state.borrow();
-    s.response_headers
-        .iter()
-        .find(|e| e.0 == name)
-        .map(|e| e.1.clone())
 }
 
 /// In-flight requests per worker, from the shared-data load leases.
@@ -760,15 +713,6 @@ fn tick_for(h: &FakeHost, root: &mut Root, ms: u64, lost: &dyn Fn(&str) -> bool)
         }
     }
     sent
-}
-
-fn answer(h: &FakeHost, root: &mut Root, token: u32, status: &str, body: &[u8]) {
-    {
-        let mut s = h.state.borrow_mut();
-        s.call_headers = vec![(":status".into(), status.into())];
-        s.call_body = body.to_vec();
-    }
-    root.on_http_call_response(h, token, body.len());
 }
 
 /// A finished chat with a new prompt long enough for index records (peer batches carry them).

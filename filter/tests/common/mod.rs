@@ -1,6 +1,8 @@
 //! What the FakeHost-driven integration tests share: a root configured on a fresh fake Envoy.
 
-use prefix_router::glue::Root;
+#![allow(dead_code)] // each test crate uses its own part
+
+use prefix_router::glue::{Action, Root, Stream};
 use prefix_router::host::FakeHost;
 
 /// The fake clock's start (ns since the epoch).
@@ -21,4 +23,60 @@ pub fn configured(cfg: &str) -> (FakeHost, Root) {
         h.state.borrow().errors
     );
     (h, root)
+}
+
+/// Runs a stream's request callbacks as Envoy does; returns the stream and the last action.
+pub fn request(
+    h: &FakeHost,
+    root: &Root,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (Stream, Action) {
+    {
+        let mut s = h.state.borrow_mut();
+        s.request_headers = vec![
+            (":method".into(), method.into()),
+            (":path".into(), path.into()),
+        ];
+        s.request_headers
+            .extend(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        s.request_body = body.as_bytes().to_vec();
+        s.response_headers.clear();
+    }
+    let mut st = root.new_stream().expect("a configured root makes streams");
+    let a = st.on_request_headers(h, body.is_empty());
+    if body.is_empty() {
+        return (st, a);
+    }
+    assert_eq!(a, Action::Pause, "an inference request waits for its body");
+    let a = st.on_request_body(h, body.len(), true);
+    (st, a)
+}
+
+pub fn request_header(h: &FakeHost, name: &str) -> Option<String> {
+    let s = h.state.borrow();
+    let mut it = s.request_headers.iter().filter(|e| e.0 == name);
+    let v = it.next().map(|e| e.1.clone());
+    assert!(it.next().is_none(), "{name} appears twice");
+    v
+}
+
+/// The first response header named `name` the filter added.
+pub fn response_header(h: &FakeHost, name: &str) -> Option<String> {
+    let s = h.state.borrow();
+    s.response_headers
+        .iter()
+        .find(|e| e.0 == name)
+        .map(|e| e.1.clone())
+}
+
+pub fn answer(h: &FakeHost, root: &mut Root, token: u32, status: &str, body: &[u8]) {
+    {
+        let mut s = h.state.borrow_mut();
+        s.call_headers = vec![(":status".into(), status.into())];
+        s.call_body = body.to_vec();
+    }
+    root.on_http_call_response(h, token, body.len());
 }

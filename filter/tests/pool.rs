@@ -1,0 +1,244 @@
+//! Pool models (`membership.rs`), natively over `host::FakeHost`: the workers are the healthy
+//! hosts of one Envoy cluster, read from the admin `/clusters` answer by the poll lease holder
+//! and applied by every VM; requests name the chosen host (and its fallbacks) in the
+//! destination header; a host that leaves and comes back is not trusted with its old entries;
+//! a request a fallback served credits that worker.
+
+mod common;
+use common::{answer, configured, request, request_header, response_header};
+use prefix_router::config::Config;
+use prefix_router::glue::Root;
+use prefix_router::host::FakeHost;
+use prefix_router::load;
+use prefix_router::records::ById;
+use prefix_router::store::Store;
+
+const POOL: &str = r#"{"models":{"m":{"pool":{"cluster":"m","load_cluster":"m_load","fallbacks":1}}},
+    "debug_header":"x-debug","load_poll":{"metrics_interval_ms":0}}"#;
+const DEST: &str = "x-gateway-destination-endpoint";
+
+fn admin_answer(hosts: &[(&str, &str)]) -> String {
+    let mut a = String::from("m::observability_name::m\nm_load::observability_name::m_load\n");
+    for (addr, flags) in hosts {
+        a.push_str(&format!(
+            "m::{addr}::rq_total::0\nm::{addr}::health_flags::{flags}\nm::{addr}::weight::1\n"
+        ));
+    }
+    a
+}
+
+/// Ticks `ms` in 50 ms steps; the admin read is answered with `hosts`, load polls with an idle
+/// load; returns the load polls sent (upstream, destination header).
+fn tick(h: &FakeHost, root: &mut Root, ms: u64, hosts: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut polls = Vec::new();
+    for _ in 0..ms / 50 {
+        h.state.borrow_mut().now_nanos += 50_000_000;
+        let seen = h.state.borrow().calls.len();
+        root.on_tick(h);
+        let new: Vec<_> = h.state.borrow().calls[seen..].to_vec();
+        for c in new {
+            let path = c.headers.iter().find(|(k, _)| k == ":path");
+            if path.is_some_and(|(_, p)| p == "/clusters") {
+                assert_eq!(c.upstream, "admin");
+                answer(h, root, c.token, "200", admin_answer(hosts).as_bytes());
+            } else {
+                let dest = c.headers.iter().find(|(k, _)| k == DEST);
+                polls.push((
+                    c.upstream.clone(),
+                    dest.map_or(String::new(), |d| d.1.clone()),
+                ));
+                let idle = br#"{"loads":[{"num_running_reqs":0,"num_waiting_reqs":0}]}"#;
+                answer(h, root, c.token, "200", idle);
+            }
+        }
+    }
+    polls
+}
+
+fn chat(user: &str) -> String {
+    format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{user}"}}]}}"#)
+}
+
+fn long_chat(user: &str) -> String {
+    chat(&format!("{user}: a prompt long enough for a few blocks. ").repeat(40))
+}
+
+/// Sends `body`, answers 200 from `served` (the chosen host when `None`), ends the stream;
+/// returns (destination header, debug header).
+fn served(h: &FakeHost, root: &Root, body: &str, served: Option<&str>) -> (String, String) {
+    let (mut s, _) = request(h, root, "POST", "/v1/chat/completions", &[], body);
+    let dest = request_header(h, DEST).unwrap_or_default();
+    let first = dest.split(',').next().unwrap_or_default().to_string();
+    {
+        let mut st = h.state.borrow_mut();
+        st.response_headers = vec![(":status".into(), "200".into())];
+        st.upstream_address = Some(served.map_or(first, str::to_string));
+    }
+    s.on_response_headers(h);
+    let debug = response_header(h, "x-debug").unwrap_or_default();
+    s.on_done(h);
+    (dest, debug)
+}
+
+#[test]
+fn a_pool_routes_to_its_healthy_hosts_through_the_destination_header() {
+    let (h, mut root) = configured(POOL);
+    // No host known yet: the pool cluster's own fallback policy picks, nothing is named.
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("a"));
+    assert_eq!(
+        request_header(&h, "x-prefix-router-cluster").as_deref(),
+        Some("m")
+    );
+    assert_eq!(request_header(&h, DEST), None);
+    s.on_done(&h);
+
+    let hosts = [
+        ("10.0.0.1:30000", "healthy"),
+        ("10.0.0.2:30000", "healthy"),
+        ("10.0.0.3:30000", "/failed_active_hc"),
+    ];
+    let polls = tick(&h, &mut root, 2000, &hosts);
+    // Load polls go through the load cluster, one per healthy host, naming it.
+    assert!(polls.iter().all(|(u, _)| u == "m_load"), "{polls:?}");
+    for a in ["10.0.0.1:30000", "10.0.0.2:30000"] {
+        assert!(polls.iter().any(|(_, d)| d == a), "{a} never polled");
+    }
+    assert!(!polls.iter().any(|(_, d)| d.starts_with("10.0.0.3")));
+    let mut seen = Vec::new();
+    for i in 0..40 {
+        let (mut s, _) = request(
+            &h,
+            &root,
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat(&i.to_string()),
+        );
+        assert_eq!(
+            request_header(&h, "x-prefix-router-cluster").as_deref(),
+            Some("m")
+        );
+        let dest = request_header(&h, DEST).expect("a pool request names its host");
+        let named: Vec<&str> = dest.split(',').collect();
+        assert_eq!(named.len(), 2, "the chosen host and one fallback: {dest}");
+        assert_ne!(named[0], named[1]);
+        assert!(named
+            .iter()
+            .all(|a| *a == "10.0.0.1:30000" || *a == "10.0.0.2:30000"));
+        seen.push(named[0].to_string());
+        s.on_done(&h);
+    }
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 2, "conversations spread over both hosts");
+    assert_eq!(
+        h.metric("prefix_router.membership.answers").map(|v| v > 0),
+        Some(true)
+    );
+
+    // A client's own destination header never reaches Envoy.
+    let (mut s, _) = request(
+        &h,
+        &root,
+        "POST",
+        "/v1/chat/completions",
+        &[(DEST, "10.9.9.9:1")],
+        &chat("spoof"),
+    );
+    let dest = request_header(&h, DEST).expect("ours");
+    assert!(!dest.contains("10.9.9.9"), "{dest}");
+    s.on_done(&h);
+}
+
+#[test]
+fn a_conversation_keeps_its_host_and_a_host_that_left_and_came_back_loses_its_old_entries() {
+    let (h, mut root) = configured(POOL);
+    let both = [("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")];
+    tick(&h, &mut root, 2000, &both);
+    let body = long_chat("conv");
+    let (dest, _) = served(&h, &root, &body, None);
+    let holder = dest.split(',').next().unwrap().to_string();
+    let (dest, debug) = served(&h, &root, &body, None);
+    assert!(dest.starts_with(&holder), "{dest} / {holder}");
+    assert!(debug.contains("reason=prefix_hit"), "{debug}");
+
+    // The holder leaves: the other host serves; the holder comes back (a restarted pod at the
+    // same address): its entries from before it left are not trusted.
+    let other = both.iter().find(|h| h.0 != holder).unwrap().0;
+    tick(&h, &mut root, 2000, &[(other, "healthy")]);
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    assert_eq!(request_header(&h, DEST).as_deref(), Some(other));
+    s.on_done(&h);
+    tick(&h, &mut root, 2000, &both);
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    s.on_response_headers(&h);
+    let debug = response_header(&h, "x-debug").unwrap();
+    assert!(
+        !debug.contains("reason=prefix_hit") && !debug.contains("holder="),
+        "the returned host was trusted with its old entries: {debug}"
+    );
+    s.on_done(&h);
+    assert!(h.metric("prefix_router.membership.rebuilds").unwrap_or(0) >= 3);
+}
+
+/// Every worker's in-flight requests in shared data (all leases), by the given config.
+fn loads(h: &FakeHost, cfg: &Config) -> Vec<u32> {
+    let m = &cfg.models[0];
+    let mut buf = Vec::new();
+    h.get(&m.load_key, &mut buf);
+    let (mut reqs, mut tokens) = (Vec::new(), Vec::new());
+    let ids = ById::new(m.workers.iter().map(|w| w.id));
+    load::decode(&buf, &ids, m.workers.len(), &mut reqs, &mut tokens);
+    reqs
+}
+
+#[test]
+fn a_request_a_fallback_served_credits_the_fallback_with_its_load_and_records() {
+    let cfg = r#"{"models":{"m":{"workers":[
+        {"cluster":"w0","address":"10.0.0.1:30000"},
+        {"cluster":"w1","address":"10.0.0.2:30000"}]}},
+        "debug_header":"x-debug","load_poll":{"interval_ms":0,"metrics_interval_ms":0}}"#;
+    let parsed = Config::from_json(cfg.as_bytes()).unwrap();
+    let (h, mut root) = configured(cfg);
+    let body = long_chat("fallback");
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    let chosen = request_header(&h, "x-prefix-router-cluster").unwrap();
+    let (ci, fi) = if chosen == "w0" { (0, 1) } else { (1, 0) };
+    let fallback_addr = ["10.0.0.1:30000", "10.0.0.2:30000"][fi];
+    {
+        let mut st = h.state.borrow_mut();
+        st.response_headers = vec![(":status".into(), "200".into())];
+        st.upstream_address = Some(fallback_addr.into());
+    }
+    s.on_response_headers(&h);
+    let debug = response_header(&h, "x-debug").unwrap();
+    assert!(debug.starts_with(&format!("worker=w{fi};")), "{debug}");
+    let l = loads(&h, &parsed);
+    assert_eq!(
+        (l[ci], l[fi]),
+        (0, 1),
+        "the request in flight is the fallback's"
+    );
+    s.on_done(&h);
+    assert_eq!(loads(&h, &parsed), vec![0, 0]);
+    // The prompt's records name the fallback: the next turn goes there, as a prefix hit.
+    h.state.borrow_mut().upstream_address = None;
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    assert_eq!(
+        request_header(&h, "x-prefix-router-cluster").as_deref(),
+        Some(["w0", "w1"][fi])
+    );
+    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    s.on_response_headers(&h);
+    assert!(response_header(&h, "x-debug")
+        .unwrap()
+        .contains("reason=prefix_hit"));
+    s.on_done(&h);
+    // Batched counters reach Envoy at the timer's next metrics flush.
+    for _ in 0..4 {
+        h.state.borrow_mut().now_nanos += 50_000_000;
+        root.on_tick(&h);
+    }
+    assert_eq!(h.metric("prefix_router.served_by_fallback"), Some(1));
+}
