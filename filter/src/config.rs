@@ -1372,9 +1372,9 @@ mod tests {
             "models.m.workers[0].address"
         );
         assert_eq!(
-            field_of(&format!(
-                r#"{{"models":{{"m":{{"pool":{{"cluster":"m"}}}}}},"destination_header":"x-prefix-router-cluster"}}"#
-            )),
+            field_of(
+                r#"{"models":{"m":{"pool":{"cluster":"m"}}},"destination_header":"x-prefix-router-cluster"}"#
+            ),
             "destination_header"
         );
         let members: Vec<crate::membership::Member> = (0..3)
