@@ -223,23 +223,33 @@ def without_pool_fields(plugin: dict) -> dict:
     return out
 
 
+def check_pool_doc(cfg: dict, tmp_path: Path, reads_pools: bool, name: str = "pool.yaml") -> None:
+    """`envoy --mode validate` on a config given as dicts: the whole config when the built filter
+    reads pools, else its Envoy half (the plugin configuration rewritten, see above)."""
+    from prkit import envoy_config as ec
+    from prkit.envoy import check_config
+
+    if not reads_pools:
+        cfg = json.loads(json.dumps(cfg))
+        for li in cfg["static_resources"]["listeners"]:
+            for f in li["filter_chains"][0]["filters"][0]["typed_config"].get("http_filters", []):
+                if f["name"] == "envoy.filters.http.wasm":
+                    conf = f["typed_config"]["config"]["configuration"]
+                    conf["value"] = json.dumps(without_pool_fields(json.loads(conf["value"])))
+        warnings.warn("the built filter predates pools: only the Envoy half of the pool config was validated "
+                      "(its plugin configuration's pool fields were rewritten)")
+    check_config(ec.dump(cfg), tmp_path, name)
+
+
 def check_pool_config(args: list[str], tmp_path: Path, reads_pools: bool, name: str = "pool.yaml") -> str:
-    """`envoy --mode validate` on `envoy/gen ARGS` (the whole config when the built filter reads
-    pools, else its Envoy half as above); returns the generated text."""
+    """check_pool_doc on `envoy/gen ARGS` (its text as it is when the filter reads pools); returns
+    the generated text."""
     from prkit import envoy_config as ec
     from prkit.envoy import check_config
 
     text = ec.run_gen(*args)
     if reads_pools:
         check_config(text, tmp_path, name)
-        return text
-    cfg = ec.config(ec.options_from_args(list(args)))
-    for li in cfg["static_resources"]["listeners"]:
-        for f in li["filter_chains"][0]["filters"][0]["typed_config"].get("http_filters", []):
-            if f["name"] == "envoy.filters.http.wasm":
-                conf = f["typed_config"]["config"]["configuration"]
-                conf["value"] = json.dumps(without_pool_fields(json.loads(conf["value"])))
-    check_config(ec.dump(cfg), tmp_path, name)
-    warnings.warn("the built filter predates pools: only the Envoy half of the pool config was validated "
-                  "(its plugin configuration's pool fields were rewritten)")
+    else:
+        check_pool_doc(ec.config(ec.options_from_args(list(args))), tmp_path, reads_pools, name)
     return text

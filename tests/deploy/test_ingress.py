@@ -21,7 +21,7 @@ from .conftest import (Worker, get, hcm_of, header_command, listener, plugin_con
 
 CONTAINER_WASM = "/etc/prefix-router/prefix_router.wasm"
 
-GENERATED = ["compose.yaml", "envoy.yaml", "ingress.yaml", "scale-out.yaml"]
+GENERATED = ["compose.yaml", "envoy.yaml", "ingress.yaml", "pool.yaml", "scale-out.yaml"]
 
 
 def test_every_envoy_config_is_generated():
@@ -40,7 +40,8 @@ def test_checked_in_config_is_generator_output(name):
 
 @pytest.mark.parametrize(
     "name,profile",
-    [("envoy.yaml", "demo"), ("compose.yaml", "compose"), ("ingress.yaml", "ingress"), ("scale-out.yaml", "ingress")],
+    [("envoy.yaml", "demo"), ("compose.yaml", "compose"), ("ingress.yaml", "ingress"), ("scale-out.yaml", "ingress"),
+     ("pool.yaml", "ingress")],
 )
 def test_checked_in_config_profiles(name, profile):
     args = header_command((REPO / "envoy" / name).read_text())
