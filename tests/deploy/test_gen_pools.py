@@ -270,6 +270,17 @@ def test_eds_pool_routes_by_header_follows_the_file_and_retries_on_the_next_host
         ws[1].stop()
         status, worker, attempts = lv.post(f"{addr['w1']},{addr['w2']}")
         assert (status, worker, attempts) == (200, "w2", "2")
+        # override_host uses a named member whatever its health: once w1 is ejected (or fails its
+        # health checks) it is still tried first (the filter must name healthy hosts only)
+        def w1_flagged() -> bool:
+            if lv.health(addr["w1"]) != "healthy":
+                return True
+            lv.post(addr["w1"])  # one more failure on w1 (served by w2) brings its ejection closer
+            return False
+
+        wait_until(w1_flagged, "w1 flagged unhealthy in /clusters", 15, 0.1)
+        status, worker, attempts = lv.post(f"{addr['w1']},{addr['w2']}")
+        assert (status, worker, attempts) == (200, "w2", "2")
         # naming only w1: past the hosts named, least request picks a host that has not failed
         # (previous_hosts re-picks up to host_selection_retry_max_attempts times)
         status, worker, attempts = lv.post(addr["w1"])
