@@ -55,8 +55,8 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool-max-workers", metavar="N",
                     help="pools: the most workers the filter tracks per pool (64; 1-1024)")
     ap.add_argument("--membership-ms", metavar="MS",
-                    help="pools: how often the filter reads their hosts from the admin's GET /clusters (1000; "
-                    "0 = never: a pool is then used only through Envoy's least request)")
+                    help="pools: how often the filter reads their hosts from the admin's GET /clusters (1000; 100-60000, "
+                    "or 0 = never: a pool is then used only through Envoy's least request)")
     ap.add_argument("--pd-model", metavar="NAME",
                     help="a prefill/decode-disaggregated model (with --prefill and --decode)")
     ap.add_argument("--prefill", metavar="[CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...]",

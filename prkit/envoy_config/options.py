@@ -293,6 +293,8 @@ def validate(o: Options) -> None:
         _int_range("--hit-check-ms", o.hit_check_ms, 0, 600000, "0 disables the index self-check")
     _int_range("--pool-max-workers", o.pool_max_workers, 1, MAX_POOL_WORKERS, "hosts the filter tracks per pool")
     _int_range("--membership-ms", o.membership_ms, 0, 60000, "0 = the filter never reads pool membership")
+    if 0 < o.membership_ms < 100:
+        raise ConfigError("--membership-ms", f"must be 0 (off) or at least 100 (the filter's floor), got {o.membership_ms}")
     if o.pools and o.membership_ms and o.admin[1] == 0:
         raise ConfigError("--admin", "pools read their membership from the admin's /clusters: give the admin a fixed "
                           "port (or --membership-ms 0)")

@@ -176,6 +176,7 @@ def test_static_workers_with_ip_literals_carry_their_address():
     (["--pd-model", "p", "--prefill", "10.0.0.1:1@8998", "--decode", "dns:h:1"], "--decode", ["--model only"]),
     (["--model", "m=dns:h:1", "--pool-max-workers", "0"], "--pool-max-workers", ["between 1 and 1024"]),
     (["--model", "m=dns:h:1", "--membership-ms", "-1"], "--membership-ms", ["between 0 and"]),
+    (["--model", "m=dns:h:1", "--membership-ms", "50"], "--membership-ms", ["at least 100"]),
     (["--model", "m=dns:h:1", "--admin", "127.0.0.1:0"], "--admin", ["/clusters"]),
 ])
 def test_pool_errors_name_the_option(args, option, needles):
