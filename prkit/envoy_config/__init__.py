@@ -38,6 +38,19 @@ sends the cluster's traffic to priority 1 at once. (An aggregate cluster of [wor
 retry priorities: retries hit the same dead worker, measured on Envoy 1.40; tests/deploy checks the
 retry for real.)
 
+Pools (--model NAME=eds:PATH | NAME=dns:HOST:PORT; Options.pools): a model whose workers are the
+hosts of ONE cluster NAME, with live membership from a file-based EDS DiscoveryResponse (the
+bootstrap then has a `node`) or a DNS name (STRICT_DNS: a Kubernetes headless Service), and the
+override_host load balancing policy: the filter names the chosen worker, then its fallbacks, in
+x-gateway-destination-endpoint (IP:PORT,...) and x-prefix-router-cluster: NAME; a retry goes to the
+next host named, a request naming none (or past the last) to least request over healthy hosts.
+override_host uses a named member whatever its health (Envoy 1.40), so the filter learns the hosts
+and their health_flags from the admin's GET /clusters (plugin `membership`, through the loopback
+`admin` cluster the client route never names). NAME_load has the same membership and policy and no
+health checks or outlier detection (the pool's load polls). Production pools carry the worker
+clusters' health checks, outlier detection and timeouts, circuit breakers scaled by
+--pool-max-workers, and ignore_health_on_host_removal (membership is authoritative).
+
 Several replicas (peers, peer_listen, peer_secret, load_poll_ms): every replica polls every
 worker's load through `<worker>_load` clusters (own host only, no health checks, no outlier
 detection, so a failing load endpoint never ejects the worker), and sends the index records it
@@ -57,26 +70,31 @@ Output is deterministic: the checked-in configs are compared with it (tests/depl
 from __future__ import annotations
 
 from .options import (
-    CLUSTER_HEADER, CLUSTER_RE, CONTAINER_WASM, ConfigError, DEBUG_HEADER, DURATION_RE,
-    HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED, HEAP_SHRINK, HOST_RE, HostPort, LOCAL_WASM,
-    MIB16, MIB4, MIN_SECRET_LEN, NAME_RE, NATIVE_MODULE, NO_WORKER_BODY, Options, PEER_PATH,
-    PEER_PREFIX, PEER_URL_RE, POLL_SUFFIX, PREFILL_HEADER, PROFILES, PdModel, Worker, check_secret,
-    cluster_id, fleet, generate_hash_key, is_ip, parse_hostport, parse_model, parse_pd, parse_peers,
-    profile, validate,
+    ADMIN_CLUSTER, CLUSTER_HEADER, CLUSTER_RE, CONTAINER_WASM, ConfigError, DEBUG_HEADER, DESTINATION_HEADER,
+    DURATION_RE, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED, HEAP_SHRINK, HOST_RE, HostPort, LOCAL_WASM,
+    MAX_POOL_WORKERS, MEMBERSHIP_PATH, MEMBERSHIP_TIMEOUT_MS, MIB16, MIB4, MIN_SECRET_LEN, NAME_RE,
+    NATIVE_MODULE, NO_WORKER_BODY, Options, PEER_PATH, PEER_PREFIX, PEER_URL_RE, POLL_SUFFIX,
+    POOL_MAX_FALLBACKS, PREFILL_HEADER, PROFILES, PdModel, Pool, Worker, check_secret, cluster_id, fleet,
+    generate_hash_key, is_ip, is_pool_spec, parse_hostport, parse_model, parse_pd, parse_peers, parse_pool,
+    pool_fallbacks, profile, validate,
 )
-from .plugin import merge, plugin_config
+from .plugin import merge, plugin_config, worker_entry
 from .yaml import dump, scalar, strip_comments
 from .sections import (
     ACCESS_LOG_FIELDS, PEER_LOG_FIELDS, access_log, admin, admin_cluster, clusters, config,
     dynamic_module_filter, endpoints, header, http_connection_manager, ingress_listener,
     local_reply_413, overload_manager, pd_clusters, pd_route, peer_access_log, peer_cluster,
-    peers_listener, poll_cluster, rate_limit_filter, render, retry_policy, route_config,
+    override_host_policy, peers_listener, poll_cluster, pool_cluster, pool_load_cluster, rate_limit_filter,
+    render, retry_policy, route_config,
     router_filter, simple_cluster, socket_address, stats_listener, wasm_filter, worker_cluster,
 )
 from .cli import GEN, arg_parser, gen_result, main, options_from_args, run_gen
 from .local import buffer_filter, local_demo, plain_proxy
 
 __all__ = [
+    "ADMIN_CLUSTER", "DESTINATION_HEADER", "MAX_POOL_WORKERS", "MEMBERSHIP_PATH", "MEMBERSHIP_TIMEOUT_MS",
+    "POOL_MAX_FALLBACKS", "Pool", "is_pool_spec", "parse_pool", "pool_fallbacks", "worker_entry",
+    "override_host_policy", "pool_cluster", "pool_load_cluster",
     "CLUSTER_HEADER", "CLUSTER_RE", "CONTAINER_WASM", "ConfigError", "DEBUG_HEADER", "DURATION_RE",
     "HASH_KEY_PLACEHOLDER", "HEAP_RESET_FROM", "HEAP_SHED", "HEAP_SHRINK", "HOST_RE", "HostPort",
     "LOCAL_WASM", "MIB16", "MIB4", "MIN_SECRET_LEN", "NAME_RE", "NATIVE_MODULE", "NO_WORKER_BODY",

@@ -14,7 +14,8 @@ from pathlib import Path
 from ..paths import REPO_ROOT
 from .options import (
     ConfigError, HASH_KEY_PLACEHOLDER, NATIVE_MODULE, Options, PROFILES, Worker, _PROFILE_DEFAULTS,
-    _worker_names, check_secret, parse_hostport, parse_model, parse_pd, parse_peers, profile,
+    _worker_names, check_secret, is_pool_spec, parse_hostport, parse_model, parse_pd, parse_peers, parse_pool,
+    profile,
 )
 from .plugin import merge
 from .sections import render
@@ -45,8 +46,17 @@ def arg_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--profile", default="ingress", choices=PROFILES,
                     help="defaults for everything below (default: ingress)")
-    ap.add_argument("--model", action="append", default=[], metavar="NAME=[CLUSTER=]HOST:PORT[@WEIGHT][,...]",
-                    help="a model and its workers (repeat for several models); clusters default to <model>_<i>")
+    ap.add_argument("--model", action="append", default=[],
+                    metavar="NAME=[CLUSTER=]HOST:PORT[@WEIGHT][,...]|NAME=eds:PATH|NAME=dns:HOST:PORT",
+                    help="a model and its workers (repeat for several models): a static list, one cluster per "
+                    "worker (clusters default to <model>_<i>); or a pool, one cluster NAME whose hosts are the "
+                    "workers, from an EDS file (eds:/abs/path, replaced by rename) or a DNS name resolving to "
+                    "one address per worker (dns:HOST:PORT, e.g. a Kubernetes headless Service)")
+    ap.add_argument("--pool-max-workers", metavar="N",
+                    help="pools: the most workers the filter tracks per pool (64; 1-1024)")
+    ap.add_argument("--membership-ms", metavar="MS",
+                    help="pools: how often the filter reads their hosts from the admin's GET /clusters (1000; 100-60000, "
+                    "or 0 = never: a pool is then used only through Envoy's least request)")
     ap.add_argument("--pd-model", metavar="NAME",
                     help="a prefill/decode-disaggregated model (with --prefill and --decode)")
     ap.add_argument("--prefill", metavar="[CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...]",
@@ -148,12 +158,21 @@ def options_from_args(argv: list[str]) -> Options:
     over: dict = {}
     if a.model:
         models: dict[str, list[Worker]] = {}
+        pools: dict = {}
         for spec in a.model:
-            name, ws = parse_model(spec)
-            if name in models:
+            name, ws = parse_pool(spec) if is_pool_spec(spec) else parse_model(spec)
+            if name in models or name in pools:
                 raise ConfigError("--model", f"model {name!r} is given twice")
-            models[name] = ws
+            if isinstance(ws, list):
+                models[name] = ws
+            else:
+                pools[name] = ws
         over["models"] = models
+        if pools:
+            over["pools"] = pools
+            if a.default_model is None:
+                # the first --model, as for static lists (pools are listed after them in Options)
+                over["default_model"] = a.model[0].partition("=")[0]
     elif a.profile in ("ingress", "test", "bench") and a.pd_model is None and a.prefill is None and a.decode is None:
         raise ConfigError("--model", f"at least one model is required (profile {a.profile})")
     if a.pd_model is not None or a.prefill is not None or a.decode is not None:
@@ -177,7 +196,8 @@ def options_from_args(argv: list[str]) -> Options:
                      ("--rate-limit-clients", "rate_limit_clients"), ("--fallbacks", "fallbacks"), ("--max-requests", "max_requests"),
                      ("--max-ejection-percent", "max_ejection_percent"), ("--max-connections", "max_connections"),
                      ("--load-poll-ms", "load_poll_ms"), ("--max-concurrent-streams", "max_concurrent_streams"),
-                     ("--max-heap-mib", "max_heap_mib"), ("--hit-check-ms", "hit_check_ms")):
+                     ("--max-heap-mib", "max_heap_mib"), ("--hit-check-ms", "hit_check_ms"),
+                     ("--pool-max-workers", "pool_max_workers"), ("--membership-ms", "membership_ms")):
         v = _int_opt(opt, getattr(a, key))
         if v is not None:
             over[key] = v

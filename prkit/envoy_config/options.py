@@ -27,6 +27,18 @@ HEAP_RESET_FROM = 0.85
 HEAP_SHRINK = 0.90
 HEAP_SHED = 0.95
 CLUSTER_HEADER = "x-prefix-router-cluster"
+# Pools (one cluster per model, hosts from EDS or DNS): the filter names the chosen worker, then its
+# fallbacks, in this header (IP:PORT[,IP:PORT...]); the cluster's override_host policy reads it.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# The filter learns a pool's current hosts from Envoy's admin GET /clusters (text), read through the
+# loopback cluster ADMIN_CLUSTER, which the client route never names.
+ADMIN_CLUSTER = "admin"
+MEMBERSHIP_PATH = "/clusters"
+MEMBERSHIP_TIMEOUT_MS = 1000
+# Most fallbacks a pool request names after its chosen worker: the route retries twice, and
+# override_host skips listed hosts that left the pool, so a few more than the retries are enough.
+POOL_MAX_FALLBACKS = 8
+MAX_POOL_WORKERS = 1024  # the filter's MAX_WORKERS_PER_MODEL (filter/src/config.rs)
 DEBUG_HEADER = "x-prefix-router-decision"
 PEER_PATH = "/prefix-router/v1/records"
 POLL_SUFFIX = "_load"  # load_poll.cluster_suffix of the per-worker poll clusters
@@ -70,6 +82,28 @@ HostPort = tuple[str, int]
 
 
 @dataclass(frozen=True)
+class Pool:
+    """A model whose workers are the hosts of ONE Envoy cluster (`cluster`), with live membership:
+    a file-based EDS DiscoveryResponse (`source` "eds", `path`) or a DNS name resolving to one
+    address per worker (`source` "dns", `host`, `port`; a Kubernetes headless Service). The filter
+    picks a host and names it in DESTINATION_HEADER; the cluster's override_host policy sends the
+    request there. `cluster + POLL_SUFFIX` is the pool's load-poll cluster (same membership)."""
+
+    cluster: str
+    source: str  # "eds" or "dns"
+    path: str | None = None
+    host: str | None = None
+    port: int | None = None
+
+    @property
+    def load_cluster(self) -> str:
+        return self.cluster + POLL_SUFFIX
+
+    def describe(self) -> str:
+        return f"EDS file {self.path}" if self.source == "eds" else f"DNS {self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class PdModel:
     """A prefill/decode-disaggregated model (SGLang --disaggregation-mode): prefill workers with
     their bootstrap ports (the decode workers fetch KV from bootstrap_host = the worker's host) and
@@ -88,6 +122,8 @@ class Options:
     """Everything a config depends on. Build with `profile()`; check with `validate()`."""
 
     models: dict[str, list[Worker]] = field(default_factory=dict)
+    # models whose workers are one cluster's hosts (EDS or DNS membership), by model name
+    pools: dict[str, Pool] = field(default_factory=dict)
     default_model: str | None = None
     # "production" (fallbacks, health checks, retries, rate limit) or "simple" (one endpoint per
     # cluster, nothing else: demo, tests, benchmarks)
@@ -147,6 +183,11 @@ class Options:
     # route timeout of PD requests: bounds the decode stream and the prefill mirror (which
     # inherits it); a mirror has no timeout of its own
     pd_timeout: str = "600s"
+    # pools: the most hosts the filter tracks per pool (plugin pool.max_workers)
+    pool_max_workers: int = 64
+    # pools: how often the filter reads the admin's /clusters for their hosts; 0 = never (a pool
+    # is then used only through its cluster's fallback load balancer)
+    membership_ms: int = 1000
 
 
 def fleet(model: str, ports: dict[str, int], host: str = "127.0.0.1") -> dict[str, list[Worker]]:
@@ -200,7 +241,7 @@ def validate(o: Options) -> None:
     """Raises ConfigError naming the option and the reason for the first bad value."""
     if o.shape not in ("production", "simple"):
         raise ConfigError("shape", f"expected production or simple, got {o.shape!r}")
-    if not o.models and not o.pd_models:
+    if not o.models and not o.pd_models and not o.pools:
         raise ConfigError("--model", "at least one model with its workers is required (or --pd-model)")
     seen_clusters: set[str] = set()
     for model, workers in o.models.items():
@@ -220,9 +261,11 @@ def validate(o: Options) -> None:
             seen_clusters.add(w.cluster)
             if w.weight is not None and not (math.isfinite(w.weight) and w.weight > 0):
                 raise ConfigError(f"--model {model}", f"worker {w.host}:{w.port}: weight must be a number > 0, got {w.weight}")
+    _validate_pools(o, seen_clusters)
     _validate_pd(o, seen_clusters)
-    if o.default_model is not None and o.default_model not in o.models and o.default_model not in o.pd_models:
-        raise ConfigError("--default-model", f"{o.default_model!r} is not one of the models ({', '.join(o.models)})")
+    if o.default_model is not None and o.default_model not in [*o.models, *o.pools, *o.pd_models]:
+        raise ConfigError("--default-model", f"{o.default_model!r} is not one of the models "
+                          f"({', '.join([*o.models, *o.pools, *o.pd_models])})")
     _check_hostport(o.listen, "--listen", allow_zero=True)
     _check_hostport(o.admin, "--admin", allow_zero=True)
     if o.stats_listen is not None:
@@ -248,6 +291,13 @@ def validate(o: Options) -> None:
         _int_range("--load-poll-ms", o.load_poll_ms, 0, 60000, "0 disables polling")
     if o.hit_check_ms is not None:
         _int_range("--hit-check-ms", o.hit_check_ms, 0, 600000, "0 disables the index self-check")
+    _int_range("--pool-max-workers", o.pool_max_workers, 1, MAX_POOL_WORKERS, "hosts the filter tracks per pool")
+    _int_range("--membership-ms", o.membership_ms, 0, 60000, "0 = the filter never reads pool membership")
+    if 0 < o.membership_ms < 100:
+        raise ConfigError("--membership-ms", f"must be 0 (off) or at least 100 (the filter's floor), got {o.membership_ms}")
+    if o.pools and o.membership_ms and o.admin[1] == 0:
+        raise ConfigError("--admin", "pools read their membership from the admin's /clusters: give the admin a fixed "
+                          "port (or --membership-ms 0)")
     if not isinstance(o.plugin, dict):
         raise ConfigError("--plugin", "the plugin overrides must be a JSON object")
     if (o.peers or o.peer_listen) and o.peer_secret is None:
@@ -268,12 +318,50 @@ def validate(o: Options) -> None:
             "--hash-key-file PATH (at least 16 characters, the same file on every replica), or "
             f"--hash-key-placeholder to write {HASH_KEY_PLACEHOLDER} and replace it at deploy time")
     clusters = _worker_names(o)
-    reserved = {PEER_PREFIX + str(i) for i in range(len(o.peers))} | {"admin"}
+    reserved = {PEER_PREFIX + str(i) for i in range(len(o.peers))} | {ADMIN_CLUSTER}
     if _poll_clusters(o):
-        reserved |= {c + POLL_SUFFIX for c in clusters}
+        reserved |= {c + POLL_SUFFIX for c in _static_names(o)}
+    reserved |= {p.load_cluster for p in o.pools.values()}
     if set(clusters) & reserved:
-        raise ConfigError("--model", "a worker's cluster name collides with the peer clusters "
-                          "(prefix_router_peer_<i>), the load-poll clusters (<worker>_load) or admin: rename it")
+        pools = {p.cluster: m for m, p in o.pools.items()}
+        bad = sorted(set(clusters) & reserved)[0]
+        raise ConfigError(f"--model {pools[bad]}" if bad in pools else "--model",
+                          f"cluster name {bad!r} collides with the peer clusters (prefix_router_peer_<i>), the "
+                          "load-poll clusters (<worker>_load, <pool>_load) or admin: rename it")
+
+
+def _validate_pools(o: Options, seen_clusters: set) -> None:
+    for model, p in o.pools.items():
+        opt = f"--model {model}"
+        if not NAME_RE.match(model):
+            raise ConfigError("--model", f"bad model name {model!r}")
+        if model in o.models:
+            raise ConfigError(opt, "is given twice (a static worker list and a pool)")
+        if model in o.pd_models:
+            raise ConfigError(opt, "is also the --pd-model: a PD model's workers are static lists "
+                              "(--prefill / --decode HOST:PORT,...), not a pool")
+        if not isinstance(p, Pool) or not CLUSTER_RE.match(p.cluster):
+            raise ConfigError(opt, f"bad pool cluster name {getattr(p, 'cluster', p)!r}")
+        if p.source == "eds":
+            _check_eds_path(p.path, opt)
+        elif p.source == "dns":
+            _check_hostport((p.host, p.port), opt)
+        else:
+            raise ConfigError(opt, f"a pool's source is eds or dns, got {p.source!r}")
+        if p.cluster in seen_clusters:
+            raise ConfigError(opt, f"the pool's cluster name {p.cluster!r} is used twice (pools are named after "
+                              "their model, non-alphanumerics as _): rename the model or the other cluster")
+        seen_clusters.add(p.cluster)
+
+
+def _check_eds_path(path, opt: str) -> None:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(opt, "eds: needs the path of the EDS file (eds:/etc/prefix-router/NAME.yaml)")
+    if not path.startswith("/"):
+        raise ConfigError(opt, f"the EDS file path must be absolute (Envoy resolves a relative one against its "
+                          f"working directory), got {path!r}")
+    if any(c in path for c in "\n\r\0,"):
+        raise ConfigError(opt, f"bad EDS file path {path!r}")
 
 
 def _validate_pd(o: Options, seen_clusters: set) -> None:
@@ -323,8 +411,21 @@ def _check_hostport(hp, opt: str, allow_zero: bool = False) -> None:
         raise ConfigError(opt, f"bad port {port!r} (1-65535{', or 0 for any' if allow_zero else ''})")
 
 
-def _worker_names(o: Options) -> list[str]:
+def _static_names(o: Options) -> list[str]:
+    """Clusters of one worker each (static models' and PD workers)."""
     return [w.cluster for ws in o.models.values() for w in ws] + [w.cluster for w in _pd_workers(o)]
+
+
+def _worker_names(o: Options) -> list[str]:
+    """Every cluster the client route may be sent to: one per static worker, one per pool."""
+    return ([w.cluster for ws in o.models.values() for w in ws] + [p.cluster for p in o.pools.values()]
+            + [w.cluster for w in _pd_workers(o)])
+
+
+def pool_fallbacks(o: Options) -> int:
+    """Fallbacks the filter names after a pool request's chosen worker: --fallbacks, at most
+    POOL_MAX_FALLBACKS and fewer than the pool's max_workers."""
+    return max(0, min(o.fallbacks, POOL_MAX_FALLBACKS, o.pool_max_workers - 1))
 
 
 def _poll_clusters(o: Options) -> bool:
@@ -370,6 +471,33 @@ def parse_model(spec: str, index_from: int = 0) -> tuple[str, list[Worker]]:
     return name, out
 
 
+_POOL_SPEC = re.compile(r"^(eds|dns):(?![0-9]+(@[^,]*)?(,|$))")
+
+
+def is_pool_spec(spec: str) -> bool:
+    """NAME=eds:PATH or NAME=dns:HOST:PORT (a static worker on a host named eds or dns, e.g.
+    NAME=dns:30000, stays a static list)."""
+    return bool(_POOL_SPEC.match(spec.partition("=")[2].strip()))
+
+
+def parse_pool(spec: str) -> tuple[str, Pool]:
+    """NAME=eds:PATH (an EDS DiscoveryResponse file, replaced by rename) or NAME=dns:HOST:PORT (a
+    name resolving to one address per worker): a pool model, its cluster named after the model
+    (cluster_id)."""
+    name, _, rest = spec.partition("=")
+    if not NAME_RE.match(name):
+        raise ConfigError("--model", f"expected NAME=eds:PATH or NAME=dns:HOST:PORT, got {spec!r}")
+    opt = f"--model {name}"
+    source, _, arg = rest.strip().partition(":")
+    if source == "eds":
+        _check_eds_path(arg, opt)
+        return name, Pool(cluster_id(name), "eds", path=arg)
+    if "," in arg:
+        raise ConfigError(opt, f"a pool takes one DNS name (dns:HOST:PORT), got {rest!r}")
+    host, port = parse_hostport(arg, opt)
+    return name, Pool(cluster_id(name), "dns", host=host, port=port)
+
+
 def parse_pd(name: str | None, prefill: str | None, decode: str | None) -> dict:
     """--pd-model NAME --prefill [CLUSTER=]HOST:PORT@BOOTSTRAP_PORT[,...] --decode
     [CLUSTER=]HOST:PORT[@WEIGHT][,...]; clusters default to NAME_prefill_<i> / NAME_decode_<i>."""
@@ -379,6 +507,10 @@ def parse_pd(name: str | None, prefill: str | None, decode: str | None) -> dict:
         raise ConfigError("--prefill", f"--pd-model {name} needs --prefill HOST:PORT@BOOTSTRAP_PORT[,...]")
     if not decode:
         raise ConfigError("--decode", f"--pd-model {name} needs --decode HOST:PORT[,...]")
+    for opt, items in (("--prefill", prefill), ("--decode", decode)):
+        if is_pool_spec(f"{name}={items}"):
+            raise ConfigError(opt, f"{items!r}: pools (eds:PATH, dns:HOST:PORT) are for --model only; a PD "
+                              "model's workers are static HOST:PORT lists")
     pre = []
     for i, item in enumerate(prefill.split(",")):
         hp, sep, bport = item.rpartition("@")

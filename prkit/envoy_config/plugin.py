@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .options import CLUSTER_HEADER, DEBUG_HEADER, Options, PEER_PREFIX, POLL_SUFFIX
+from .options import (
+    ADMIN_CLUSTER, CLUSTER_HEADER, DEBUG_HEADER, DESTINATION_HEADER, MEMBERSHIP_PATH, MEMBERSHIP_TIMEOUT_MS,
+    Options, PEER_PREFIX, POLL_SUFFIX, Worker, is_ip, pool_fallbacks,
+)
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -13,12 +16,25 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
+def worker_entry(w: Worker):
+    """A static worker in the plugin's `workers`: its cluster name, or {"cluster", "weight"}, and
+    with an IP literal host {"cluster", "weight", "address": "IP:PORT"} (the address the filter
+    recognizes when Envoy reports which host served a request, e.g. a fallback of that cluster).
+    A host name has no address the filter could match: names only, as before."""
+    if is_ip(w.host):
+        host = f"[{w.host}]" if ":" in w.host else w.host
+        return {"cluster": w.cluster, "weight": 1.0 if w.weight is None else w.weight, "address": f"{host}:{w.port}"}
+    return w.cluster if w.weight is None else {"cluster": w.cluster, "weight": w.weight}
+
+
 def plugin_config(o: Options) -> dict:
     """The filter's configuration (client listener), with Options.plugin merged in."""
     models = {}
     for model, ws in o.models.items():
-        models[model] = {"workers": [w.cluster if w.weight is None else {"cluster": w.cluster, "weight": w.weight}
-                                     for w in ws]}
+        models[model] = {"workers": [worker_entry(w) for w in ws]}
+    for model, p in o.pools.items():
+        models[model] = {"pool": {"cluster": p.cluster, "load_cluster": p.load_cluster,
+                                  "fallbacks": pool_fallbacks(o), "max_workers": o.pool_max_workers}}
     for model, pd in o.pd_models.items():
         models[model] = {
             "prefill": [{"cluster": w.cluster, "bootstrap_host": w.host, "bootstrap_port": bport}
@@ -34,6 +50,10 @@ def plugin_config(o: Options) -> dict:
         "debug_header": DEBUG_HEADER if o.debug_header else None,
         "policy": {"name": "cache_aware"},  # tuned defaults: filter/src/config.rs
     }
+    if o.pools:
+        plugin["destination_header"] = DESTINATION_HEADER
+        plugin["membership"] = {"cluster": ADMIN_CLUSTER, "path": MEMBERSHIP_PATH,
+                                "interval_ms": o.membership_ms, "timeout_ms": MEMBERSHIP_TIMEOUT_MS}
     if o.load_poll_ms is not None:
         if o.load_poll_ms:
             plugin["load_poll"] = {"interval_ms": o.load_poll_ms, "cluster_suffix": POLL_SUFFIX}

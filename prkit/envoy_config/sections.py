@@ -4,12 +4,14 @@ listeners) as plain dicts, and the whole config (`config`, `render` with its hea
 from __future__ import annotations
 
 import json
+import os
 import re
 
 from .options import (
-    CLUSTER_HEADER, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED, HEAP_SHRINK, HostPort,
-    LOCAL_WASM, MIB16, MIB4, NO_WORKER_BODY, Options, PEER_PATH, PEER_PREFIX, POLL_SUFFIX,
-    PREFILL_HEADER, Worker, _pd_workers, _poll_clusters, _worker_names, is_ip, validate,
+    ADMIN_CLUSTER, CLUSTER_HEADER, DESTINATION_HEADER, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED,
+    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, MIB4, NO_WORKER_BODY, Options, PEER_PATH,
+    PEER_PREFIX, POLL_SUFFIX, PREFILL_HEADER, Pool, Worker, _pd_workers, _poll_clusters, _worker_names,
+    is_ip, validate,
 )
 from .plugin import plugin_config
 from .yaml import dump, strip_comments
@@ -99,6 +101,49 @@ def simple_cluster(w: Worker) -> dict:
             "load_assignment": {"cluster_name": w.cluster, "endpoints": endpoints([(w.host, w.port)])}}
 
 
+def _production_parts(o: Options, hosts: int = 1) -> dict:
+    """What every production cluster of workers has (a worker's cluster, a pool): body buffer,
+    keepalive, HTTP/1.1 options, circuit breakers, active health checks, outlier detection.
+    `hosts`: the workers the cluster may hold; a pool's circuit breakers are the per-worker limits
+    times that, and each host has the per-worker connection limit."""
+    n = min(o.max_requests * hosts, 10**9)
+    thresholds: dict = {"thresholds": [{
+        "priority": "DEFAULT", "max_connections": n, "max_pending_requests": n, "max_requests": n,
+        "retry_budget": {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 8},
+    }]}
+    if hosts > 1:
+        thresholds["per_host_thresholds"] = [{"priority": "DEFAULT", "max_connections": o.max_requests}]
+    return {
+        "#b": "Long prompts: a retry needs the whole body buffered (16 MiB, as the listener).",
+        "per_connection_buffer_limit_bytes": MIB16,
+        "#k": "Streams can run for minutes; TCP keepalive notices a worker host that vanished mid-stream.",
+        "upstream_connection_options": {"tcp_keepalive": {"keepalive_time": 30, "keepalive_interval": 10,
+                                                          "keepalive_probes": 3}},
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "#": "SGLang serves HTTP/1.1 (uvicorn), which closes idle keep-alive connections after 5 s;\n"
+                 "closing ours at 4 s avoids reusing a connection it is closing.",
+            "common_http_protocol_options": {"idle_timeout": "4s"},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }},
+        "#cb": "Circuit breakers: a worker queues what it cannot batch itself; Envoy caps what it sends so\n"
+               "one slow worker cannot absorb every connection. Retries: a budget (20% of active requests).",
+        "circuit_breakers": thresholds,
+        "#h": "Active health checks on SGLang's /health (200 when serving; 503 while starting or draining).",
+        "health_checks": [{
+            "timeout": o.health_timeout, "interval": o.health_interval, "no_traffic_interval": o.health_interval,
+            "interval_jitter": "0.5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
+            "always_log_health_check_failures": True, "http_health_check": {"path": "/health"},
+        }],
+        "#o": "Passive health: eject after consecutive connect failures / resets / gateway errors.",
+        "outlier_detection": {
+            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 3,
+            "consecutive_gateway_failure": 3, "consecutive_5xx": 5, "interval": "5s",
+            "base_ejection_time": "30s", "max_ejection_percent": o.max_ejection_percent,
+        },
+    }
+
+
 def worker_cluster(o: Options, w: Worker, group: list[HostPort], model: str) -> dict:
     """Production worker cluster: group[0] (the worker) at priority 0, the fallbacks at 1."""
     fb = f", fallbacks {', '.join(f'{h}:{p}' for h, p in group[1:])}" if len(group) > 1 else ""
@@ -114,37 +159,7 @@ def worker_cluster(o: Options, w: Worker, group: list[HostPort], model: str) -> 
         "connect_timeout": "1s",
         "#l": "Within the fallback priority: the least busy fallback.",
         "lb_policy": "LEAST_REQUEST",
-        "#b": "Long prompts: a retry needs the whole body buffered (16 MiB, as the listener).",
-        "per_connection_buffer_limit_bytes": MIB16,
-        "#k": "Streams can run for minutes; TCP keepalive notices a worker host that vanished mid-stream.",
-        "upstream_connection_options": {"tcp_keepalive": {"keepalive_time": 30, "keepalive_interval": 10,
-                                                          "keepalive_probes": 3}},
-        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "#": "SGLang serves HTTP/1.1 (uvicorn), which closes idle keep-alive connections after 5 s;\n"
-                 "closing ours at 4 s avoids reusing a connection it is closing.",
-            "common_http_protocol_options": {"idle_timeout": "4s"},
-            "explicit_http_config": {"http_protocol_options": {}},
-        }},
-        "#cb": "Circuit breakers: a worker queues what it cannot batch itself; Envoy caps what it sends so\n"
-               "one slow worker cannot absorb every connection. Retries: a budget (20% of active requests).",
-        "circuit_breakers": {"thresholds": [{
-            "priority": "DEFAULT", "max_connections": o.max_requests, "max_pending_requests": o.max_requests,
-            "max_requests": o.max_requests,
-            "retry_budget": {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 8},
-        }]},
-        "#h": "Active health checks on SGLang's /health (200 when serving; 503 while starting or draining).",
-        "health_checks": [{
-            "timeout": o.health_timeout, "interval": o.health_interval, "no_traffic_interval": o.health_interval,
-            "interval_jitter": "0.5s", "unhealthy_threshold": 2, "healthy_threshold": 1,
-            "always_log_health_check_failures": True, "http_health_check": {"path": "/health"},
-        }],
-        "#o": "Passive health: eject after consecutive connect failures / resets / gateway errors.",
-        "outlier_detection": {
-            "split_external_local_origin_errors": True, "consecutive_local_origin_failure": 3,
-            "consecutive_gateway_failure": 3, "consecutive_5xx": 5, "interval": "5s",
-            "base_ejection_time": "30s", "max_ejection_percent": o.max_ejection_percent,
-        },
+        **_production_parts(o),
         "load_assignment": {"cluster_name": w.cluster, "endpoints": endpoints(group)},
     }
 
@@ -157,6 +172,101 @@ def poll_cluster(w: Worker) -> dict:
     return {"#": f"Load polls of {w.cluster} ({w.host}:{w.port}): the filter's GET /v1/loads (else /get_load).",
             "name": name, **_discovery([w.host]), "connect_timeout": "0.25s",
             "load_assignment": {"cluster_name": name, "endpoints": endpoints([(w.host, w.port)])}}
+
+
+def override_host_policy() -> dict:
+    """Envoy's override_host load balancing policy: the request goes to the first host named in
+    DESTINATION_HEADER (IP:PORT[,IP:PORT...]) that is in the cluster, a retry to the next one;
+    without the header, or past its last host, to the least busy host (least request)."""
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"header": DESTINATION_HEADER}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.least_request",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                                          "least_request.v3.LeastRequest"}}}]},
+        }}}]}
+
+
+def _pool_membership(p: Pool) -> dict:
+    """A pool's membership: the EDS file (Envoy follows it when it is replaced by a rename into
+    its directory) or a DNS name re-resolved every 2 s."""
+    if p.source == "eds":
+        return {
+            "type": "EDS",
+            "eds_cluster_config": {"service_name": p.cluster, "eds_config": {
+                "#": "The file is a DiscoveryResponse of one ClusterLoadAssignment (cluster_name: the service_name\n"
+                     "above). Replace it by a rename (write a temporary file in the same directory, then mv):\n"
+                     "Envoy watches the directory for moves; a file edited in place is not re-read.",
+                "path_config_source": {"path": p.path, "watched_directory": {"path": os.path.dirname(p.path) or "/"}},
+                "resource_api_version": "V3"}},
+        }
+    return {
+        "#": "STRICT_DNS: one host per address the name resolves to (a Kubernetes headless Service: one per\n"
+             "ready pod), re-resolved every dns_refresh_rate. 2s: a new pod takes traffic and a removed\n"
+             "one stops being chosen within ~2 s of its DNS change (health checks and outlier detection\n"
+             "cover a dead pod meanwhile), for one lookup per Envoy every 2 s.",
+        "type": "STRICT_DNS", "dns_lookup_family": "V4_PREFERRED", "dns_refresh_rate": "2s",
+    }
+
+
+def _pool_endpoints(p: Pool) -> dict:
+    if p.source == "eds":
+        return {}
+    return {"load_assignment": {"cluster_name": p.cluster, "endpoints": endpoints([(p.host, p.port)])}}
+
+
+def pool_cluster(o: Options, model: str, p: Pool) -> dict:
+    """A pool model's cluster: every worker of the model is one of its hosts (EDS or DNS), the
+    filter names the chosen worker (then its fallbacks) in DESTINATION_HEADER and override_host
+    sends the request there."""
+    c: dict = {
+        "#": f"Pool of model {model}: its workers are this cluster's hosts ({p.describe()}). The filter\n"
+             f"names the chosen worker, then its fallbacks, in {DESTINATION_HEADER} (IP:PORT,...); a retry\n"
+             "goes to the next one named, a request naming none to the least busy host.",
+        "name": p.cluster,
+        **_pool_membership(p),
+        "#c": "Dead workers fail fast so the retry to another worker starts quickly.",
+        "connect_timeout": "1s",
+    }
+    if o.shape == "production":
+        parts = _production_parts(o, o.pool_max_workers)
+        parts["#cb"] = (f"Circuit breakers: a worker's limits ({o.max_requests} requests, connections per host) times the\n"
+                        f"{o.pool_max_workers} workers a pool may hold. Retries: a budget (20% of active requests).")
+        c.update(parts)
+        c["#r"] = ("Membership is authoritative: a host gone from the EDS file or the DNS answer leaves the pool\n"
+                   "at once, even while it still passes health checks (Envoy would otherwise keep it).")
+        c["ignore_health_on_host_removal"] = True
+    else:
+        c["per_connection_buffer_limit_bytes"] = MIB16
+    c["#lb"] = (f"override_host: the hosts named in {DESTINATION_HEADER} that are members, in order, whatever\n"
+                "their health (Envoy 1.40: the filter names healthy ones); else least request over healthy hosts.")
+    c["load_balancing_policy"] = override_host_policy()
+    c.update(_pool_endpoints(p))
+    return c
+
+
+def pool_load_cluster(model: str, p: Pool) -> dict:
+    """The cluster the filter polls a pool's workers' loads through: the same membership, the
+    worker named in DESTINATION_HEADER, no health checks, no outlier detection (a failing load
+    endpoint never ejects a worker)."""
+    name = p.load_cluster
+    membership = _pool_membership(p)
+    membership.pop("#", None)
+    if p.source == "eds":
+        membership["eds_cluster_config"]["eds_config"].pop("#")
+    out: dict = {
+        "#": f"Load polls of pool {p.cluster}'s workers (model {model}): the filter's GET /v1/loads (else /get_load)\n"
+             f"to the worker it names in {DESTINATION_HEADER}. Same membership, no health checks or outlier\n"
+             "detection: a failing load endpoint never ejects a worker.",
+        "name": name, **membership, "connect_timeout": "0.25s",
+        "load_balancing_policy": override_host_policy(),
+    }
+    if p.source == "dns":
+        out["load_assignment"] = {"cluster_name": name, "endpoints": endpoints([(p.host, p.port)])}
+    return out
 
 
 def peer_cluster(i: int, hp: HostPort) -> dict:
@@ -176,9 +286,13 @@ def peer_cluster(i: int, hp: HostPort) -> dict:
 
 
 def admin_cluster(o: Options) -> dict:
-    return {"#": "Loopback admin, reached only through the stats listener's two read-only paths.",
-            "name": "admin", "type": "STATIC", "connect_timeout": "1s",
-            "load_assignment": {"cluster_name": "admin", "endpoints": endpoints([o.admin])}}
+    comment = "Loopback admin, reached only through the stats listener's two read-only paths."
+    if o.pools:
+        comment = ("Loopback admin, reached only through the stats listener's two read-only paths and the\n"
+                   "filter's reads of GET /clusters (pool membership); the client route never names it.")
+    return {"#": comment,
+            "name": ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": ADMIN_CLUSTER, "endpoints": endpoints([o.admin])}}
 
 
 def clusters(o: Options) -> list:
@@ -191,12 +305,15 @@ def clusters(o: Options) -> list:
         for i, w in enumerate(ws):
             group = [(ws[(i + j) % len(ws)].host, ws[(i + j) % len(ws)].port) for j in range(k + 1)]
             out.append(worker_cluster(o, w, group, model))
+    out += [pool_cluster(o, model, p) for model, p in o.pools.items()]
     out += pd_clusters(o)
     if _poll_clusters(o):
         out += [poll_cluster(w) for ws in o.models.values() for w in ws]
         out += [poll_cluster(w) for w in _pd_workers(o)]
+    # a pool's load cluster always exists: the plugin names it (pool.load_cluster)
+    out += [pool_load_cluster(model, p) for model, p in o.pools.items()]
     out += [peer_cluster(i, hp) for i, hp in enumerate(o.peers)]
-    if o.stats_listen is not None:
+    if o.stats_listen is not None or o.pools:
         out.append(admin_cluster(o))
     return out
 
@@ -353,10 +470,15 @@ ACCESS_LOG_FIELDS = {
 }
 
 
-def access_log() -> list:
+def access_log(pools: bool = False) -> list:
+    """One JSON line per request; with pools also the hosts the filter named (`destination`),
+    which `upstream_host` (the host that served) can be compared with."""
+    fields = dict(ACCESS_LOG_FIELDS)
+    if pools:
+        fields["destination"] = "%REQ(" + DESTINATION_HEADER.upper() + ")%"
     return [{"name": "envoy.access_loggers.stdout", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
-        "log_format": {"json_format": dict(ACCESS_LOG_FIELDS)}}}]
+        "log_format": {"json_format": fields}}}]
 
 
 PEER_LOG_FIELDS = {
@@ -427,6 +549,9 @@ def route_config(o: Options) -> dict:
             "refused stream, reset before any response byte, or a 503 (SGLang starting/draining).\n"
             "previous_priorities moves the retry to the cluster's fallbacks; previous_hosts never picks\n"
             "a host that already failed this request.")
+        if o.pools:
+            route["#r"] += (f"\nA pool's retry goes to the next worker the filter named in {DESTINATION_HEADER}\n"
+                            "(override_host), past the last one to the least busy host that has not failed.")
         route["retry_policy"] = retry_policy(o)
     vhost: dict = {"name": "llm", "domains": ["*"]}
     if o.shape == "production":
@@ -462,6 +587,10 @@ def _plugin_comment(o: Options, plugin: dict) -> str:
         lines.append("load_poll off (interval_ms 0): this replica sees only its own requests.")
     elif lp:
         lines.append(f"load_poll: every worker's load is polled every {lp} ms (one VM per Envoy).")
+    if o.pools:
+        ms = o.membership_ms
+        lines.append(f"pools: the filter reads their hosts from the admin's /clusters every {ms} ms (membership)."
+                     if ms else "membership off (interval_ms 0): pools are used only through Envoy's least request.")
     if "peers" in plugin:
         n = len(o.peers)
         lines.append(f"peers: the index records this replica makes go to {n} peer(s)." if n
@@ -504,7 +633,7 @@ def http_connection_manager(o: Options, filters: list) -> dict:
     if o.access_log:
         hcm["#a"] = ("One JSON line per request: the cluster the filter chose, the decision header (when on),\n"
                      "where it went (a retry can move it), attempts, time to first byte and duration.")
-        hcm["access_log"] = access_log()
+        hcm["access_log"] = access_log(pools=bool(o.pools))
     hcm["route_config"] = route_config(o)
     hcm["http_filters"] = filters
     return hcm
@@ -607,17 +736,22 @@ def config(o: Options, comments: bool = False) -> dict:
         listeners.append(stats_listener(o))
     if o.peer_listen is not None:
         listeners.append(peers_listener(o, plugin))
-    doc = {
+    doc: dict = {}
+    if any(p.source == "eds" for p in o.pools.values()):
+        doc["#n"] = ("A node identity: Envoy requires one for EDS (here read from files; no management server).")
+        doc["node"] = {"id": "prefix-router", "cluster": "prefix-router"}
+    doc.update({
         "admin": admin(o),
         "#o": "Cap downstream connections (each streaming generation holds one) and the heap.",
         "overload_manager": overload_manager(o),
         "static_resources": {"listeners": listeners, "clusters": clusters(o)},
-    }
+    })
     return doc if comments else strip_comments(doc)
 
 
 def header(o: Options) -> str:
     models = ", ".join([f"{m} ({len(ws)} workers)" for m, ws in o.models.items()]
+                       + [f"{m} (pool: {p.describe()})" for m, p in o.pools.items()]
                        + [f"{m} (PD: {len(pd.prefill)} prefill + {len(pd.decode)} decode)"
                           for m, pd in o.pd_models.items()])
     lines = []
@@ -638,7 +772,7 @@ def header(o: Options) -> str:
         lines += ["Run from the repository root (the .wasm path is relative to it):",
                   "  cargo build -p prefix-router --target wasm32-wasip1 --release",
                   "  .venv/bin/envoy -c <this file> --concurrency 2"]
-    lines.append(f"Models: {models}; default model: {o.default_model or next(iter([*o.models, *o.pd_models]))}.")
+    lines.append(f"Models: {models}; default model: {o.default_model or next(iter([*o.models, *o.pools, *o.pd_models]))}.")
     if o.peer_secret is not None:
         lines.append(f"Scale-out: index records sent to {len(o.peers)} peer(s); "
                      + (f"peer listener on {o.peer_listen[0]}:{o.peer_listen[1]}" if o.peer_listen else "no peer listener")

@@ -66,7 +66,10 @@ def test_plugin_options_reach_the_plugin_config(composecheck, tmp_path):
     hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     (wasm,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
     doc_plugin = json.loads(wasm["typed_config"]["config"]["configuration"]["value"])
-    assert doc_plugin["models"] == {"llama": {"workers": [{"cluster": "w0", "weight": 2.0}, "w1"]}}
+    # IP literal workers carry their address (weight 1.0 unless given)
+    assert doc_plugin["models"] == {"llama": {"workers": [
+        {"cluster": "w0", "weight": 2.0, "address": "127.0.0.1:18010"},
+        {"cluster": "w1", "weight": 1.0, "address": "127.0.0.1:18011"}]}}
     assert doc_plugin["policy"] == {"name": "cache_aware", "load_eps": 0.25}
     assert doc_plugin["unknown_model"] == "reject" and doc_plugin["passthrough_cluster"] == "w1"
     assert doc_plugin["index"] == {"capacity": 8192, "ttl_seconds": 600, "local_cache_ms": 200}

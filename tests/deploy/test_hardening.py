@@ -21,7 +21,7 @@ from prkit.wait import wait_until
 
 from .conftest import Worker, get, header_command, yaml_doc
 
-SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]
+SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml", "pool.yaml"]
 
 
 class Live:
@@ -114,7 +114,8 @@ def test_public_route_reaches_only_worker_clusters(composecheck, tmp_path):
                                  for f in li["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
                                  if f["name"] == "envoy.filters.http.wasm")["typed_config"]["config"]
                             ["configuration"]["value"])
-        workers = {w if isinstance(w, str) else w["cluster"] for m in plugin["models"].values() for w in m["workers"]}
+        workers = {w if isinstance(w, str) else w["cluster"] for m in plugin["models"].values()
+                   for w in m.get("workers", [])} | {m["pool"]["cluster"] for m in plugin["models"].values() if "pool" in m}
         others = {c["name"] for c in doc["static_resources"]["clusters"]} - workers
         (ingress,) = [li for li in doc["static_resources"]["listeners"] if li["name"] == "ingress"]
         routes = ingress["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
@@ -125,7 +126,8 @@ def test_public_route_reaches_only_worker_clusters(composecheck, tmp_path):
             assert h["name"] == plugin["cluster_header"]
             rx = re.compile(h["string_match"]["safe_regex"]["regex"])
             assert all(rx.search(w) for w in workers), name
-            assert not any(rx.search(c) for c in others | {"admin", "llama_0_load", "prefix_router_peer_0", ""}), name
+            assert not any(rx.search(c) for c in others | {"admin", "llama_0_load", "llama_load", "prefix_router_peer_0",
+                                                           ""}), name
         assert routes[-1]["direct_response"]["status"] == 503, name
         assert header_command(text)  # generated
 

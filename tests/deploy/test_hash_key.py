@@ -23,7 +23,7 @@ from prkit.paths import REPO_ROOT as REPO
 
 from .conftest import header_command, plugin_config
 
-PRODUCTION = ["compose.yaml", "ingress.yaml", "scale-out.yaml"]
+PRODUCTION = ["compose.yaml", "ingress.yaml", "scale-out.yaml", "pool.yaml"]
 PEERS = "http://10.0.0.2:15100,http://10.0.0.3:15100"
 SECRET = "0123456789abcdef-peer"
 

@@ -11,13 +11,13 @@ import pytest
 from prkit.envoy import check_config
 from prkit.paths import REPO_ROOT as REPO
 
-from .conftest import plugin_config, with_local_wasm
+from .conftest import check_pool_doc, plugin_config, with_local_wasm, yaml_doc
 
 
 K8S = REPO / "envoy" / "k8s"
 PLUGIN_KEYS = {"models", "default_model", "unknown_model", "passthrough_cluster", "cluster_header",
                "debug_header", "text_block_bytes", "token_block_size", "max_prompt_blocks", "index",
-               "policy", "load_poll", "peers", "peer_listener", "hash_key"}
+               "policy", "load_poll", "peers", "peer_listener", "hash_key", "destination_header", "membership"}
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +52,14 @@ def check_plugin_config(cfg: dict) -> list[str]:
     assert cfg["cluster_header"] == "x-prefix-router-cluster"
     assert cfg["default_model"] in cfg["models"]
     assert cfg["policy"]["name"] in ("cache_aware", "round_robin", "random")
-    workers = [w if isinstance(w, str) else w["cluster"] for m in cfg["models"].values() for w in m["workers"]]
+    workers = [w if isinstance(w, str) else w["cluster"] for m in cfg["models"].values() for w in m.get("workers", [])]
+    workers += [m["pool"]["cluster"] for m in cfg["models"].values() if "pool" in m]
     assert workers and len(set(workers)) == len(workers)
     return workers
 
 
 def test_files_and_kinds(docs):
-    assert sorted(docs) == ["envoy-gateway.yaml", "istio-wasmplugin.yaml", "statefulset.yaml"]
+    assert sorted(docs) == ["envoy-gateway.yaml", "istio-wasmplugin.yaml", "pool.yaml", "statefulset.yaml"]
     assert [(d["apiVersion"], d["kind"]) for d in docs["istio-wasmplugin.yaml"]] == [
         ("extensions.istio.io/v1alpha1", "WasmPlugin"),
         ("networking.istio.io/v1alpha3", "EnvoyFilter"),
@@ -74,9 +75,18 @@ def test_files_and_kinds(docs):
         ("apps/v1", "StatefulSet"),
         ("networking.k8s.io/v1", "NetworkPolicy"),
     ]
+    assert [(d["apiVersion"], d["kind"]) for d in docs["pool.yaml"]] == [
+        ("v1", "Service"),
+        ("apps/v1", "Deployment"),
+        ("v1", "Service"),
+        ("apps/v1", "Deployment"),
+    ]
     for ds in docs.values():
         for d in ds:
             assert d["metadata"]["name"] and d["metadata"]["namespace"]
+    # the examples can run side by side: no two objects of a kind share a name
+    names = [(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"]) for ds in docs.values() for d in ds]
+    assert len(set(names)) == len(names), names
 
 
 def test_istio_wasmplugin(docs):
@@ -272,4 +282,85 @@ def test_statefulset_init_writes_both_secrets_into_the_config(docs, tmp_path):
 
 def test_statefulset_init_refuses_a_short_hash_key(docs, tmp_path):
     r, _ = _init_script_here(docs, tmp_path, "p" * 32, "short")
+    assert r.returncode != 0 and "prefix-router-hash-key" in r.stderr
+
+
+def _pool_parts(docs):
+    workers_svc, envoy_svc = [d for d in docs["pool.yaml"] if d["kind"] == "Service"]
+    sglang, envoy = [d for d in docs["pool.yaml"] if d["kind"] == "Deployment"]
+    return workers_svc, sglang, envoy_svc, envoy
+
+
+def test_pool_example_matches_its_config(docs, composecheck, tmp_path):
+    """envoy/k8s/pool.yaml runs envoy/pool.yaml: its one pool cluster resolves the headless Service
+    in front of the SGLang Deployment, so `kubectl scale` changes the pool and nothing else."""
+    workers_svc, sglang, envoy_svc, envoy = _pool_parts(docs)
+    text = (REPO / "envoy" / "pool.yaml").read_text()
+    cfg = yaml_doc(composecheck, text, tmp_path)
+    plugin = plugin_config(text)
+    (pool_cluster,) = check_plugin_config(plugin)
+    assert plugin["models"]["llama"]["pool"]["cluster"] == pool_cluster
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    for name in (pool_cluster, plugin["models"]["llama"]["pool"]["load_cluster"]):
+        c = clusters[name]
+        assert c["type"] == "STRICT_DNS", name
+        (ep,) = c["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        sa = ep["endpoint"]["address"]["socket_address"]
+        # the headless Service's name in its namespace, on the pods' port
+        meta = workers_svc["metadata"]
+        assert sa["address"] == f"{meta['name']}.{meta['namespace']}.svc.cluster.local", sa
+        assert sa["port_value"] in [p["port"] for p in workers_svc["spec"]["ports"]]
+    assert workers_svc["spec"]["clusterIP"] == "None"  # one A record per ready pod
+    assert not workers_svc["spec"].get("publishNotReadyAddresses", False)  # only ready pods are hosts
+    pod = sglang["spec"]["template"]
+    assert workers_svc["spec"]["selector"] == pod["metadata"]["labels"] == sglang["spec"]["selector"]["matchLabels"]
+    (server,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    (svc_port,) = workers_svc["spec"]["ports"]
+    assert ports[svc_port["targetPort"]] == svc_port["port"]
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert server["command"][server["command"].index("--port") + 1] == str(svc_port["port"])
+
+    espec = envoy["spec"]["template"]
+    assert envoy_svc["spec"]["selector"] == espec["metadata"]["labels"] == envoy["spec"]["selector"]["matchLabels"]
+    (proxy,) = espec["spec"]["containers"]
+    listeners = {li["name"]: li["address"]["socket_address"]["port_value"] for li in cfg["static_resources"]["listeners"]}
+    assert {p["name"]: p["containerPort"] for p in proxy["ports"]} == {"http": listeners["ingress"],
+                                                                      "metrics": listeners["stats"]}
+    assert proxy["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+    # the header's commands create the ConfigMap (from envoy/pool.yaml) and the Secret the pod mounts
+    header = (REPO / "envoy" / "k8s" / "pool.yaml").read_text()
+    vols = {v["name"]: v for v in espec["spec"]["volumes"]}
+    ((cm, key, src),) = re.findall(r"create configmap (\S+) --from-file=([\w.]+)=(\S+)", header)
+    assert (cm, src) == (vols["config"]["configMap"]["name"], "envoy/pool.yaml")
+    assert re.findall(r"create secret generic (\S+) --from-literal=(\w+)=", header) == [
+        (vols["hash-key"]["secret"]["secretName"], "key")]
+    (scale,) = re.findall(r"kubectl -n (\S+) scale deployment/(\S+) ", header)
+    assert scale == (sglang["metadata"]["namespace"], sglang["metadata"]["name"])
+    (init,) = espec["spec"]["initContainers"]
+    assert f"/config/{key} " in init["command"][-1]
+
+
+def test_pool_init_writes_the_key_and_the_config_validates(docs, composecheck, tmp_path, filter_reads_pools):
+    """The pool Deployment's init container replaces the hash_key placeholder from the Secret's
+    file, and the result passes `envoy --mode validate`."""
+    _, _, _, envoy = _pool_parts(docs)
+    (init,) = envoy["spec"]["template"]["spec"]["initContainers"]
+    script = init["command"][-1]
+    for d in ("wasm", "config", "hash-key", "run"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "wasm" / "prefix_router.wasm").write_bytes(b"\0asm")
+    (tmp_path / "config" / "envoy.yaml").write_text(
+        with_local_wasm((REPO / "envoy" / "pool.yaml").read_text(), "/etc/prefix-router/prefix_router.wasm"))
+    (tmp_path / "hash-key" / "key").write_text("0123456789abcdef0123456789abcdef\n")
+    for path, local in (("/etc/prefix-router/", "run/"), ("/wasm/", "wasm/"), ("/config/", "config/"),
+                        ("/hash-key/", "hash-key/")):
+        script = script.replace(" " + path, f" {tmp_path}/{local}")
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "run" / "envoy.yaml").read_text()
+    assert plugin_config(text)["hash_key"] == "0123456789abcdef0123456789abcdef"
+    check_pool_doc(yaml_doc(composecheck, text, tmp_path), tmp_path, filter_reads_pools)
+    (tmp_path / "hash-key" / "key").write_text("short\n")
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "prefix-router-hash-key" in r.stderr

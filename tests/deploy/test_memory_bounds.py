@@ -16,7 +16,7 @@ from prkit.paths import REPO_ROOT as REPO
 
 from .conftest import hcm_of, listener, yaml_doc
 
-SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml"]
+SHIPPED = ["envoy.yaml", "compose.yaml", "ingress.yaml", "scale-out.yaml", "pool.yaml"]
 HEAP = "envoy.resource_monitors.fixed_heap"
 
 

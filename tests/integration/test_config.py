@@ -68,7 +68,9 @@ def test_rendered_demo_config_validates(tmp_path):
 
 def test_demo_plugin_config_matches_the_contract():
     cfg = ec.plugin_config(ec.profile("demo"))
-    assert cfg["models"] == {"llama": {"workers": ["w0", "w1", "w2", "w3"]}}
+    # local workers are IP literals: each entry carries the worker's address
+    assert cfg["models"] == {"llama": {"workers": [
+        {"cluster": f"w{i}", "weight": 1.0, "address": f"127.0.0.1:{30000 + i}"} for i in range(4)]}}
     assert cfg.get("cluster_header", "x-prefix-router-cluster") == "x-prefix-router-cluster"
     text = DEMO_CONFIG.read_text()
     for key in (
