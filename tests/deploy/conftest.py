@@ -11,14 +11,12 @@ loader; it also dumps YAML as JSON, so no YAML library is needed in Python).
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import shutil
 import subprocess
 import threading
 import urllib.error
 import urllib.request
-import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -186,70 +184,20 @@ def composecheck(tmp_path_factory) -> Path:
     return out
 
 
-# Pools (issue 27): the filter reads the plugin's `pool`, `destination_header` and `membership`
-# fields. A filter built before it refuses them (unknown fields), and `envoy --mode validate` runs
-# the filter's configuration check: with such a build, the Envoy half of a pool config (clusters,
-# EDS / DNS membership, override_host, node, route) is still validated for real, with the plugin
-# configuration's pool-era fields rewritten to what that filter reads (a pool as a one-cluster
-# worker list), and the test says so with a warning.
-POOL_FIELDS = re.compile(r"unknown field `(pool|destination_header|membership)`")
-
-
-@pytest.fixture(scope="session")
-def filter_reads_pools(tmp_path_factory) -> bool:
-    """Whether the built filter accepts a pool model's plugin configuration."""
-    from prkit import envoy_config as ec
-    from prkit.envoy import validate_config
-
-    opts = ec.profile("test", models={}, pools={"m": ec.Pool("m", "dns", host="localhost", port=30000)},
-                      wasm=str(wasm_path()))
-    r = validate_config(ec.render(opts), tmp_path_factory.mktemp("pool-probe"))
-    out = r.stdout + r.stderr
-    if r.returncode == 0 and " OK" in out:
-        return True
-    assert POOL_FIELDS.search(out), f"the probe pool config failed for another reason:\n{out[-3000:]}"
-    return False
-
-
-def without_pool_fields(plugin: dict) -> dict:
-    """The plugin configuration as a filter without pools reads it: each pool a one-cluster
-    worker list, no destination_header / membership."""
-    out = json.loads(json.dumps(plugin))
-    out.pop("destination_header", None)
-    out.pop("membership", None)
-    for name, m in out["models"].items():
-        if "pool" in m:
-            out["models"][name] = {"workers": [m["pool"]["cluster"]]}
-    return out
-
-
-def check_pool_doc(cfg: dict, tmp_path: Path, reads_pools: bool, name: str = "pool.yaml") -> None:
-    """`envoy --mode validate` on a config given as dicts: the whole config when the built filter
-    reads pools, else its Envoy half (the plugin configuration rewritten, see above)."""
+def check_pool_doc(cfg: dict, tmp_path: Path, name: str = "pool.yaml") -> None:
+    """`envoy --mode validate` on a pool config given as dicts (the filter's configuration check
+    included)."""
     from prkit import envoy_config as ec
     from prkit.envoy import check_config
 
-    if not reads_pools:
-        cfg = json.loads(json.dumps(cfg))
-        for li in cfg["static_resources"]["listeners"]:
-            for f in li["filter_chains"][0]["filters"][0]["typed_config"].get("http_filters", []):
-                if f["name"] == "envoy.filters.http.wasm":
-                    conf = f["typed_config"]["config"]["configuration"]
-                    conf["value"] = json.dumps(without_pool_fields(json.loads(conf["value"])))
-        warnings.warn("the built filter predates pools: only the Envoy half of the pool config was validated "
-                      "(its plugin configuration's pool fields were rewritten)")
     check_config(ec.dump(cfg), tmp_path, name)
 
 
-def check_pool_config(args: list[str], tmp_path: Path, reads_pools: bool, name: str = "pool.yaml") -> str:
-    """check_pool_doc on `envoy/gen ARGS` (its text as it is when the filter reads pools); returns
-    the generated text."""
+def check_pool_config(args: list[str], tmp_path: Path, name: str = "pool.yaml") -> str:
+    """`envoy --mode validate` on `envoy/gen ARGS`; returns the generated text."""
     from prkit import envoy_config as ec
     from prkit.envoy import check_config
 
     text = ec.run_gen(*args)
-    if reads_pools:
-        check_config(text, tmp_path, name)
-    else:
-        check_pool_doc(ec.config(ec.options_from_args(list(args))), tmp_path, reads_pools, name)
+    check_config(text, tmp_path, name)
     return text

@@ -81,13 +81,13 @@ def eds_file(tmp_path) -> Path:
 
 @pytest.mark.parametrize("profile", ["ingress", "test"])
 @pytest.mark.parametrize("source", ["eds", "dns"])
-def test_pool_configs_validate(source, profile, eds_file, tmp_path, filter_reads_pools):
+def test_pool_configs_validate(source, profile, eds_file, tmp_path):
     """`--model m=eds:PATH` / `m=dns:localhost:30000`, with a static model beside it, in the production
     and the simple shape: Envoy accepts the config (EDS needs the bootstrap's node; override_host
     and the retry policy on a pool cluster)."""
     spec = f"m=eds:{eds_file}" if source == "eds" else "m=dns:localhost:30000"
     check_pool_config(["--profile", profile, "--model", spec, "--model", "s=10.0.0.1:30000,s1.llm.svc:30000",
-                       "--wasm", str(wasm_path())], tmp_path, filter_reads_pools, f"{source}-{profile}.yaml")
+                       "--wasm", str(wasm_path())], tmp_path, f"{source}-{profile}.yaml")
 
 
 @pytest.mark.parametrize("source", ["eds", "dns"])

@@ -219,7 +219,7 @@ def decision(headers: dict) -> dict:
     return dict(part.strip().split("=", 1) for part in h.split(";"))
 
 
-def test_generated_config_routes_and_retries_on_another_worker(live, filter_reads_pools):
+def test_generated_config_routes_and_retries_on_another_worker(live):
     port, workers = live["listen"], live["workers"]
     body = {
         "model": "llama",
@@ -253,10 +253,9 @@ def test_generated_config_routes_and_retries_on_another_worker(live, filter_read
     status, headers, raw = post(port, body)
     assert status == 200, (status, headers, raw, live["log"].read_text()[-6000:])
     d = decision(headers)
-    # The workers are IP literals, so the plugin config carries their addresses: a filter that
-    # reads them (issue 27, the same build that reads pools) credits the worker that served, and
-    # its debug header names that one; an older filter names the one it chose.
-    assert d["worker"] == (other if filter_reads_pools else chosen) and d["reason"] == "prefix_hit", d
+    # The workers are IP literals, so the plugin config carries their addresses: the filter
+    # credits the worker that served (its charge, its index records) and the debug header names it.
+    assert d["worker"] == other and d["reason"] == "prefix_hit", d
     assert json.loads(raw)["worker"] == workers[other].name
     assert headers.get("x-envoy-attempt-count") == "2"
     assert workers[other].requests[before:] == [("/v1/chat/completions", "2")]
