@@ -41,8 +41,9 @@ def _lenient_json(body: bytes):
 class Worker:
     """One upstream 'LLM worker': answers 200 JSON naming itself, counts requests and concurrency."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0):
         self.name = name
+        self.host = host
         self.delay_s = 0.0
         # Requests this worker reports on its load endpoints beyond its own in-flight ones
         # (traffic that bypasses Envoy, or other replicas').
@@ -233,11 +234,11 @@ class Worker:
             request_queue_size = 256
 
         self._classes = (Server, Handler)
-        self._serve(0)
+        self._serve(port)
 
     def _serve(self, port: int):
         Server, Handler = self._classes
-        self.server = Server(("127.0.0.1", port), Handler)
+        self.server = Server((self.host, port), Handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name=f"worker-{self.name}", daemon=True)
         self.thread.start()

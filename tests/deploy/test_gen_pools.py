@@ -9,7 +9,6 @@ follows the EDS file and retries on the next host named."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import urllib.error
 import urllib.request
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from prkit import eds
 from prkit import envoy_config as ec
 from prkit.build import wasm_path
 from prkit.envoy import Envoy
@@ -27,15 +27,8 @@ from .conftest import Worker, check_pool_config, gen_fail, plugin_config
 
 
 def write_eds(path: Path, service: str, ports: list[int], version: int) -> None:
-    """An EDS DiscoveryResponse of `ports` on 127.0.0.1, replaced by a rename (as the docs say)."""
-    doc = {"version_info": str(version), "resources": [{
-        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-        "cluster_name": service,
-        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-            "address": "127.0.0.1", "port_value": p}}}} for p in ports]}]}]}
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(doc))
-    os.rename(tmp, path)
+    """An EDS DiscoveryResponse of `ports` on 127.0.0.1 (prkit.eds)."""
+    eds.write_eds(path, service, [("127.0.0.1", p) for p in ports], version)
 
 
 def clusters_of(cfg: dict) -> dict:

@@ -1,0 +1,275 @@
+"""Pool models through the real Envoy with the compiled filter: the workers are the hosts of one
+EDS cluster (a file Envoy watches) or of a DNS name; the filter reads them from Envoy's admin
+`/clusters`, names the chosen host in the override_host header, follows hosts that come and go,
+distrusts a host that left and came back, and credits the host that actually served."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from prkit import envoy_config as ec
+from prkit.build import wasm_path
+from prkit.client import Client
+from prkit.eds import write_eds
+from prkit.envoy import Envoy
+from prkit.fake_workers import Worker
+from prkit.ports import free_port
+from prkit.wait import wait_until
+
+from . import workload as wl
+
+MODEL = "m"
+REBUILDS = "prefix_router_membership_rebuilds"
+
+
+def gen_args(spec: str, listen: int, admin: int) -> list[str]:
+    return ["--model", f"{MODEL}={spec}", "--listen", f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}",
+            "--stats-listen", "none", "--rate-limit", "0", "--hash-key", "k" * 32, "--wasm", str(wasm_path()),
+            "--membership-ms", "200", "--health-interval", "1s", "--debug-header", "--fallbacks", "1"]
+
+
+class EdsPool:
+    """Six fake workers, an EDS file listing some of them, and a real Envoy on `envoy/gen`'s
+    production shape with the filter."""
+
+    def __init__(self, tmp: Path):
+        self.workers = [Worker(f"p{i}") for i in range(6)]
+        self.addr = {f"127.0.0.1:{w.port}": w.name for w in self.workers}
+        self.path = tmp / "eds" / "m.yaml"
+        self.path.parent.mkdir()
+        self.version = 0
+        self.listen(["p0", "p1"])
+        listen, admin = free_port(), free_port()
+        text = ec.run_gen(*gen_args(f"eds:{self.path}", listen, admin))
+        self.envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp).start()
+        self.client = Client(listen)
+
+    def listen(self, names: list[str]):
+        """The EDS file lists `names` from now on."""
+        self.version += 1
+        hosts = [("127.0.0.1", w.port) for w in self.workers if w.name in names]
+        write_eds(self.path, MODEL, hosts, self.version)
+
+    def known(self) -> set[str]:
+        """Workers the filter routes to now: the hosts named first in a few fresh decisions'
+        destination headers would be a guess; the published membership is exact but internal, so
+        this asks Envoy's admin which hosts are healthy members (what the filter reads)."""
+        _, body = self.envoy.admin_get("/clusters")
+        out = set()
+        for line in body.splitlines():
+            parts = line.split("::")
+            if len(parts) == 4 and parts[0] == MODEL and parts[2] == "health_flags" and parts[3] == "healthy":
+                out.add(self.addr.get(parts[1], parts[1]))
+        return out
+
+    def rebuilds(self) -> float:
+        return sum(v for k, v in self.envoy.stats_now().items() if k.startswith(REBUILDS))
+
+    def settle(self, names: list[str]):
+        """Lists `names` and waits until every Envoy worker thread's filter has rebuilt its worker
+        list after Envoy's admin shows exactly them healthy."""
+        self.listen(names)
+        wait_until(lambda: self.known() == set(names), lambda: f"admin shows {names}, has {self.known()}", 30)
+        before = self.rebuilds()
+        wait_until(lambda: self.rebuilds() >= before + 1 or self.routes_only(names),
+                   f"the filter following {names}", 30, 0.2)
+        wait_until(lambda: self.routes_only(names), f"fresh decisions naming only {names}", 30, 0.2)
+
+    def routes_only(self, names: list[str]) -> bool:
+        """Whether a few new conversations are all sent to `names` and spread over more than one
+        when there are several."""
+        seen = {self.chat(self.opening())[0] for _ in range(12)}
+        return seen <= set(names) and (len(seen) > 1 or len(names) == 1)
+
+    def opening(self) -> list[dict]:
+        r = wl.rng(uuid.uuid4().hex)
+        return [{"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 2000)},
+                {"role": "user", "content": wl.text(r, 200)}]
+
+    def chat(self, msgs: list[dict]) -> tuple[str, dict]:
+        """(the worker that answered, the debug header) of one chat turn."""
+        rep = self.client.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        assert rep.status == 200, rep.body
+        d = rep.decision
+        d["worker"] = self.addr.get(d.get("worker", ""), d.get("worker"))
+        d["holder"] = self.addr.get(d.get("holder", ""), d.get("holder"))
+        return rep.worker, d
+
+    def close(self):
+        self.envoy.stop()
+        for w in self.workers:
+            w.close()
+
+
+@pytest.fixture
+def pool(tmp_path):
+    p = EdsPool(tmp_path)
+    try:
+        p.settle(["p0", "p1"])
+        yield p
+    finally:
+        p.close()
+
+
+def next_turn(msgs: list[dict]) -> list[dict]:
+    r = wl.rng(str(len(msgs)))
+    return msgs + [{"role": "assistant", "content": wl.text(r, 100)}, {"role": "user", "content": wl.text(r, 100)}]
+
+
+def test_added_workers_get_new_conversations_and_keep_them(pool):
+    pool.settle(["p0", "p1", "p2", "p3"])
+    on_new: dict[str, list] = {"p2": [], "p3": []}
+
+    def both_new_used():
+        msgs = pool.opening()
+        worker, d = pool.chat(msgs)
+        assert d["worker"] == worker, d  # the debug header names the host that served
+        if worker in on_new:
+            on_new[worker].append(msgs)
+        return all(on_new.values())
+
+    wait_until(both_new_used, lambda: f"conversations on the added workers: {on_new}", 60, 0)
+    for name, convs in on_new.items():
+        msgs = next_turn(convs[0])
+        worker, d = pool.chat(msgs)
+        assert worker == name and d["reason"] == "prefix_hit", (name, d)
+
+
+def test_a_removed_worker_gets_nothing_new_and_no_request_fails(pool):
+    pool.settle(["p0", "p1", "p2"])
+    failures, served = [], []
+    stop = threading.Event()
+
+    def traffic():
+        c = Client(pool.envoy.listener_port)
+        while not stop.is_set():
+            rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": pool.opening(), "max_tokens": 4})
+            (served if rep.status == 200 else failures).append((time.monotonic(), rep.status, rep.worker))
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        time.sleep(1)
+        removed_at = time.monotonic()
+        pool.settle(["p0", "p1"])
+        settled_at = time.monotonic()
+        time.sleep(2)
+    finally:
+        stop.set()
+        t.join(30)
+    assert not failures, failures[:5]
+    assert any(w == "p2" for at, _, w in served if at < removed_at), "p2 served before it was removed"
+    late = [w for at, _, w in served if at > settled_at]
+    assert late and "p2" not in late, late
+
+
+def test_a_worker_back_at_the_same_address_is_not_sent_stale_prefixes(pool):
+    msgs = pool.opening()
+    holder, _ = pool.chat(msgs)
+    msgs = next_turn(msgs)
+    worker, d = pool.chat(msgs)
+    assert worker == holder and d["reason"] == "prefix_hit", d
+    other = "p1" if holder == "p0" else "p0"
+    pool.settle([other])  # the holder leaves (its pod goes away) ...
+    pool.settle(["p0", "p1"])  # ... and a new one comes back at the same address, cache empty
+    msgs = next_turn(msgs)
+    worker, d = pool.chat(msgs)
+    assert d["reason"] != "prefix_hit" and d.get("holder") in (None, ""), d
+
+
+def test_a_request_a_fallback_served_credits_the_fallback(pool):
+    msgs = pool.opening()
+    holder, _ = pool.chat(msgs)
+    other = "p1" if holder == "p0" else "p0"
+    w = next(w for w in pool.workers if w.name == holder)
+    w.close()  # connection refused; Envoy's health check has not noticed yet
+    msgs = next_turn(msgs)
+    worker, d = pool.chat(msgs)
+    assert worker == other and d["worker"] == other, d  # the retry went to the named fallback
+    fallbacks = sum(v for k, v in pool.envoy.stats().items() if k.startswith("prefix_router_served_by_fallback"))
+    assert fallbacks >= 1
+    # Its records went to the fallback: the next turn is a prefix hit there.
+    msgs = next_turn(msgs)
+    worker, d = pool.chat(msgs)
+    assert worker == other and d["reason"] == "prefix_hit", d
+
+
+class TinyDns:
+    """A UDP DNS server on loopback answering every A query for `name` with `addresses` (and
+    NXDOMAIN otherwise): a name resolving to several addresses, without touching /etc/hosts."""
+
+    def __init__(self, name: str, addresses: list[str]):
+        self.name, self.addresses = name.lower().rstrip("."), addresses
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                q, peer = self.sock.recvfrom(512)
+            except OSError:
+                return
+            if len(q) < 12:
+                continue
+            i, labels = 12, []
+            while i < len(q) and q[i]:
+                labels.append(q[i + 1:i + 1 + q[i]].decode("ascii", "replace"))
+                i += 1 + q[i]
+            qtype = struct.unpack("!H", q[i + 1:i + 3])[0] if i + 3 <= len(q) else 0
+            question = q[12:i + 5]
+            ok = ".".join(labels).lower() == self.name
+            answers = self.addresses if ok and qtype == 1 else []
+            flags = 0x8180 if ok else 0x8183
+            out = q[:2] + struct.pack("!HHHHH", flags, 1, len(answers), 0, 0) + question
+            for a in answers:
+                out += struct.pack("!HHHIH", 0xC00C, 1, 1, 5, 4) + socket.inet_aton(a)
+            self.sock.sendto(out, peer)
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_dns_pool_routes_to_every_address_of_its_name(tmp_path):
+    first = Worker("d0", host="127.0.0.1")
+    second = Worker("d1", host="127.0.0.2", port=first.port)
+    dns = TinyDns("workers.prefix-router.test", ["127.0.0.1", "127.0.0.2"])
+    listen, admin = free_port(), free_port()
+    cfg = ec.config(ec.options_from_args(gen_args(f"dns:workers.prefix-router.test:{first.port}", listen, admin)))
+    resolver = {"name": "envoy.network.dns_resolver.cares", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
+        "resolvers": [{"socket_address": {"address": "127.0.0.1", "port_value": dns.port}}],
+        "dns_resolver_options": {"no_default_search_domain": True}}}
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] in (MODEL, f"{MODEL}_load"):
+            c["typed_dns_resolver_config"] = resolver  # the test's name server, not the system's
+    envoy = Envoy(ec.dump(cfg), listener_port=listen, admin_port=admin, workdir=tmp_path).start()
+    try:
+        c = Client(listen)
+        seen = set()
+
+        def both_served():
+            r = wl.rng(uuid.uuid4().hex)
+            msgs = [{"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 500)},
+                    {"role": "user", "content": "hi"}]
+            rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+            assert rep.status == 200, rep.body
+            if rep.decision.get("worker", "").startswith("127.0.0."):
+                assert rep.decision["worker"] == f"{'127.0.0.1' if rep.worker == 'd0' else '127.0.0.2'}:{first.port}"
+                seen.add(rep.worker)
+            return seen == {"d0", "d1"}
+
+        wait_until(both_served, lambda: f"both addresses of the name routed to (seen {seen})", 60, 0.05)
+    finally:
+        envoy.stop()
+        dns.close()
+        first.close()
+        second.close()
