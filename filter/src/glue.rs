@@ -242,6 +242,7 @@ impl Root {
             endpoint: None,
             decision: None,
             decode: None,
+            chosen: None,
             charge: Charge::default(),
             peer_batch: false,
             plan: None,
@@ -257,6 +258,8 @@ pub struct Stream {
     /// PD models; passthrough's too) and, PD models only, the decode worker.
     decision: Option<Decision>,
     decode: Option<Decision>,
+    /// The worker first chosen, when another one served (`credit_server`).
+    chosen: Option<u16>,
     /// The load still to give back (`charge.rs`); set before any host call after the charge,
     /// so the stream's end releases it whatever happens next.
     charge: Charge,
@@ -565,7 +568,7 @@ impl Stream {
             h.add_header(
                 Map::ResponseHeaders,
                 name,
-                &r.debug_value(d, self.decode.as_ref()),
+                &r.debug_value(d, self.decode.as_ref(), self.chosen),
             );
         }
         Action::Continue
@@ -613,6 +616,7 @@ impl Stream {
             self.charge.routed = Some(charged);
         }
         if let Some(dec) = self.decision.as_mut() {
+            self.chosen = Some(dec.worker);
             dec.worker = to;
         }
         if let Some(plan) = self.plan.as_mut() {

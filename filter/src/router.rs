@@ -820,7 +820,15 @@ impl Router {
     /// The debug header's value for decision `d` (and a PD request's `decode` worker): the
     /// worker, why, the matched and total blocks, and the deepest holder's load as the decision
     /// saw it (requests / capacity, 0: not reported / queued prefill tokens).
-    pub fn debug_value(&self, d: &Decision, decode: Option<&Decision>) -> String {
+    /// The debug header's value: the worker that served (`d`'s), why, the match, the decode
+    /// worker of a PD pair, the deepest holder and its load, and the worker first chosen when a
+    /// fallback served (`chosen`).
+    pub fn debug_value(
+        &self,
+        d: &Decision,
+        decode: Option<&Decision>,
+        chosen: Option<u16>,
+    ) -> String {
         use std::fmt::Write;
         let mut v = String::with_capacity(96);
         let _ = write!(
@@ -847,6 +855,10 @@ impl Router {
                 hl.capacity,
                 hl.tokens
             );
+        }
+        if let Some(c) = chosen {
+            let first = Decision { worker: c, ..*d };
+            let _ = write!(v, "; chosen={}", self.cluster(&first));
         }
         v
     }

@@ -214,6 +214,7 @@ fn a_request_a_fallback_served_credits_the_fallback_with_its_load_and_records() 
     s.on_response_headers(&h);
     let debug = response_header(&h, "x-debug").unwrap();
     assert!(debug.starts_with(&format!("worker=w{fi};")), "{debug}");
+    assert!(debug.ends_with(&format!("; chosen=w{ci}")), "{debug}");
     let l = loads(&h, &parsed);
     assert_eq!(
         (l[ci], l[fi]),

@@ -68,7 +68,7 @@ class Result:
     status: int = 0
     ok: bool = False
     error: str = ""
-    cluster: str = ""  # the filter's decision (debug header)
+    cluster: str = ""  # the filter's first choice (debug header)
     reason: str = ""
     served_by: str = ""  # x-worker-id
     attempts: int = 0
@@ -104,7 +104,8 @@ def one_request(port: int, body: dict, *, group: int = -1, abort_after_first: bo
         res.status = r.status
         d = r.getheader(DECISION) or ""
         parts = dict(p.strip().split("=", 1) for p in d.split(";") if "=" in p)
-        res.cluster, res.reason = parts.get("worker", ""), parts.get("reason", "")
+        # the worker the filter chose: `chosen` when a fallback served (`worker` names that one)
+        res.cluster, res.reason = parts.get("chosen") or parts.get("worker", ""), parts.get("reason", "")
         res.served_by = r.getheader("x-worker-id") or ""
         res.attempts = int(r.getheader("x-envoy-attempt-count") or 0)
         if abort_after_first:
