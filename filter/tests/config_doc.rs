@@ -144,6 +144,17 @@ fn the_documented_example_lists_every_field() {
     );
 }
 
+/// Asserts that `shown` and `bare` (the same section with only its required fields) read as the
+/// same `T`: every other field `shown` lists has its default.
+fn assert_defaults<T: DeserializeOwned + std::fmt::Debug>(what: &str, shown: &Value, bare: &Value) {
+    let read = |v: &Value| format!("{:?}", serde_json::from_value::<T>(v.clone()).unwrap());
+    assert_eq!(
+        read(shown),
+        read(bare),
+        "docs/configuration.md example, {what}: a value differs from its default"
+    );
+}
+
 #[test]
 fn the_documented_example_shows_the_defaults() {
     let doc = doc_example();
@@ -152,46 +163,16 @@ fn the_documented_example_shows_the_defaults() {
     let mut without_peers = doc.clone();
     without_peers.as_object_mut().unwrap().remove("peers");
     let minimal = json!({"models": doc["models"], "default_model": doc["default_model"]});
-    let parsed = |v: &Value| {
-        format!(
-            "{:?}",
-            serde_json::from_value::<RawConfig>(v.clone()).unwrap()
-        )
-    };
-    assert_eq!(
-        parsed(&without_peers),
-        parsed(&minimal),
-        "docs/configuration.md example: a value outside `models` differs from its default"
-    );
+    assert_defaults::<RawConfig>("outside `models`", &without_peers, &minimal);
     // `peers`: every field but the required secret (and the example's clusters) is the default.
     let peers = &doc["peers"];
     let bare = json!({"secret": peers["secret"], "clusters": peers["clusters"]});
-    let parsed = |v: &Value| {
-        format!(
-            "{:?}",
-            serde_json::from_value::<PeersConfig>(v.clone()).unwrap()
-        )
-    };
-    assert_eq!(
-        parsed(peers),
-        parsed(&bare),
-        "docs/configuration.md example: `peers`"
-    );
+    assert_defaults::<PeersConfig>("`peers`", peers, &bare);
     // Pools and PD prefill workers show their defaults too (the load cluster is the example's).
     for m in doc["models"].as_object().unwrap().values() {
         if let Some(pool) = m.get("pool") {
             let bare = json!({"cluster": pool["cluster"], "load_cluster": pool["load_cluster"]});
-            let parsed = |v: &Value| {
-                format!(
-                    "{:?}",
-                    serde_json::from_value::<RawPool>(v.clone()).unwrap()
-                )
-            };
-            assert_eq!(
-                parsed(pool),
-                parsed(&bare),
-                "docs/configuration.md example: `pool`"
-            );
+            assert_defaults::<RawPool>("`pool`", pool, &bare);
         }
         for p in m
             .get("prefill")
@@ -200,17 +181,7 @@ fn the_documented_example_shows_the_defaults() {
             .flatten()
         {
             let bare = json!({"cluster": p["cluster"], "bootstrap_host": p["bootstrap_host"]});
-            let parsed = |v: &Value| {
-                format!(
-                    "{:?}",
-                    serde_json::from_value::<RawPrefill>(v.clone()).unwrap()
-                )
-            };
-            assert_eq!(
-                parsed(p),
-                parsed(&bare),
-                "docs/configuration.md example: `prefill`"
-            );
+            assert_defaults::<RawPrefill>("`prefill`", p, &bare);
         }
     }
 }
