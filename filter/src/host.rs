@@ -4,9 +4,10 @@
 //! `glue` is written against [`Host`] only, so the whole stream lifecycle (metric batching, load
 //! charged and released exactly once, passthrough, debug header, peer batches, polls) runs
 //! natively against [`FakeHost`] in tests; in the `.wasm`, `abi::Envoy` implements it with one
-//! proxy-wasm host call per method call. Costs in Envoy: every method is one host call (a V8
-//! boundary crossing); the ones returning bytes also make Envoy call back into the module to
-//! allocate the copy.
+//! proxy-wasm host call per method call, in the native build `native::host::Native` with one
+//! dynamic-module ABI call. Costs in Envoy: in the `.wasm` every method is one host call (a V8
+//! boundary crossing), and the ones returning bytes also make Envoy call back into the module to
+//! allocate the copy; natively a method is a plain function call into Envoy.
 
 use crate::store::{CasMismatch, MemStore, Store};
 use std::cell::RefCell;

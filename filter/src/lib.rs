@@ -2,8 +2,11 @@
 //!
 //! The pure core is plain Rust over the [`store::Store`] trait; [`glue`] drives it from a
 //! stream's callbacks over the [`host::Host`] trait; both are tested natively (`host::FakeHost`).
-//! `abi` is the only Wasm-specific part: the exported proxy-wasm callbacks (only the ones the
-//! filter needs) and the host-call imports behind `Host`.
+//! Two layers implement `Host` for Envoy: `abi`, the shipped `.wasm`'s exported proxy-wasm
+//! callbacks (only the ones the filter needs) and host-call imports, and `native` (feature
+//! `dynamic-module`, experimental), the same as an Envoy dynamic module. Besides `abi`, only the
+//! Wasm SIMD steps are Wasm-specific (`xxh3.rs`, `id_chunks.rs`, `blocks.rs`: `simd128`, with a
+//! portable path for every other build; `harness/tests` checks the `.wasm`'s results against it).
 
 pub mod blocks;
 pub mod busy;

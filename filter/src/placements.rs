@@ -28,7 +28,7 @@
 //! request can do is route its own group's next siblings, as the index would after its answer.
 //! A flood of new prompts only evicts slots (plain rendezvous again).
 //!
-//! Costs: nothing for a prompt the index holds. A prompt nobody holds: one get (1 KiB copied)
+//! Costs: nothing for a prompt the index holds. A prompt nobody holds: one get (2 KiB copied)
 //! before the choice and one CAS after it (skipped when the slot already says so), a second
 //! get + CAS after a lost race, then it gives up (a best effort: the slot is a hint).
 

@@ -1,4 +1,4 @@
-//! Issue 12 items 3 and 5 through the real `.wasm`: index records are written only once the
+//! Index records and tenants through the real `.wasm`: index records are written only once the
 //! response shows the worker took the request, tenants (named by a header Envoy sets) never see
 //! each other's prefixes in the debug header, and encoded inference paths are not passthrough.
 

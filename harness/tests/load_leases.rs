@@ -1,4 +1,4 @@
-//! Self-healing load accounting on the real `prefix_router.wasm` (issue 12 item 2).
+//! Self-healing load accounting on the real `prefix_router.wasm`.
 //!
 //! Under `fail_open: FAIL_RELOAD` Envoy replaces a VM that trapped with a fresh one: the trapped
 //! VM's streams never get their stream-end callbacks and its batched state is gone. Each VM

@@ -69,7 +69,7 @@ def test_peers_config_validates_and_listeners_share_the_vm(composecheck, tmp_pat
     ops = [(f["status_code_filter"]["comparison"]["op"], f["status_code_filter"]["comparison"]["value"]["default_value"])
            for f in log["filter"]["or_filter"]["filters"]]
     assert ops == [("LE", 199), ("GE", 300)]
-    assert "x-prefix-router-peer-secret" not in text, "the secret no longer travels in a header"
+    assert "x-prefix-router-peer-secret" not in text, "the secret never travels in a header"
     (vhost,) = pm["route_config"]["virtual_hosts"]
     assert vhost["domains"] == ["*"]
     assert vhost["routes"] == [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]

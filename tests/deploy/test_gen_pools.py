@@ -1,4 +1,4 @@
-"""envoy/gen's pools (issue 27): --model NAME=eds:PATH and NAME=dns:HOST:PORT make one Envoy cluster
+"""envoy/gen's pools: --model NAME=eds:PATH and NAME=dns:HOST:PORT make one Envoy cluster
 per model whose hosts are the workers (live membership), routed by override_host on the header the
 filter sets; --pool-max-workers, --membership-ms; static workers' addresses in the plugin config.
 

@@ -1,4 +1,4 @@
-"""Shipped-config hardening (issue 12 items 5 and 6), checked on the real Envoy: encoded paths are
+"""Shipped-config hardening, checked on the real Envoy: encoded paths are
 normalized before the filter and the worker see them, and the public route can only reach worker
 clusters, even with the filter bypassed."""
 

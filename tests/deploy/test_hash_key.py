@@ -1,4 +1,4 @@
-"""Keyed hashes in every production config (issue 28 item 2): with hash_key unset (0) anyone can
+"""Keyed hashes in every production config: with hash_key unset (0) anyone can
 grind prompts offline that evict a victim's index buckets, or compute the rendezvous key and worker
 ids that pin new conversations to a chosen worker.
 

@@ -1,4 +1,4 @@
-"""What bounds an Envoy replica's memory (issue 28 item 1), checked in every shipped config and
+"""What bounds an Envoy replica's memory, checked in every shipped config and
 manifest: the filter holds every inference request until its body ends, so without these a few
 hundred clients trickling 16 MiB bodies pin gigabytes and the OOM killer takes the replica with
 every generation it carries. The live behaviour is tests/reliability/test_slow_clients.py.

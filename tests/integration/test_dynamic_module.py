@@ -1,5 +1,5 @@
 """The native design's floor in the real Envoy: benches/dm-floor, an Envoy dynamic module with a
-hand-written ABI layer (docs/design.md, "Next design: a native module"), loaded by the shipped
+hand-written ABI layer (docs/design.md, "The native module"), loaded by the shipped
 Envoy 1.40 and routing on the request body.
 
 These tests guard what the hand-written layer cannot check by itself: that the binary exports the

@@ -1,4 +1,4 @@
-"""Slow and memory-hungry clients (issue 28 item 1), through the real Envoy + filter with configs
+"""Slow and memory-hungry clients, through the real Envoy + filter with configs
 from envoy/gen: the filter holds every inference request until its body ends, so a client that
 trickles its body (or its headers) would pin its buffered bytes for as long as it likes, and enough
 of them would OOM-kill the replica with every generation it carries.

@@ -1,8 +1,8 @@
 //! The ABI itself: Envoy 1.40's dynamic-module types, constants and the callbacks the module
 //! imports, and [`Abi`], the function table the rest of `native` calls them through.
 //!
-//! Invariants (each checked against the shipped `envoy` binary; docs/design.md, "Next design: a
-//! native module", lists how):
+//! Invariants (each checked against the shipped `envoy` binary; docs/design.md, "The native
+//! module", lists how):
 //! - buffers are `{ptr, len}` passed by value, a header is two of them (key, then value), C
 //!   enums are `int` (`u32` here); a NULL buffer is an empty one;
 //! - Envoy copies every buffer the module passes in before the callback returns; the buffers it

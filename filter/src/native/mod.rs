@@ -1,7 +1,7 @@
 //! The native build: the same core and `glue` as the `.wasm`, loaded into Envoy 1.40 as a
 //! dynamic module (`envoy.filters.http.dynamic_modules`, ABI `v0.2.0`) through a hand-written
 //! `extern "C"` layer (`cargo build -p prefix-router --release --features dynamic-module` gives
-//! `target/release/libprefix_router.so`). docs/design.md, "Next design: a native module", says
+//! `target/release/libprefix_router.so`). docs/design.md, "The native module", says
 //! why (the V8 boundary is most of the Wasm build's per-request cost) and how every ABI fact
 //! used here was checked against the shipped binary.
 //!
