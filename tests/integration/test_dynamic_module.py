@@ -443,3 +443,31 @@ def test_native_build_survives_malformed_bodies_and_answers_each(native):
     gauges = r"dynamicmodulescustom\.prefix_router\.inflight_requests\..*"
     _drive_until(envoy, lambda: sum(envoy.counters(gauges).values()) == 0,
                  lambda: envoy.counters(gauges))
+
+
+def test_native_build_credits_the_worker_that_served_a_retry(tmp_path):
+    """The native build reads `upstream.address` (the ABI's attribute id, checked here against
+    this Envoy): a request its first choice could not take is retried on the fallback, and the
+    fallback is credited (the debug header names it, and the first choice as `chosen`)."""
+    cargo_build("prefix-router", release=True, features=["dynamic-module"])
+    so = target_dir() / "release" / "libprefix_router.so"
+    pool = WorkerPool(["w0", "w1"])
+    listen, admin = free_port(), free_port()
+    o = ec.options_from_args([
+        "--profile", "ingress", "--native", "--debug-header", "--stats-listen", "none", "--rate-limit", "0",
+        "--hash-key", "k" * 32, "--listen", f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}",
+        "--model", f"llama=w0=127.0.0.1:{pool.ports['w0']},w1=127.0.0.1:{pool.ports['w1']}"])
+    with _serve(o, so, pool, listen, admin, "prefix-router-native-credit-") as envoy:
+        c = Client(envoy.listener_port)
+        r = wl.rng("native-credit")
+        body = {"model": "llama", "messages": [{"role": "system", "content": wl.text(r, 3000)},
+                                               {"role": "user", "content": "hi"}]}
+        rep = c.post("/v1/chat/completions", body)
+        assert rep.status == 200 and rep.decision["worker"] == rep.worker, (rep.status, rep.decision)
+        chosen = rep.worker
+        other = "w1" if chosen == "w0" else "w0"
+        pool.workers[chosen].close()  # connection refused: the route retries on the fallback
+        rep = c.post("/v1/chat/completions", body)
+        assert rep.status == 200 and rep.worker == other, (rep.status, rep.worker)
+        assert rep.decision["worker"] == other and rep.decision.get("chosen") == chosen, rep.decision
+        c.close()

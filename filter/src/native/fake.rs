@@ -50,6 +50,8 @@ pub(crate) struct FakeState {
     /// `get_headers` / `append_body` answer false; `scheduler_new` answers NULL.
     pub(crate) headers_fail: bool,
     pub(crate) append_fails: bool,
+    /// String attributes by ABI id (`get_attribute_string`).
+    pub(crate) attributes: Vec<(u32, Vec<u8>)>,
     pub(crate) no_scheduler: bool,
     pub(crate) schedulers: u32,
     pub(crate) schedulers_deleted: u32,
@@ -205,6 +207,17 @@ impl Abi for FakeEnvoy {
     }
     unsafe fn clear_route_cache(f: EnvoyFilter) {
         drop(FakeEnvoy::enter(f, "clear_route_cache"));
+    }
+    unsafe fn get_attribute_string(f: EnvoyFilter, attribute: u32, out: *mut Buf) -> bool {
+        let s = FakeEnvoy::enter(f, "get_attribute_string");
+        match s.attributes.iter().find(|(id, _)| *id == attribute) {
+            // The fake's state outlives the hook, as Envoy's bytes do.
+            Some((_, v)) => {
+                *out = Buf::of(v);
+                true
+            }
+            None => false,
+        }
     }
     unsafe fn get_body_chunks_size(f: EnvoyFilter, body: u32) -> usize {
         FakeEnvoy::enter(f, "get_body_chunks_size").body(body).len()

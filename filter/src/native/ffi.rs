@@ -105,6 +105,9 @@ pub(crate) const STOP: u32 = 1;
 /// Every method is as unsafe as the callback: the pointers are Envoy's live stream, config or
 /// scheduler pointers of the current hook, out-arrays hold as many entries as the matching
 /// `_size` call said, and in-buffers are readable for the call.
+/// `envoy_dynamic_module_type_attribute_id_UpstreamAddress` (`upstream.address`, `IP:PORT`).
+pub(crate) const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
+
 pub(crate) trait Abi: 'static {
     unsafe fn get_headers_size(f: EnvoyFilter, map: u32) -> usize;
     unsafe fn get_headers(f: EnvoyFilter, map: u32, out: *mut Pair) -> bool;
@@ -112,6 +115,9 @@ pub(crate) trait Abi: 'static {
     unsafe fn set_header(f: EnvoyFilter, map: u32, key: Buf, value: Buf) -> bool;
     unsafe fn add_header(f: EnvoyFilter, map: u32, key: Buf, value: Buf) -> bool;
     unsafe fn clear_route_cache(f: EnvoyFilter);
+    /// A string attribute of the stream (`attribute` is the ABI's attribute id); false when
+    /// absent or not a string. `out` then points at Envoy's bytes, valid during the hook.
+    unsafe fn get_attribute_string(f: EnvoyFilter, attribute: u32, out: *mut Buf) -> bool;
     unsafe fn get_body_chunks_size(f: EnvoyFilter, body: u32) -> usize;
     unsafe fn get_body_chunks(f: EnvoyFilter, body: u32, out: *mut Buf) -> bool;
     /// Appends `data` to the body `body`; false when that body does not exist.
@@ -215,6 +221,11 @@ mod raw {
             value: Buf,
         ) -> bool;
         pub fn envoy_dynamic_module_callback_http_clear_route_cache(f: EnvoyFilter);
+        pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+            f: EnvoyFilter,
+            attribute: u32,
+            out: *mut Buf,
+        ) -> bool;
         pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(
             f: EnvoyFilter,
             body: u32,
@@ -326,6 +337,10 @@ impl Abi for Envoy {
     #[inline(always)]
     unsafe fn clear_route_cache(f: EnvoyFilter) {
         raw::envoy_dynamic_module_callback_http_clear_route_cache(f)
+    }
+    #[inline(always)]
+    unsafe fn get_attribute_string(f: EnvoyFilter, attribute: u32, out: *mut Buf) -> bool {
+        raw::envoy_dynamic_module_callback_http_filter_get_attribute_string(f, attribute, out)
     }
     #[inline(always)]
     unsafe fn get_body_chunks_size(f: EnvoyFilter, body: u32) -> usize {

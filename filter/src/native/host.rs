@@ -13,7 +13,8 @@
 //! pointers on the stack.
 
 use super::ffi::{
-    Abi, Buf, Pair, BUFFERED_REQUEST_BODY, RECEIVED_REQUEST_BODY, REQUEST_HEADERS, RESPONSE_HEADERS,
+    Abi, Buf, Pair, ATTRIBUTE_UPSTREAM_ADDRESS, BUFFERED_REQUEST_BODY, RECEIVED_REQUEST_BODY,
+    REQUEST_HEADERS, RESPONSE_HEADERS,
 };
 use super::roots::ModuleConfig;
 use crate::host::{Buffer, CallRefused, Host, Map, MetricKind};
@@ -225,6 +226,18 @@ impl<A: Abi> Store for Native<'_, A> {
 }
 
 impl<A: Abi> Host for Native<'_, A> {
+    fn upstream_address(&self) -> Option<Vec<u8>> {
+        if self.filter.is_null() {
+            return None;
+        }
+        let mut out = Buf::of(&[]);
+        // SAFETY: a live stream pointer; on success `out` points at Envoy's bytes, valid during
+        // this hook, copied at once.
+        unsafe {
+            A::get_attribute_string(self.filter, ATTRIBUTE_UPSTREAM_ADDRESS, &mut out)
+                .then(|| out.bytes().to_vec())
+        }
+    }
     fn header(&self, map: Map, name: &str) -> Option<Vec<u8>> {
         if map == Map::HttpCallResponseHeaders {
             return self.call_headers.iter().find_map(|p| {
