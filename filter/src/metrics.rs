@@ -360,24 +360,16 @@ mod tests {
         let n = Counter::ALL.len() + Reason::ALL.len() + 3 * 2 + Gauge::ALL.len() + 3 * 2;
         assert_eq!(names.len(), n);
         // Model b's only worker is the third: its gauges are w2's.
-        let d = Decision {
-            model: 1,
-            worker: 0,
-            reason: Reason::PrefixHit,
-            matched_blocks: 0,
-            total_blocks: 0,
-            charged_reqs: 1,
-            charged_tokens: 7,
-            probes: 0,
-            truncated: false,
-            holder: None,
-        };
+        let d = Decision::uncharged(1, 0, Reason::PrefixHit).with_charge(1, 7);
         m.inflight(&d, 1);
         m.flush(&h);
         assert_eq!(h.metric("prefix_router.inflight_tokens.w2"), Some(7));
         assert_eq!(h.metric("prefix_router.inflight_tokens.w0"), Some(0));
         // A worker that is not configured moves nothing.
-        m.inflight(&Decision { worker: 1, ..d }, 1);
+        m.inflight(
+            &Decision::uncharged(1, 1, Reason::PrefixHit).with_charge(1, 7),
+            1,
+        );
         m.flush(&h);
         assert_eq!(h.metric("prefix_router.inflight_tokens.w2"), Some(7));
     }

@@ -425,18 +425,7 @@ pub fn decode_decision<S: Store>(
     let (w, tok, ()) = r.ledger.decide(store, &r.cfg, dm, now, |reqs, toks, _| {
         (policy::least_loaded(reqs, toks, start), tokens, ())
     });
-    Some(Decision {
-        model: dm as u16,
-        worker: w as u16,
-        reason: Reason::LoadSpill,
-        matched_blocks: 0,
-        total_blocks: 0,
-        charged_reqs: 1,
-        charged_tokens: tok,
-        probes: 0,
-        truncated: false,
-        holder: None,
-    })
+    Some(Decision::uncharged(dm, w, Reason::LoadSpill).with_charge(1, tok))
 }
 
 /// Rewrites `body` for the prefill worker of `prefill` into `r.pd.out`. `None`: not a PD model.

@@ -63,6 +63,31 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The one way to make a decision: worker `worker` of model `model` for `reason`, nothing
+    /// charged, matched or probed yet (a passthrough pick stays so; routed decisions add their
+    /// charge with [`Decision::with_charge`] and their match fields).
+    pub fn uncharged(model: usize, worker: usize, reason: Reason) -> Decision {
+        Decision {
+            model: model as u16,
+            worker: worker as u16,
+            reason,
+            matched_blocks: 0,
+            total_blocks: 0,
+            charged_reqs: 0,
+            charged_tokens: 0,
+            probes: 0,
+            truncated: false,
+            holder: None,
+        }
+    }
+
+    /// This decision charging its worker `reqs` requests and `tokens` prompt tokens.
+    pub fn with_charge(mut self, reqs: u32, tokens: u32) -> Decision {
+        self.charged_reqs = reqs;
+        self.charged_tokens = tokens;
+        self
+    }
+
     /// Takes the prompt-token part out of the charge (`None` when there is none left), for
     /// [`Router::release`] when the worker answers: a streamed SGLang answer starts with its
     /// first token, so from then on the request is decoding, not queued prefill work, and a new
@@ -70,11 +95,7 @@ impl Decision {
     /// request stays charged: the stream's end releases what is left of `self`.
     pub fn take_prompt_tokens(&mut self) -> Option<Decision> {
         let tokens = std::mem::take(&mut self.charged_tokens);
-        (tokens > 0).then_some(Decision {
-            charged_reqs: 0,
-            charged_tokens: tokens,
-            ..*self
-        })
+        (tokens > 0).then_some(self.with_charge(0, tokens))
     }
 }
 
@@ -360,7 +381,7 @@ impl Router {
             return None; // a pool model with no known worker: its cluster picks
         }
         self.rr = self.rr.wrapping_add(1);
-        Some(plain(m, self.rr % n, Reason::Passthrough))
+        Some(Decision::uncharged(m, self.rr % n, Reason::Passthrough))
     }
 
     /// Decides where an inference request goes, in the shared (tenant-less) index space. `now`
@@ -661,15 +682,11 @@ impl Router {
                 };
                 (w, tok, reason)
             });
-        let d = Decision {
-            matched_blocks: self.matched.get(w).copied().unwrap_or(0),
-            total_blocks,
-            charged_reqs: 1,
-            charged_tokens: tok,
-            probes: self.matches.probes,
-            holder,
-            ..plain(mi, w, reason)
-        };
+        let mut d = Decision::uncharged(mi, w, reason).with_charge(1, tok);
+        d.matched_blocks = self.matched.get(w).copied().unwrap_or(0);
+        d.total_blocks = total_blocks;
+        d.probes = self.matches.probes;
+        d.holder = holder;
         if uses_index {
             self.verifier
                 .observe(mi, w, d.matched_blocks, d.total_blocks);
@@ -763,11 +780,7 @@ impl Router {
         let tokens = tokens.max(1);
         self.ledger
             .add(store, &self.cfg, mi, w, 1, i64::from(tokens));
-        Decision {
-            charged_reqs: 1,
-            charged_tokens: tokens,
-            ..plain(mi, w, reason)
-        }
+        Decision::uncharged(mi, w, reason).with_charge(1, tokens)
     }
 
     /// Undoes a decision's load charge; call exactly once when its stream ends (see
@@ -859,21 +872,6 @@ impl Router {
     /// This Envoy's own in-flight (requests, tokens) of every worker of model `mi`.
     pub fn loads<S: Store>(&mut self, store: &S, mi: usize) -> Vec<(u32, u32)> {
         self.ledger.own(store, &self.cfg, mi)
-    }
-}
-
-fn plain(model: usize, worker: usize, reason: Reason) -> Decision {
-    Decision {
-        model: model as u16,
-        worker: worker as u16,
-        reason,
-        matched_blocks: 0,
-        total_blocks: 0,
-        charged_reqs: 0,
-        charged_tokens: 0,
-        probes: 0,
-        truncated: false,
-        holder: None,
     }
 }
 
