@@ -3,6 +3,8 @@
 //! Every default lives in this file (the `default_*` functions and [`Defaults`]); the README's
 //! config reference is generated from the same values by hand and kept in sync by a test.
 
+pub mod pd;
+
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -12,6 +14,10 @@ pub const MAX_WORKERS_PER_MODEL: usize = 1024;
 pub const MAX_BLOCK_BYTES: usize = 1 << 16;
 pub const MAX_TOKEN_BLOCK: usize = 4096;
 pub const MAX_PROMPT_BLOCKS: usize = 1 << 20;
+/// Key prefix of the prefix index's buckets, one table for every model (`index::KEY_PREFIX`).
+pub const INDEX_KEY_PREFIX: &str = "pr/i2/";
+/// Longest worker address accepted (`[v6 address]:port` fits).
+pub const MAX_ADDRESS: usize = 64;
 
 /// Raw configuration as written by the operator (JSON).
 #[derive(Debug, Deserialize)]
@@ -27,7 +33,7 @@ pub struct RawConfig {
     #[serde(default = "default_cluster_header")]
     pub cluster_header: String,
     /// PD models: the header naming the prefill worker (a route's mirror policy reads it).
-    #[serde(default = "crate::pd::default_prefill_header")]
+    #[serde(default = "pd::default_prefill_header")]
     pub prefill_cluster_header: String,
     #[serde(default)]
     pub debug_header: Option<String>,
@@ -241,9 +247,9 @@ fn default_peer_max_records_per_s() -> u32 {
 pub struct RawModel {
     #[serde(default)]
     pub workers: Vec<RawWorker>,
-    /// PD disaggregation (`pd.rs`): prefill and decode workers instead of `workers`.
+    /// PD disaggregation (`config/pd.rs`): prefill and decode workers instead of `workers`.
     #[serde(default)]
-    pub prefill: Vec<crate::pd::RawPrefill>,
+    pub prefill: Vec<pd::RawPrefill>,
     #[serde(default)]
     pub decode: Vec<RawWorker>,
     /// Pool mode: the workers are the healthy hosts of one Envoy cluster (`membership.rs`).
@@ -613,8 +619,8 @@ pub struct Model {
     /// True when all weights are equal (rendezvous can skip the logarithm).
     pub uniform_weights: bool,
     pub total_weight: f64,
-    /// PD model: bootstrap fields per prefill worker and its decode model (`pd.rs`).
-    pub pd: Option<crate::pd::Pd>,
+    /// PD model: bootstrap fields per prefill worker and its decode model (`config/pd.rs`).
+    pub pd: Option<pd::Pd>,
     /// Hidden decode model of the PD model at this index; never matched by name.
     pub decode_of: Option<usize>,
     /// Pool mode: the workers are this cluster's current hosts (empty until first learned).
@@ -706,8 +712,30 @@ fn check_pool(
         load_cluster,
         fallbacks: p.fallbacks,
         max_workers: p.max_workers,
-        members_key: crate::membership::key(model),
+        members_key: format!("pr/m1/{model}"),
     }))
+}
+
+/// `host:port` with a numeric port, printable, at most [`MAX_ADDRESS`] bytes, no whitespace.
+pub fn valid_address(a: &[u8]) -> bool {
+    if a.is_empty() || a.len() > MAX_ADDRESS {
+        return false;
+    }
+    if a.iter().any(|b| !b.is_ascii_graphic() || *b == b',') {
+        return false;
+    }
+    let Some(colon) = a.iter().rposition(|&b| b == b':') else {
+        return false;
+    };
+    let (host, port) = (&a[..colon], &a[colon + 1..]);
+    !host.is_empty()
+        && !port.is_empty()
+        && port.len() <= 5
+        && port.iter().all(u8::is_ascii_digit)
+        && std::str::from_utf8(port)
+            .ok()
+            .and_then(|p| p.parse::<u16>().ok())
+            .is_some_and(|p| p > 0)
 }
 
 /// The 64-bit hashing key of a `hash_key` secret.
@@ -756,7 +784,7 @@ impl Config {
                 return Err(err("models", "model names must not be empty"));
             }
             let pool = check_pool(&field, m, &raw.load_poll.cluster_suffix, name)?;
-            let (raw_workers, key) = crate::pd::routing_workers(&field, m)?;
+            let (raw_workers, key) = pd::routing_workers(&field, m)?;
             if raw_workers.is_empty() && pool.is_none() {
                 return Err(err(format!("{field}.{key}"), "at least one worker"));
             }
@@ -778,7 +806,7 @@ impl Config {
                 };
                 let wf = format!("{field}.{key}[{i}]");
                 if let Some(a) = &address {
-                    if !crate::membership::valid_address(a.as_bytes()) {
+                    if !valid_address(a.as_bytes()) {
                         return Err(err(format!("{wf}.address"), "must be IP:PORT"));
                     }
                 }
@@ -819,7 +847,7 @@ impl Config {
             let uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
             let total_weight = workers.iter().map(|w| w.weight).sum();
             models.push(Model {
-                index_key_prefix: crate::index::KEY_PREFIX.to_string(),
+                index_key_prefix: INDEX_KEY_PREFIX.to_string(),
                 load_key: format!("pr/l2/{name}"),
                 poll_key: format!("pr/p2/{name}"),
                 placed_key: format!("pr/np/{name}"),
@@ -853,7 +881,7 @@ impl Config {
                 ))
             }
         };
-        crate::pd::add_decode_models(
+        pd::add_decode_models(
             raw.models.iter(),
             &mut models,
             &raw.load_poll.cluster_suffix,
@@ -872,7 +900,7 @@ impl Config {
                 ));
             }
         }
-        crate::pd::check_header(
+        pd::check_header(
             &raw.prefill_cluster_header,
             &raw.cluster_header,
             raw.debug_header.as_deref(),
@@ -1106,29 +1134,6 @@ impl Config {
     }
 
     /// Index of the model named `name`, if configured. Linear: configs hold a handful of models.
-    /// This configuration with pool model `mi`'s workers set to `members` (at most its
-    /// `max_workers`; `membership.rs`). `None` when `mi` is not a pool model.
-    pub fn with_members(&self, mi: usize, members: &[crate::membership::Member]) -> Option<Config> {
-        let mut cfg = self.clone();
-        let m = cfg.models.get_mut(mi)?;
-        let pool = m.pool.as_ref()?;
-        let workers: Vec<Worker> = members
-            .iter()
-            .take(pool.max_workers)
-            .map(|x| Worker {
-                cluster: x.address.clone(),
-                weight: f64::from(x.weight.max(1)),
-                address: Some(x.address.clone()),
-                id: worker_id(&x.address),
-            })
-            .collect();
-        m.poll_clusters = vec![pool.load_cluster.clone(); workers.len()];
-        m.uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
-        m.total_weight = workers.iter().map(|w| w.weight).sum();
-        m.workers = workers;
-        Some(cfg)
-    }
-
     pub fn model_index(&self, name: &[u8]) -> Option<usize> {
         self.models
             .iter()
@@ -1385,7 +1390,7 @@ mod tests {
             })
             .collect();
         let c = Config::from_json(pool(r#"{"cluster":"m","max_workers":2}"#).as_bytes()).unwrap();
-        let next = c.with_members(0, &members).unwrap();
+        let next = crate::membership::with_members(&c, 0, &members).unwrap();
         let m = &next.models[0];
         assert_eq!(m.workers.len(), 2, "at most max_workers");
         assert_eq!(

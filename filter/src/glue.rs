@@ -412,7 +412,7 @@ impl Stream {
     fn pd_route(&mut self, h: &impl Host, d: &Decision, body: &[u8], now: u32) -> Option<Action> {
         let mut guard = self.shared.router.borrow_mut();
         let r = &mut *guard;
-        let rewritten = crate::pd::rewrite_for(r, d, body)?;
+        let rewritten = r.rewrite_for_prefill(d, body)?;
         let m = &self.shared.metrics;
         if rewritten.is_err() {
             // not a JSON object: no worker could use it; undo the prefill charge
@@ -426,7 +426,7 @@ impl Stream {
                 r#"{"object":"error","message":"request body must be a JSON object","type":"BadRequestError","code":400}"#,
             ));
         }
-        let dec = crate::pd::decode_decision(r, h, d, body.len(), now)?;
+        let dec = r.decode_decision(h, d, body.len(), now)?;
         // Both charges are owned by the stream before any host call (see `decide`).
         self.charge = Charge {
             routed: Some(*d),
@@ -434,10 +434,10 @@ impl Stream {
         };
         self.decision = Some(*d);
         self.decode = Some(dec);
-        h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
+        h.set_buffer(Buffer::RequestBody, body.len(), r.rewritten().body());
         let length = h.header(Map::RequestHeaders, "content-length");
         if length.is_some_and(|v| !v.is_empty()) {
-            let len = r.pd.out.len().to_string();
+            let len = r.rewritten().body().len().to_string();
             h.replace_header(Map::RequestHeaders, "content-length", &len);
         }
         h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&dec));
@@ -448,7 +448,7 @@ impl Stream {
         );
         m.decision(d);
         m.add(Counter::PdRequests, 1);
-        m.add(Counter::PdClientFields, i64::from(r.pd.dropped));
+        m.add(Counter::PdClientFields, i64::from(r.rewritten().dropped()));
         m.inflight(&dec, 1);
         m.maybe_flush(h, now);
         Some(Action::Continue)

@@ -40,8 +40,9 @@ use std::fmt::Write;
 
 /// Shared-data key prefix of the index: `pr/i2/<bucket>`. The `2` is the layout version (the
 /// bucket encoding below); a new layout gets a new prefix, so no VM ever decodes another
-/// layout's bytes. One table serves every model (the model is part of every hash).
-pub const KEY_PREFIX: &str = "pr/i2/";
+/// layout's bytes. One table serves every model (the model is part of every hash). Defined
+/// with the other shared-data keys in the config layer, which writes it into every model.
+pub const KEY_PREFIX: &str = crate::config::INDEX_KEY_PREFIX;
 /// Holds the table's bucket count (u32 LE) as last configured (see [`resize`]).
 pub const SIZE_KEY: &str = "pr/i2/size";
 /// Buckets a VM empties per tick when the table shrank (see [`clear_some`]).

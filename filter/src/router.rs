@@ -22,6 +22,7 @@ use crate::hits::Verifier;
 use crate::ids;
 use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
 use crate::load::Ledger;
+use crate::pd_body::{BadBody, Rewriter};
 use crate::peers::Outbox;
 use crate::placements::Placements;
 use crate::policy::{self, Inputs, Policy, Reason};
@@ -164,8 +165,8 @@ pub struct Router {
     plan: Option<Plan>,
     /// Index buckets this VM still has to empty after the table shrank (`index::resize`).
     shrink: Option<std::ops::Range<u32>>,
-    /// PD models: body rewriting buffer and room generator (`pd.rs`).
-    pub pd: crate::pd::Rewriter,
+    /// PD models: body rewriting buffer and room generator (`pd_body.rs`).
+    pd_body: Rewriter,
     /// The seed this VM was created with (the clock at configure; see [`Router::init_store`]).
     seed: u64,
 }
@@ -221,7 +222,7 @@ impl Router {
             rr: (seed as usize) % 1024,
             plan: None,
             shrink: None,
-            pd: crate::pd::Rewriter::new(seed ^ 0x7064),
+            pd_body: Rewriter::new(seed ^ 0x7064),
             seed,
             cfg,
         }
@@ -237,7 +238,7 @@ impl Router {
         self.ledger.init(store, &self.cfg);
         self.shrink = crate::index::resize(store, self.cfg.index_buckets);
         let seed = policy::mix(self.seed, self.ledger.lease_id());
-        self.pd.reseed(seed ^ 0x7064);
+        self.pd_body.reseed(seed ^ 0x7064);
         self.rr = (seed as usize) % 1024;
         self.policy = policy::from_config(self.cfg.policy.name, seed);
     }
@@ -783,6 +784,57 @@ impl Router {
         Decision::uncharged(mi, w, reason).with_charge(1, tokens)
     }
 
+    /// The decode half of a PD decision: the least loaded decode worker of the model `prefill`
+    /// routed to (`policy::least_loaded`, ties spread from a random start), chosen and charged
+    /// in one CAS: one request and the body's estimated tokens (`body_len / chars_per_token`,
+    /// capped at `policy.max_request_tokens` like every other charge, so a junk field cannot
+    /// inflate a decode worker's load). `None` when the model is not a PD model.
+    pub fn decode_decision<S: Store>(
+        &mut self,
+        store: &S,
+        prefill: &Decision,
+        body_len: usize,
+        now: u32,
+    ) -> Option<Decision> {
+        let dm = self
+            .cfg
+            .models
+            .get(usize::from(prefill.model))?
+            .pd
+            .as_ref()?
+            .decode_model;
+        let start = (self.pd_body.room() & 0xffff) as usize;
+        let tokens = self.cfg.policy.body_tokens(body_len).max(1);
+        let (w, tok, ()) = self
+            .ledger
+            .decide(store, &self.cfg, dm, now, |reqs, toks, _| {
+                (policy::least_loaded(reqs, toks, start), tokens, ())
+            });
+        Some(Decision::uncharged(dm, w, Reason::LoadSpill).with_charge(1, tok))
+    }
+
+    /// PD model: rewrites `body` for the prefill worker `prefill` chose, with a fresh room
+    /// (`pd_body.rs`); the result is [`Router::rewritten`]. `None`: not a PD model.
+    pub fn rewrite_for_prefill(
+        &mut self,
+        prefill: &Decision,
+        body: &[u8],
+    ) -> Option<Result<(), BadBody>> {
+        let pd = self
+            .cfg
+            .models
+            .get(usize::from(prefill.model))?
+            .pd
+            .as_ref()?;
+        let fields = pd.fields.get(usize::from(prefill.worker))?;
+        Some(self.pd_body.rewrite_with_room(body, fields))
+    }
+
+    /// The last PD body rewrite ([`Router::rewrite_for_prefill`]).
+    pub fn rewritten(&self) -> &Rewriter {
+        &self.pd_body
+    }
+
     /// Undoes a decision's load charge; call exactly once when its stream ends (see
     /// [`Ledger::release`] for when the write is deferred).
     pub fn release<S: Store>(&mut self, store: &S, d: &Decision) {
@@ -888,6 +940,7 @@ pub fn not_found_body(model: &str) -> String {
 mod tests {
     use super::*;
     use crate::store::MemStore;
+    use serde_json::Value;
 
     fn cfg(extra: &str) -> Config {
         let json = format!(
@@ -1524,5 +1577,117 @@ mod tests {
             prev_blocks = (canon.len() / 64) as u32;
             msgs.push(serde_json::json!({"role": "assistant", "content": format!("answer {turn} ").repeat(15)}));
         }
+    }
+
+    const PD: &str = r#"{"models":{"m":{
+        "prefill":[{"cluster":"p0","bootstrap_host":"10.0.0.1","bootstrap_port":9001},
+                   {"cluster":"p1","bootstrap_host":"10.0.0.2"}],
+        "decode":["d0","d1"]}}}"#;
+
+    #[test]
+    fn two_vms_configured_at_the_same_clock_reading_draw_different_rooms() {
+        let store = MemStore::default();
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let mut rooms = std::collections::HashSet::new();
+        for _ in 0..2 {
+            // the same seed: Envoy may hand two worker threads' VMs the same time
+            let mut r = Router::new(Config::from_json(PD.as_bytes()).unwrap(), 5);
+            r.init_store(&store);
+            for _ in 0..64 {
+                let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                    panic!("rejected");
+                };
+                assert!(r.rewrite_for_prefill(&p, body).unwrap().is_ok());
+                let v: Value = serde_json::from_slice(r.rewritten().body()).unwrap();
+                assert!(
+                    rooms.insert(v["bootstrap_room"].as_u64().unwrap()),
+                    "a room repeats"
+                );
+                r.release(&store, &p);
+            }
+        }
+    }
+
+    /// A router over the `PD` model and its store.
+    fn pd_router() -> (Router, MemStore) {
+        let store = MemStore::default();
+        let mut r = Router::new(Config::from_json(PD.as_bytes()).unwrap(), 5);
+        r.init_store(&store);
+        (r, store)
+    }
+
+    #[test]
+    fn prefill_by_cache_and_load_decode_by_load_both_released() {
+        let (mut r, store) = pd_router();
+        let body = br#"{"model":"m","prompt":"a long shared prefix that spans several blocks of text for the index to remember it, twice over and over again"}"#;
+        // one at a time: the same prompt stays on its prefill worker (prefix hit)
+        let mut prefills = Vec::new();
+        for _ in 0..4 {
+            let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                panic!("rejected");
+            };
+            // The index records once the response is a 2xx (router::Router::commit).
+            if let Some(plan) = r.take_plan() {
+                r.commit(&store, &plan, 200, 10);
+            }
+            let d = r.decode_decision(&store, &p, 400, 10).unwrap();
+            assert_eq!(usize::from(d.model), 1);
+            assert!(r.rewrite_for_prefill(&p, body).unwrap().is_ok());
+            let v: Value = serde_json::from_slice(r.rewritten().body()).unwrap();
+            assert_eq!(v["model"], "m");
+            assert!(v["bootstrap_room"].as_u64().unwrap() < 1 << 63);
+            prefills.push((p.worker, p.reason));
+            r.release(&store, &p);
+            r.release(&store, &d);
+        }
+        assert!(
+            prefills.iter().all(|w| w.0 == prefills[0].0),
+            "{prefills:?}"
+        );
+        assert_eq!(prefills[3].1, Reason::PrefixHit);
+        // held together: decode spreads by load, two each
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                panic!("rejected");
+            };
+            let d = r.decode_decision(&store, &p, 400, 10).unwrap();
+            held.push((p, d));
+        }
+        let on0 = held.iter().filter(|(_, d)| d.worker == 0).count();
+        assert_eq!(on0, 2);
+        for (p, d) in &held {
+            r.release(&store, p);
+            r.release(&store, d);
+        }
+        r.flush_pending(&store);
+        for mi in 0..2 {
+            let (reqs, toks) = r.ledger.view(&store, &r.cfg, mi, 10);
+            assert!(reqs.iter().all(|&x| x == 0), "model {mi}: {reqs:?}");
+            assert!(toks.iter().all(|&x| x == 0), "model {mi}: {toks:?}");
+        }
+        // a non-PD model has no decode half
+        let c = Config::from_json(br#"{"models":{"m":{"workers":["a"]}}}"#).unwrap();
+        let mut r = Router::new(c, 5);
+        r.init_store(&store);
+        let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+            panic!()
+        };
+        assert!(r.decode_decision(&store, &p, 1, 10).is_none());
+        assert!(r.rewrite_for_prefill(&p, body).is_none());
+    }
+
+    #[test]
+    fn a_client_cannot_inflate_the_decode_charge() {
+        let (mut r, store) = pd_router();
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+            panic!("rejected");
+        };
+        // A 16 MiB body (a junk field): charged at most max_request_tokens, not 4M tokens.
+        let d = r.decode_decision(&store, &p, 16 << 20, 10).unwrap();
+        assert_eq!(d.charged_tokens, r.cfg.policy.max_request_tokens);
+        r.release(&store, &p);
+        r.release(&store, &d);
     }
 }
