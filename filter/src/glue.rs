@@ -70,9 +70,7 @@ impl Shared {
         if let Ok(mut r) = self.router.try_borrow_mut() {
             r.flush_pending(h);
             if !h.can_call() {
-                if let Some(ob) = r.outbox.as_mut() {
-                    ob.hand_off(h);
-                }
+                r.hand_off_peer_records(h);
             }
         }
         self.metrics.flush(h);
@@ -167,12 +165,10 @@ impl Root {
             Some(_) => self.polls.me,
             None => (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1,
         };
-        self.polls.configure(&router.cfg, me);
-        if let Some(ob) = router.outbox.as_mut() {
-            // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
-            // replicas' VMs would need the same id and the same clock nanoseconds).
-            ob.set_sender(me);
-        }
+        self.polls.configure(router.cfg(), me);
+        // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
+        // replicas' VMs would need the same id and the same clock nanoseconds).
+        router.set_peer_sender(me);
         if let Some(old) = &self.shared {
             if let (Some(joined), Ok(o)) = (change, old.router.try_borrow()) {
                 router.adopt(&o, joined);
@@ -198,7 +194,7 @@ impl Root {
             let Ok(r) = s.router.try_borrow() else {
                 return;
             };
-            self.members.look(h, &r.cfg, now_ms, force)
+            self.members.look(h, r.cfg(), now_ms, force)
         };
         if let Some(c) = change {
             self.install(h, c.cfg, Some(&c.members));
@@ -273,19 +269,17 @@ pub struct Stream {
 /// pool model the pool's cluster and, in the destination header, the chosen host and its
 /// fallbacks (`Router::destination`).
 fn point(h: &impl Host, r: &mut Router, d: &Decision) {
-    let pool = r
-        .cfg
+    let cfg = r.cfg();
+    let pool = cfg
         .models
         .get(usize::from(d.model))
         .and_then(|m| m.pool.as_ref());
     match pool {
-        None => h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(d)),
+        None => h.add_header(Map::RequestHeaders, &cfg.cluster_header, r.cluster(d)),
         Some(p) => {
-            h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, &p.cluster);
-            let mut dest = std::mem::take(&mut r.dest);
-            r.destination(d, &mut dest);
-            h.add_header(Map::RequestHeaders, &r.cfg.destination_header, &dest);
-            r.dest = dest;
+            h.add_header(Map::RequestHeaders, &cfg.cluster_header, &p.cluster);
+            let (name, value) = r.destination(d);
+            h.add_header(Map::RequestHeaders, name, value);
         }
     }
 }
@@ -316,7 +310,7 @@ impl Stream {
     /// failed: Envoy always has one) removes them unconditionally.
     fn read_head<'a>(&self, h: &impl Host, raw: &'a [u8]) -> Head<'a> {
         let r = self.shared.router.borrow();
-        let cfg = &r.cfg;
+        let cfg = &r.cfg();
         let tenant = cfg.tenant_header.as_deref().map(str::as_bytes);
         let ours = [
             Some(cfg.cluster_header.as_str()),
@@ -377,12 +371,12 @@ impl Stream {
                 m.maybe_flush(h, now);
                 let r = self.shared.router.borrow();
                 if let Some(pool) = r
-                    .cfg
+                    .cfg()
                     .models
                     .get(usize::from(model))
                     .and_then(|m| m.pool.as_ref())
                 {
-                    h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, &pool.cluster);
+                    h.add_header(Map::RequestHeaders, &r.cfg().cluster_header, &pool.cluster);
                 }
                 Action::Continue
             }
@@ -440,10 +434,14 @@ impl Stream {
             let len = r.rewritten().body().len().to_string();
             h.replace_header(Map::RequestHeaders, "content-length", &len);
         }
-        h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&dec));
         h.add_header(
             Map::RequestHeaders,
-            &r.cfg.prefill_cluster_header,
+            &r.cfg().cluster_header,
+            r.cluster(&dec),
+        );
+        h.add_header(
+            Map::RequestHeaders,
+            &r.cfg().prefill_cluster_header,
             r.cluster(d),
         );
         m.decision(d);
@@ -481,7 +479,7 @@ impl Stream {
     pub fn on_request_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
         let raw = h.header_pairs(Map::RequestHeaders);
         let head = self.read_head(h, &raw);
-        if self.shared.router.borrow().cfg.peer_listener {
+        if self.shared.router.borrow().cfg().peer_listener {
             let m = &self.shared.metrics;
             self.peer_batch =
                 peer_flush::batch_headers(h, m, head.method, head.path, end_of_stream);
@@ -505,12 +503,12 @@ impl Stream {
         m.request(Reason::Passthrough);
         let mut r = self.shared.router.borrow_mut();
         let d = r.passthrough();
-        match (&d, &r.cfg.passthrough_cluster) {
+        match (&d, &r.cfg().passthrough_cluster) {
             (Some(d), _) => point(h, &mut r, d),
-            (None, Some(c)) => h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, c),
+            (None, Some(c)) => h.add_header(Map::RequestHeaders, &r.cfg().cluster_header, c),
             (None, None) => {
                 // a pool model with no known worker: its cluster's fallback policy picks
-                let cfg = &r.cfg;
+                let cfg = &r.cfg();
                 let pool = cfg
                     .models
                     .get(cfg.default_model)
@@ -561,7 +559,7 @@ impl Stream {
             self.commit(h, &plan);
         }
         let r = self.shared.router.borrow();
-        if let (Some(name), Some(d)) = (&r.cfg.debug_header, &self.decision) {
+        if let (Some(name), Some(d)) = (&r.cfg().debug_header, &self.decision) {
             h.add_header(
                 Map::ResponseHeaders,
                 name,
@@ -586,7 +584,7 @@ impl Stream {
         {
             let r = self.shared.router.borrow();
             let addressed = r
-                .cfg
+                .cfg()
                 .models
                 .get(mi)
                 .and_then(|m| m.workers.get(usize::from(d.worker)))

@@ -275,7 +275,7 @@ impl Metrics {
     /// data holds it (live leases), not as this VM counted it: a release that never reached
     /// shared data stays visible.
     pub fn after_tick(&self, h: &impl Host, r: &mut Router, sample: bool) {
-        self.add(Counter::LoadUnderflows, r.ledger.take_underflows() as i64);
+        self.add(Counter::LoadUnderflows, r.take_load_underflows() as i64);
         let (closed, aged_out) = r.take_hit_checks();
         self.add(Counter::HitAgedOut, aged_out as i64);
         if closed {
@@ -285,7 +285,7 @@ impl Metrics {
             });
         }
         if sample {
-            let (q, t) = r.ledger.sampled();
+            let (q, t) = r.sampled_load();
             self.set(h, Gauge::LoadRequests, q);
             self.set(h, Gauge::LoadTokens, t);
         }

@@ -16,7 +16,7 @@
 
 use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
 use crate::busy::Busy;
-use crate::config::{Config, UnknownModel};
+use crate::config::{Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
 use crate::ids;
@@ -127,7 +127,7 @@ pub enum Outcome {
 }
 
 pub struct Router {
-    pub cfg: Config,
+    cfg: Config,
     canon: Vec<u8>,
     /// Canonical length after each chat message, and those boundaries as block counts.
     bounds: Vec<usize>,
@@ -138,16 +138,16 @@ pub struct Router {
     limit: request::Limit,
     ends: Vec<usize>,
     hashes: Vec<u64>,
-    pub sc: Scratch,
+    sc: Scratch,
     matches: Matches,
     matched: Vec<u32>,
     /// The model `matched` belongs to (the last decision's; `usize::MAX`: none).
     last_model: usize,
     /// The destination header's value, reused (`glue`; see [`Router::destination`]).
-    pub dest: String,
+    dest: String,
     /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
     ids: Vec<ById>,
-    pub ledger: Ledger,
+    ledger: Ledger,
     busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
@@ -158,7 +158,7 @@ pub struct Router {
     verifier: Verifier,
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
-    pub outbox: Option<Outbox>,
+    outbox: Option<Outbox>,
     /// Rotation for passthrough requests.
     rr: usize,
     /// Index writes planned by the last decision (see [`Router::take_plan`]).
@@ -243,6 +243,12 @@ impl Router {
         self.policy = policy::from_config(self.cfg.policy.name, seed);
     }
 
+    /// The configuration this router was built from (read only: a new configuration is a new
+    /// router).
+    pub fn cfg(&self) -> &Config {
+        &self.cfg
+    }
+
     /// This VM's id, unique among the VMs of this Envoy process (0 before [`Router::init_store`]).
     pub fn vm_id(&self) -> u32 {
         self.ledger.lease_id()
@@ -257,11 +263,20 @@ impl Router {
             .map_or("", |w| w.cluster.as_str())
     }
 
-    /// The destination header's value for a pool model's decision (`membership.rs`): the chosen
-    /// worker's address, then up to the pool's `fallbacks` others, those predicted to hold the
-    /// most of the prompt first (ties: list order after the chosen one). Empty for a model that
-    /// is not a pool. Call right after the decision's [`Router::route`].
-    pub fn destination(&self, d: &Decision, out: &mut String) {
+    /// The destination header's name and value for a pool model's decision (`membership.rs`):
+    /// the chosen worker's address, then up to the pool's `fallbacks` others, those predicted to
+    /// hold the most of the prompt first (ties: list order after the chosen one). The value is
+    /// empty for a model that is not a pool. Call right after the decision's [`Router::route`].
+    /// Written into a buffer the router reuses: no allocation in steady state.
+    pub fn destination(&mut self, d: &Decision) -> (&str, &str) {
+        let mut dest = std::mem::take(&mut self.dest);
+        self.fill_destination(d, &mut dest);
+        self.dest = dest;
+        (&self.cfg.destination_header, &self.dest)
+    }
+
+    /// [`Router::destination`]'s value, into `out`.
+    fn fill_destination(&self, d: &Decision, out: &mut String) {
         out.clear();
         let Some(m) = self.cfg.models.get(usize::from(d.model)) else {
             return;
@@ -914,6 +929,64 @@ impl Router {
             );
         }
         v
+    }
+
+    /// Saturated load updates since the last call (`Ledger::take_underflows`).
+    pub fn take_load_underflows(&mut self) -> u64 {
+        self.ledger.take_underflows()
+    }
+
+    /// `(requests, tokens)` in flight in shared data over all models, as of the ledger's last
+    /// sample (`Ledger::sampled`).
+    pub fn sampled_load(&self) -> (u64, u64) {
+        self.ledger.sampled()
+    }
+
+    /// What model `mi`'s load value says about its traffic, for the poller's schedule.
+    pub fn activity<S: Store>(&mut self, store: &S, mi: usize) -> crate::poll::Activity {
+        self.ledger.activity(store, &self.cfg, mi)
+    }
+
+    /// This VM's own in-flight `(requests, tokens)` on worker `w` of model `mi` (a load poll's
+    /// answer is merged against it, `poll.rs`).
+    pub fn own_load<S: Store>(&mut self, store: &S, mi: usize, w: usize) -> (u32, u32) {
+        self.ledger.own_of(store, &self.cfg, mi, w)
+    }
+
+    /// Model `mi`'s workers by id.
+    pub fn worker_ids(&self, mi: usize) -> Option<&ById> {
+        self.ids.get(mi)
+    }
+
+    /// The peers' configuration and this VM's records for them (`None` without `peers`).
+    pub fn outbox(&mut self) -> Option<(&PeersConfig, &mut Outbox)> {
+        Some((self.cfg.peers.as_ref()?, self.outbox.as_mut()?))
+    }
+
+    /// Names this VM as the sender of its peer batches (`peers.rs`).
+    pub fn set_peer_sender(&mut self, me: u64) {
+        if let Some(ob) = self.outbox.as_mut() {
+            ob.set_sender(me);
+        }
+    }
+
+    /// Hands this VM's peer records to the root that sends them (a VM that cannot call,
+    /// `peers::Outbox::hand_off`).
+    pub fn hand_off_peer_records<S: Store>(&mut self, store: &S) {
+        if let Some(ob) = self.outbox.as_mut() {
+            ob.hand_off(store);
+        }
+    }
+
+    /// Applies a peer's record batch at the peer listener (`peers::receive`).
+    pub fn receive_peer_batch<S: Store>(
+        &mut self,
+        store: &S,
+        body: &[u8],
+        now_ms: u64,
+        now: u32,
+    ) -> Result<crate::peers::Applied, crate::peers::Refused> {
+        crate::peers::receive(store, &self.cfg, body, now_ms, now, &mut self.sc)
     }
 
     /// Number of parked load deltas (should be 0 except under extreme contention).
