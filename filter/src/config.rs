@@ -768,346 +768,19 @@ impl Config {
         Config::validate(raw)
     }
 
+    /// Validates every section (each error names its field) and builds the configuration.
     pub fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
-        if raw.models.is_empty() {
-            return Err(err("models", "at least one model is required"));
-        }
-        check_block("text_block_bytes", raw.text_block_bytes, MAX_BLOCK_BYTES)?;
-        check_block("token_block_size", raw.token_block_size, MAX_TOKEN_BLOCK)?;
-        if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > MAX_PROMPT_BLOCKS {
-            return Err(err("max_prompt_blocks", "must be between 1 and 1048576"));
-        }
-        let mut models = Vec::with_capacity(raw.models.len());
-        for (name, m) in &raw.models {
-            let field = format!("models.{name}");
-            if name.is_empty() {
-                return Err(err("models", "model names must not be empty"));
-            }
-            let pool = check_pool(&field, m, &raw.load_poll.cluster_suffix, name)?;
-            let (raw_workers, key) = pd::routing_workers(&field, m)?;
-            if raw_workers.is_empty() && pool.is_none() {
-                return Err(err(format!("{field}.{key}"), "at least one worker"));
-            }
-            if raw_workers.len() > MAX_WORKERS_PER_MODEL {
-                return Err(err(
-                    format!("{field}.{key}"),
-                    format!("at most {MAX_WORKERS_PER_MODEL} workers"),
-                ));
-            }
-            let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
-            for (i, w) in raw_workers.iter().enumerate() {
-                let (cluster, weight, address) = match w {
-                    RawWorker::Name(c) => (c.clone(), 1.0, None),
-                    RawWorker::Weighted {
-                        cluster,
-                        weight,
-                        address,
-                    } => (cluster.clone(), *weight, address.clone()),
-                };
-                let wf = format!("{field}.{key}[{i}]");
-                if let Some(a) = &address {
-                    if !valid_address(a.as_bytes()) {
-                        return Err(err(format!("{wf}.address"), "must be IP:PORT"));
-                    }
-                }
-                if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
-                    return Err(err(wf, "cluster must be a non-empty printable name"));
-                }
-                if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
-                    return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
-                }
-                let id = worker_id(&cluster);
-                if let Some(prev) = workers.iter().find(|p| p.id == id) {
-                    let msg = if prev.cluster == cluster {
-                        format!("duplicate cluster `{cluster}`")
-                    } else {
-                        format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
-                    };
-                    return Err(err(wf, msg));
-                }
-                workers.push(Worker {
-                    cluster,
-                    weight,
-                    address,
-                    id,
-                });
-            }
-            let text_block_bytes = m.text_block_bytes.unwrap_or(raw.text_block_bytes);
-            let token_block_size = m.token_block_size.unwrap_or(raw.token_block_size);
-            check_block(
-                &format!("{field}.text_block_bytes"),
-                text_block_bytes,
-                MAX_BLOCK_BYTES,
-            )?;
-            check_block(
-                &format!("{field}.token_block_size"),
-                token_block_size,
-                MAX_TOKEN_BLOCK,
-            )?;
-            let uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
-            let total_weight = workers.iter().map(|w| w.weight).sum();
-            models.push(Model {
-                index_key_prefix: INDEX_KEY_PREFIX.to_string(),
-                load_key: format!("pr/l2/{name}"),
-                poll_key: format!("pr/p2/{name}"),
-                placed_key: format!("pr/np/{name}"),
-                hits_key: format!("pr/h1/{name}"),
-                peer_key: worker_id(name),
-                poll_clusters: workers
-                    .iter()
-                    .map(|w| format!("{}{}", w.cluster, raw.load_poll.cluster_suffix))
-                    .collect(),
-                name: name.clone(),
-                workers,
-                text_block_bytes,
-                token_block_size,
-                uniform_weights,
-                total_weight,
-                pd: None,
-                decode_of: None,
-                pool,
-            });
-        }
-        let default_model = match &raw.default_model {
-            Some(d) => models
-                .iter()
-                .position(|m| &m.name == d)
-                .ok_or_else(|| err("default_model", format!("`{d}` is not in models")))?,
-            None if models.len() == 1 => 0,
-            None => {
-                return Err(err(
-                    "default_model",
-                    "required when more than one model is configured",
-                ))
-            }
-        };
-        pd::add_decode_models(
-            raw.models.iter(),
-            &mut models,
-            &raw.load_poll.cluster_suffix,
-        )?;
-        if !valid_header_name(&raw.cluster_header) {
-            return Err(err(
-                "cluster_header",
-                "must be a lower-case header name ([a-z0-9_-]+)",
-            ));
-        }
-        if let Some(h) = &raw.debug_header {
-            if !valid_header_name(h) || *h == raw.cluster_header {
-                return Err(err(
-                    "debug_header",
-                    "must be a lower-case header name distinct from cluster_header",
-                ));
-            }
-        }
-        pd::check_header(
-            &raw.prefill_cluster_header,
-            &raw.cluster_header,
-            raw.debug_header.as_deref(),
-        )?;
-        if let Some(k) = &raw.hash_key {
-            if k.len() < MIN_SECRET_LEN || k.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
-                return Err(err(
-                    "hash_key",
-                    format!("must be at least {MIN_SECRET_LEN} printable characters"),
-                ));
-            }
-        }
-        if let Some(h) = &raw.tenant_header {
-            if !valid_header_name(h)
-                || *h == raw.cluster_header
-                || raw.debug_header.as_ref() == Some(h)
-            {
-                return Err(err(
-                    "tenant_header",
-                    "must be a lower-case header name distinct from cluster_header and debug_header",
-                ));
-            }
-        }
-        if let Some(p) = &raw.passthrough_cluster {
-            if p.is_empty() {
-                return Err(err("passthrough_cluster", "must not be empty"));
-            }
-        }
+        let (models, default_model) = check_models(&raw)?;
+        check_headers(&raw)?;
+        check_hash_key(&raw)?;
+        check_tenant_header(&raw)?;
+        check_passthrough(&raw)?;
+        check_index(&raw.index)?;
+        check_policy(&raw.policy)?;
+        check_load_poll(&raw.load_poll)?;
+        check_peers(&raw)?;
+        check_membership(&raw, &models)?;
         let idx = &raw.index;
-        if idx.capacity < 4 || idx.capacity > 1 << 26 {
-            return Err(err("index.capacity", "must be between 4 and 67108864"));
-        }
-        if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
-            return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
-        }
-        // The cache works in the filter's 100 ms clock units: 1..99 would round to 0 and
-        // silently turn it off, so it is refused rather than guessed.
-        if idx.local_cache_ms > 60_000 || (1..100).contains(&idx.local_cache_ms) {
-            return Err(err(
-                "index.local_cache_ms",
-                "must be 0 (off) or between 100 and 60000 (100 ms resolution)",
-            ));
-        }
-        if idx.cas_retries == 0 || idx.cas_retries > 64 {
-            return Err(err("index.cas_retries", "must be between 1 and 64"));
-        }
-        let p = &raw.policy;
-        if !(p.load_eps.is_finite() && p.load_eps >= 0.0 && p.load_eps <= 100.0) {
-            return Err(err("policy.load_eps", "must be between 0 and 100"));
-        }
-        if !(p.batch_releases_min_rps.is_finite()
-            && p.batch_releases_min_rps >= 0.0
-            && p.batch_releases_min_rps <= 1e9)
-        {
-            return Err(err(
-                "policy.batch_releases_min_rps",
-                "must be between 0 and 1000000000",
-            ));
-        }
-        if !(p.load_slack.is_finite() && p.load_slack >= 0.0 && p.load_slack <= 1e6) {
-            return Err(err("policy.load_slack", "must be between 0 and 1000000"));
-        }
-        if !(p.fleet_prefix_share.is_finite() && (0.0..=1.0).contains(&p.fleet_prefix_share)) {
-            return Err(err("policy.fleet_prefix_share", "must be between 0 and 1"));
-        }
-        if !(p.busy_tolerance.is_finite() && p.busy_tolerance >= 0.0 && p.busy_tolerance <= 1e6) {
-            return Err(err(
-                "policy.busy_tolerance",
-                "must be between 0 and 1000000",
-            ));
-        }
-        if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
-            return Err(err("policy.load_weight", "must be a finite number >= 0"));
-        }
-        if !(p.request_cost_tokens.is_finite() && p.request_cost_tokens >= 0.0) {
-            return Err(err(
-                "policy.request_cost_tokens",
-                "must be a finite number >= 0",
-            ));
-        }
-        if p.affinity_blocks == 0 {
-            return Err(err("policy.affinity_blocks", "must be at least 1"));
-        }
-        if p.media_part_tokens > 1 << 20 {
-            return Err(err("policy.media_part_tokens", "must be at most 1048576"));
-        }
-        if p.max_request_tokens == 0 || p.max_request_tokens > 1 << 24 {
-            return Err(err(
-                "policy.max_request_tokens",
-                "must be between 1 and 16777216",
-            ));
-        }
-        if p.chars_per_token == 0 {
-            return Err(err("policy.chars_per_token", "must be at least 1"));
-        }
-        let lp = &raw.load_poll;
-        if lp.interval_ms > 60_000 {
-            return Err(err("load_poll.interval_ms", "must be between 0 and 60000"));
-        }
-        if lp.no_traffic_interval_ms > 60_000 {
-            return Err(err(
-                "load_poll.no_traffic_interval_ms",
-                "must be between 0 and 60000",
-            ));
-        }
-        for (f, v) in [
-            ("path", &lp.path),
-            ("fallback_path", &lp.fallback_path),
-            ("metrics_path", &lp.metrics_path),
-        ] {
-            if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {
-                return Err(err(
-                    format!("load_poll.{f}"),
-                    "must be a path starting with /",
-                ));
-            }
-        }
-        if lp.metrics_interval_ms > 600_000 {
-            return Err(err(
-                "load_poll.metrics_interval_ms",
-                "must be between 0 and 600000",
-            ));
-        }
-        if lp.cluster_suffix.bytes().any(|b| b.is_ascii_control()) {
-            return Err(err("load_poll.cluster_suffix", "must be printable"));
-        }
-        if lp.timeout_ms == 0 || lp.timeout_ms > 60_000 {
-            return Err(err("load_poll.timeout_ms", "must be between 1 and 60000"));
-        }
-        if lp.stale_ms < lp.interval_ms || lp.stale_ms > 600_000 {
-            return Err(err(
-                "load_poll.stale_ms",
-                "must be at least interval_ms and at most 600000",
-            ));
-        }
-        if let Some(p) = &raw.peers {
-            if p.secret.len() < MIN_SECRET_LEN
-                || p.secret.bytes().any(|b| !(0x21..0x7f).contains(&b))
-            {
-                return Err(err(
-                    "peers.secret",
-                    format!("must be at least {MIN_SECRET_LEN} printable characters"),
-                ));
-            }
-            for (i, c) in p.clusters.iter().enumerate() {
-                if c.is_empty() || c.bytes().any(|b| b.is_ascii_control()) {
-                    return Err(err(
-                        format!("peers.clusters[{i}]"),
-                        "must be a cluster name",
-                    ));
-                }
-            }
-            if p.flush_ms == 0 || p.flush_ms > 60_000 {
-                return Err(err("peers.flush_ms", "must be between 1 and 60000"));
-            }
-            if p.timeout_ms == 0 || p.timeout_ms > 60_000 {
-                return Err(err("peers.timeout_ms", "must be between 1 and 60000"));
-            }
-            if p.max_batch == 0 || p.max_batch > 65_536 {
-                return Err(err("peers.max_batch", "must be between 1 and 65536"));
-            }
-            if p.window_s == 0 || p.window_s > 3600 {
-                return Err(err("peers.window_s", "must be between 1 and 3600"));
-            }
-            if p.max_records_per_s == 0 || p.max_records_per_s > 10_000_000 {
-                return Err(err(
-                    "peers.max_records_per_s",
-                    "must be between 1 and 10000000",
-                ));
-            }
-        } else if raw.peer_listener {
-            return Err(err(
-                "peer_listener",
-                "needs `peers.secret` (the secret that authenticates peers' batches)",
-            ));
-        }
-        let mem = &raw.membership;
-        if models.iter().any(|m| m.pool.is_some()) {
-            if !valid_header_name(&raw.destination_header)
-                || raw.destination_header == raw.cluster_header
-                || raw.debug_header.as_ref() == Some(&raw.destination_header)
-                || raw.tenant_header.as_ref() == Some(&raw.destination_header)
-                || raw.destination_header == raw.prefill_cluster_header
-            {
-                return Err(err(
-                    "destination_header",
-                    "must be a lower-case header name distinct from the filter's other headers",
-                ));
-            }
-            if mem.interval_ms > 0 {
-                if mem.cluster.is_empty() || !mem.path.starts_with('/') {
-                    return Err(err(
-                        "membership",
-                        "needs a cluster and a path starting with /",
-                    ));
-                }
-                if !(100..=600_000).contains(&mem.interval_ms) {
-                    return Err(err(
-                        "membership.interval_ms",
-                        "must be 0 (off) or between 100 and 600000",
-                    ));
-                }
-                if mem.timeout_ms == 0 || mem.timeout_ms > 60_000 {
-                    return Err(err("membership.timeout_ms", "must be between 1 and 60000"));
-                }
-            }
-        }
         Ok(Config {
             destination_header: raw.destination_header,
             membership: raw.membership,
@@ -1139,6 +812,389 @@ impl Config {
             .iter()
             .position(|m| m.decode_of.is_none() && m.name.as_bytes() == name)
     }
+}
+
+/// `models`, `default_model` and the block sizes: the configured models in name order, then
+/// the PD models' hidden decode models (`config/pd.rs`); and the default model's position.
+fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), ConfigError> {
+    if raw.models.is_empty() {
+        return Err(err("models", "at least one model is required"));
+    }
+    check_block("text_block_bytes", raw.text_block_bytes, MAX_BLOCK_BYTES)?;
+    check_block("token_block_size", raw.token_block_size, MAX_TOKEN_BLOCK)?;
+    if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > MAX_PROMPT_BLOCKS {
+        return Err(err("max_prompt_blocks", "must be between 1 and 1048576"));
+    }
+    let mut models = Vec::with_capacity(raw.models.len());
+    for (name, m) in &raw.models {
+        let field = format!("models.{name}");
+        if name.is_empty() {
+            return Err(err("models", "model names must not be empty"));
+        }
+        let pool = check_pool(&field, m, &raw.load_poll.cluster_suffix, name)?;
+        let (raw_workers, key) = pd::routing_workers(&field, m)?;
+        if raw_workers.is_empty() && pool.is_none() {
+            return Err(err(format!("{field}.{key}"), "at least one worker"));
+        }
+        if raw_workers.len() > MAX_WORKERS_PER_MODEL {
+            return Err(err(
+                format!("{field}.{key}"),
+                format!("at most {MAX_WORKERS_PER_MODEL} workers"),
+            ));
+        }
+        let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
+        for (i, w) in raw_workers.iter().enumerate() {
+            let (cluster, weight, address) = match w {
+                RawWorker::Name(c) => (c.clone(), 1.0, None),
+                RawWorker::Weighted {
+                    cluster,
+                    weight,
+                    address,
+                } => (cluster.clone(), *weight, address.clone()),
+            };
+            let wf = format!("{field}.{key}[{i}]");
+            if let Some(a) = &address {
+                if !valid_address(a.as_bytes()) {
+                    return Err(err(format!("{wf}.address"), "must be IP:PORT"));
+                }
+            }
+            if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
+                return Err(err(wf, "cluster must be a non-empty printable name"));
+            }
+            if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
+                return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
+            }
+            let id = worker_id(&cluster);
+            if let Some(prev) = workers.iter().find(|p| p.id == id) {
+                let msg = if prev.cluster == cluster {
+                    format!("duplicate cluster `{cluster}`")
+                } else {
+                    format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
+                };
+                return Err(err(wf, msg));
+            }
+            workers.push(Worker {
+                cluster,
+                weight,
+                address,
+                id,
+            });
+        }
+        let text_block_bytes = m.text_block_bytes.unwrap_or(raw.text_block_bytes);
+        let token_block_size = m.token_block_size.unwrap_or(raw.token_block_size);
+        check_block(
+            &format!("{field}.text_block_bytes"),
+            text_block_bytes,
+            MAX_BLOCK_BYTES,
+        )?;
+        check_block(
+            &format!("{field}.token_block_size"),
+            token_block_size,
+            MAX_TOKEN_BLOCK,
+        )?;
+        let uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
+        let total_weight = workers.iter().map(|w| w.weight).sum();
+        models.push(Model {
+            index_key_prefix: INDEX_KEY_PREFIX.to_string(),
+            load_key: format!("pr/l2/{name}"),
+            poll_key: format!("pr/p2/{name}"),
+            placed_key: format!("pr/np/{name}"),
+            hits_key: format!("pr/h1/{name}"),
+            peer_key: worker_id(name),
+            poll_clusters: workers
+                .iter()
+                .map(|w| format!("{}{}", w.cluster, raw.load_poll.cluster_suffix))
+                .collect(),
+            name: name.clone(),
+            workers,
+            text_block_bytes,
+            token_block_size,
+            uniform_weights,
+            total_weight,
+            pd: None,
+            decode_of: None,
+            pool,
+        });
+    }
+    let default_model = match &raw.default_model {
+        Some(d) => models
+            .iter()
+            .position(|m| &m.name == d)
+            .ok_or_else(|| err("default_model", format!("`{d}` is not in models")))?,
+        None if models.len() == 1 => 0,
+        None => {
+            return Err(err(
+                "default_model",
+                "required when more than one model is configured",
+            ))
+        }
+    };
+    pd::add_decode_models(
+        raw.models.iter(),
+        &mut models,
+        &raw.load_poll.cluster_suffix,
+    )?;
+    Ok((models, default_model))
+}
+
+/// `cluster_header`, `debug_header` and `prefill_cluster_header`: lower-case and distinct.
+fn check_headers(raw: &RawConfig) -> Result<(), ConfigError> {
+    if !valid_header_name(&raw.cluster_header) {
+        return Err(err(
+            "cluster_header",
+            "must be a lower-case header name ([a-z0-9_-]+)",
+        ));
+    }
+    if let Some(h) = &raw.debug_header {
+        if !valid_header_name(h) || *h == raw.cluster_header {
+            return Err(err(
+                "debug_header",
+                "must be a lower-case header name distinct from cluster_header",
+            ));
+        }
+    }
+    pd::check_header(
+        &raw.prefill_cluster_header,
+        &raw.cluster_header,
+        raw.debug_header.as_deref(),
+    )?;
+    Ok(())
+}
+
+/// `hash_key`: a secret of at least [`MIN_SECRET_LEN`] printable characters.
+fn check_hash_key(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(k) = &raw.hash_key {
+        if k.len() < MIN_SECRET_LEN || k.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+            return Err(err(
+                "hash_key",
+                format!("must be at least {MIN_SECRET_LEN} printable characters"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `tenant_header`: lower-case and distinct from the cluster and debug headers.
+fn check_tenant_header(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(h) = &raw.tenant_header {
+        if !valid_header_name(h) || *h == raw.cluster_header || raw.debug_header.as_ref() == Some(h)
+        {
+            return Err(err(
+                "tenant_header",
+                "must be a lower-case header name distinct from cluster_header and debug_header",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `passthrough_cluster`: a name when set.
+fn check_passthrough(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(p) = &raw.passthrough_cluster {
+        if p.is_empty() {
+            return Err(err("passthrough_cluster", "must not be empty"));
+        }
+    }
+    Ok(())
+}
+
+/// `index.*`.
+fn check_index(idx: &IndexConfig) -> Result<(), ConfigError> {
+    if idx.capacity < 4 || idx.capacity > 1 << 26 {
+        return Err(err("index.capacity", "must be between 4 and 67108864"));
+    }
+    if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
+        return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
+    }
+    // The cache works in the filter's 100 ms clock units: 1..99 would round to 0 and
+    // silently turn it off, so it is refused rather than guessed.
+    if idx.local_cache_ms > 60_000 || (1..100).contains(&idx.local_cache_ms) {
+        return Err(err(
+            "index.local_cache_ms",
+            "must be 0 (off) or between 100 and 60000 (100 ms resolution)",
+        ));
+    }
+    if idx.cas_retries == 0 || idx.cas_retries > 64 {
+        return Err(err("index.cas_retries", "must be between 1 and 64"));
+    }
+    Ok(())
+}
+
+/// `policy.*`.
+fn check_policy(p: &PolicyConfig) -> Result<(), ConfigError> {
+    if !(p.load_eps.is_finite() && p.load_eps >= 0.0 && p.load_eps <= 100.0) {
+        return Err(err("policy.load_eps", "must be between 0 and 100"));
+    }
+    if !(p.batch_releases_min_rps.is_finite()
+        && p.batch_releases_min_rps >= 0.0
+        && p.batch_releases_min_rps <= 1e9)
+    {
+        return Err(err(
+            "policy.batch_releases_min_rps",
+            "must be between 0 and 1000000000",
+        ));
+    }
+    if !(p.load_slack.is_finite() && p.load_slack >= 0.0 && p.load_slack <= 1e6) {
+        return Err(err("policy.load_slack", "must be between 0 and 1000000"));
+    }
+    if !(p.fleet_prefix_share.is_finite() && (0.0..=1.0).contains(&p.fleet_prefix_share)) {
+        return Err(err("policy.fleet_prefix_share", "must be between 0 and 1"));
+    }
+    if !(p.busy_tolerance.is_finite() && p.busy_tolerance >= 0.0 && p.busy_tolerance <= 1e6) {
+        return Err(err(
+            "policy.busy_tolerance",
+            "must be between 0 and 1000000",
+        ));
+    }
+    if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
+        return Err(err("policy.load_weight", "must be a finite number >= 0"));
+    }
+    if !(p.request_cost_tokens.is_finite() && p.request_cost_tokens >= 0.0) {
+        return Err(err(
+            "policy.request_cost_tokens",
+            "must be a finite number >= 0",
+        ));
+    }
+    if p.affinity_blocks == 0 {
+        return Err(err("policy.affinity_blocks", "must be at least 1"));
+    }
+    if p.media_part_tokens > 1 << 20 {
+        return Err(err("policy.media_part_tokens", "must be at most 1048576"));
+    }
+    if p.max_request_tokens == 0 || p.max_request_tokens > 1 << 24 {
+        return Err(err(
+            "policy.max_request_tokens",
+            "must be between 1 and 16777216",
+        ));
+    }
+    if p.chars_per_token == 0 {
+        return Err(err("policy.chars_per_token", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// `load_poll.*`.
+fn check_load_poll(lp: &LoadPollConfig) -> Result<(), ConfigError> {
+    if lp.interval_ms > 60_000 {
+        return Err(err("load_poll.interval_ms", "must be between 0 and 60000"));
+    }
+    if lp.no_traffic_interval_ms > 60_000 {
+        return Err(err(
+            "load_poll.no_traffic_interval_ms",
+            "must be between 0 and 60000",
+        ));
+    }
+    for (f, v) in [
+        ("path", &lp.path),
+        ("fallback_path", &lp.fallback_path),
+        ("metrics_path", &lp.metrics_path),
+    ] {
+        if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+            return Err(err(
+                format!("load_poll.{f}"),
+                "must be a path starting with /",
+            ));
+        }
+    }
+    if lp.metrics_interval_ms > 600_000 {
+        return Err(err(
+            "load_poll.metrics_interval_ms",
+            "must be between 0 and 600000",
+        ));
+    }
+    if lp.cluster_suffix.bytes().any(|b| b.is_ascii_control()) {
+        return Err(err("load_poll.cluster_suffix", "must be printable"));
+    }
+    if lp.timeout_ms == 0 || lp.timeout_ms > 60_000 {
+        return Err(err("load_poll.timeout_ms", "must be between 1 and 60000"));
+    }
+    if lp.stale_ms < lp.interval_ms || lp.stale_ms > 600_000 {
+        return Err(err(
+            "load_poll.stale_ms",
+            "must be at least interval_ms and at most 600000",
+        ));
+    }
+    Ok(())
+}
+
+/// `peers.*`, and `peer_listener` (which needs `peers.secret`).
+fn check_peers(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(p) = &raw.peers {
+        if p.secret.len() < MIN_SECRET_LEN || p.secret.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+            return Err(err(
+                "peers.secret",
+                format!("must be at least {MIN_SECRET_LEN} printable characters"),
+            ));
+        }
+        for (i, c) in p.clusters.iter().enumerate() {
+            if c.is_empty() || c.bytes().any(|b| b.is_ascii_control()) {
+                return Err(err(
+                    format!("peers.clusters[{i}]"),
+                    "must be a cluster name",
+                ));
+            }
+        }
+        if p.flush_ms == 0 || p.flush_ms > 60_000 {
+            return Err(err("peers.flush_ms", "must be between 1 and 60000"));
+        }
+        if p.timeout_ms == 0 || p.timeout_ms > 60_000 {
+            return Err(err("peers.timeout_ms", "must be between 1 and 60000"));
+        }
+        if p.max_batch == 0 || p.max_batch > 65_536 {
+            return Err(err("peers.max_batch", "must be between 1 and 65536"));
+        }
+        if p.window_s == 0 || p.window_s > 3600 {
+            return Err(err("peers.window_s", "must be between 1 and 3600"));
+        }
+        if p.max_records_per_s == 0 || p.max_records_per_s > 10_000_000 {
+            return Err(err(
+                "peers.max_records_per_s",
+                "must be between 1 and 10000000",
+            ));
+        }
+    } else if raw.peer_listener {
+        return Err(err(
+            "peer_listener",
+            "needs `peers.secret` (the secret that authenticates peers' batches)",
+        ));
+    }
+    Ok(())
+}
+
+/// `membership.*` and `destination_header`, checked only when a model is a pool.
+fn check_membership(raw: &RawConfig, models: &[Model]) -> Result<(), ConfigError> {
+    let mem = &raw.membership;
+    if models.iter().any(|m| m.pool.is_some()) {
+        if !valid_header_name(&raw.destination_header)
+            || raw.destination_header == raw.cluster_header
+            || raw.debug_header.as_ref() == Some(&raw.destination_header)
+            || raw.tenant_header.as_ref() == Some(&raw.destination_header)
+            || raw.destination_header == raw.prefill_cluster_header
+        {
+            return Err(err(
+                "destination_header",
+                "must be a lower-case header name distinct from the filter's other headers",
+            ));
+        }
+        if mem.interval_ms > 0 {
+            if mem.cluster.is_empty() || !mem.path.starts_with('/') {
+                return Err(err(
+                    "membership",
+                    "needs a cluster and a path starting with /",
+                ));
+            }
+            if !(100..=600_000).contains(&mem.interval_ms) {
+                return Err(err(
+                    "membership.interval_ms",
+                    "must be 0 (off) or between 100 and 600000",
+                ));
+            }
+            if mem.timeout_ms == 0 || mem.timeout_ms > 60_000 {
+                return Err(err("membership.timeout_ms", "must be between 1 and 60000"));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_block(field: &str, v: usize, max: usize) -> Result<(), ConfigError> {
