@@ -393,9 +393,12 @@ pub struct PolicyConfig {
     /// rendezvous, so replicas and threads acting on the same averages do not herd onto one.
     #[serde(default = "default_busy_tolerance")]
     pub busy_tolerance: f64,
-    /// Time constant of each worker's decayed sum of prompt tokens it was sent uncached
-    /// (`footprint.rs`): a prompt nobody holds goes to its rendezvous runner-up when the top was
-    /// sent more than one such prompt more; 0: off (plain rendezvous).
+    /// One knob for the two uses of new prompts' placements; read it through
+    /// [`PolicyConfig::footprint_decay_ms`] (the time constant of each worker's decayed sum of
+    /// prompt tokens it was sent uncached, `footprint.rs`: a prompt nobody holds goes to its
+    /// rendezvous runner-up when the top was sent more than one such prompt more) and
+    /// [`PolicyConfig::follows_placements`] (whether a new prompt follows a sibling placed
+    /// moments ago, `placements.rs`); 0 turns both off (plain rendezvous).
     #[serde(default = "default_placement_window_ms")]
     pub placement_window_ms: u32,
     /// Weight of a worker's queued prefill (uncached prompt tokens waiting for prefill, polled,
@@ -433,6 +436,16 @@ pub struct PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Time constant of the workers' uncached-prompt footprints (`footprint.rs`; 0: off).
+    pub fn footprint_decay_ms(&self) -> u32 {
+        self.placement_window_ms
+    }
+
+    /// Whether a prompt nobody holds follows a sibling placed moments ago (`placements.rs`).
+    pub fn follows_placements(&self) -> bool {
+        self.placement_window_ms > 0
+    }
+
     /// The tokens charged for `bytes` of a body read as text (a malformed body, a PD decode
     /// worker's copy): `bytes / chars_per_token`, at most `max_request_tokens`.
     pub fn body_tokens(&self, bytes: usize) -> u32 {

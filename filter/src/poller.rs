@@ -2,7 +2,7 @@
 //! counter reads (`hits.rs`), sent from the root context's tick, and their answers.
 //!
 //! Invariants:
-//! - Only the holder of the poll lease ([`Lease`], one VM per Envoy) sends; a root that cannot
+//! - Only the holder of the poll lease ([`PollLease`], one VM per Envoy) sends; a root that cannot
 //!   make calls (a native worker thread) or a peer listener never takes the lease, so it never
 //!   takes it from one that can.
 //! - A worker has at most one load poll and one counter read in flight; a call whose answer
@@ -21,7 +21,7 @@ use crate::hits;
 use crate::host::{now_ticks, Buffer, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::poll::{self, Lease, Polled, Poller, Target};
+use crate::poll::{self, PollLease, Polled, Poller, Target};
 use crate::router::Router;
 use crate::schedule::{since, Calls};
 use std::cell::RefCell;
@@ -80,7 +80,7 @@ impl Polls {
         let (interval_ms, no_traffic_ms) = (lp.interval_ms, lp.no_traffic_interval_ms);
         let ttl = 3 * u64::from(interval_ms.max(tick_ms));
         let mut buf = Vec::new();
-        if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
+        if !PollLease::hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
         }
         let mut targets: Vec<Target> = Vec::new();

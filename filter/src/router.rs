@@ -20,7 +20,7 @@ use crate::config::{Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
 use crate::ids;
-use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
+use crate::index::{Held, Index, IndexBuffers, Matches, Plan, WriteStats};
 use crate::load::Ledger;
 use crate::pd_body::{BadBody, Rewriter};
 use crate::peers::Outbox;
@@ -132,13 +132,14 @@ pub struct Router {
     /// Canonical length after each chat message, and those boundaries as block counts.
     bounds: Vec<usize>,
     /// The token-id fast path's buffers (`request::parse_fast`).
-    tok: request::Scratch,
+    id_bufs: request::IdBuffers,
     /// Canonical bytes kept per prompt: enough for `max_prompt_blocks` blocks of any model, text
     /// or token ids (up to `MAX_ID_BYTES` canonical bytes per id). Derived from `cfg` once.
     limit: request::Limit,
     ends: Vec<usize>,
     hashes: Vec<u64>,
-    sc: Scratch,
+    /// The index's reusable buffers and probe cache (`index.rs`).
+    index_bufs: IndexBuffers,
     matches: Matches,
     matched: Vec<u32>,
     /// The model `matched` belongs to (the last decision's; `usize::MAX`: none).
@@ -159,8 +160,9 @@ pub struct Router {
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
     outbox: Option<Outbox>,
-    /// Rotation for passthrough requests.
-    rr: usize,
+    /// Where the next round-robin pick starts: passthrough requests, and the tie-break of a
+    /// least-loaded pick.
+    rotation: usize,
     /// Index writes planned by the last decision (see [`Router::take_plan`]).
     plan: Option<Plan>,
     /// Index buckets this VM still has to empty after the table shrank (`index::resize`).
@@ -198,14 +200,14 @@ impl Router {
             // Scans record block ends at the default model's block size: the model a body
             // names is only known once it is parsed (another size searches, `blocks.rs`).
             limit,
-            tok: request::Scratch::for_blocks(
+            id_bufs: request::IdBuffers::for_blocks(
                 cfg.models
                     .get(cfg.default_model)
                     .map_or(0, |m| m.token_block_size),
             ),
             ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
-            sc: Scratch::default(),
+            index_bufs: IndexBuffers::default(),
             // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
             matches: Matches::with_capacity(),
             matched: Vec::with_capacity(max_workers),
@@ -219,7 +221,7 @@ impl Router {
             verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
-            rr: (seed as usize) % 1024,
+            rotation: (seed as usize) % 1024,
             plan: None,
             shrink: None,
             pd_body: Rewriter::new(seed ^ 0x7064),
@@ -239,7 +241,7 @@ impl Router {
         self.shrink = crate::index::resize(store, self.cfg.index_buckets);
         let seed = policy::mix(self.seed, self.ledger.lease_id());
         self.pd_body.reseed(seed ^ 0x7064);
-        self.rr = (seed as usize) % 1024;
+        self.rotation = (seed as usize) % 1024;
         self.policy = policy::from_config(self.cfg.policy.name, seed);
     }
 
@@ -396,8 +398,12 @@ impl Router {
         if n == 0 {
             return None; // a pool model with no known worker: its cluster picks
         }
-        self.rr = self.rr.wrapping_add(1);
-        Some(Decision::uncharged(m, self.rr % n, Reason::Passthrough))
+        self.rotation = self.rotation.wrapping_add(1);
+        Some(Decision::uncharged(
+            m,
+            self.rotation % n,
+            Reason::Passthrough,
+        ))
     }
 
     /// Decides where an inference request goes, in the shared (tenant-less) index space. `now`
@@ -432,7 +438,7 @@ impl Router {
             body,
             &mut self.canon,
             &mut self.bounds,
-            &mut self.tok,
+            &mut self.id_bufs,
             self.limit,
         ) {
             Ok(p) => p,
@@ -495,7 +501,7 @@ impl Router {
         // A block: `block` bytes of text, or `block` token ids (`ids.rs`).
         let truncated = parsed.truncated
             | match parsed.kind {
-                PromptKind::Tokens => match self.tok.block_ends(block) {
+                PromptKind::Tokens => match self.id_bufs.block_ends(block) {
                     Some(ends) => hash_blocks_at(
                         seed,
                         &self.canon,
@@ -604,13 +610,19 @@ impl Router {
         let ix = Index::for_model(cfg, model);
         self.matches.clear();
         if uses_index {
-            ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
+            ix.lookup(
+                store,
+                &self.hashes,
+                now,
+                &mut self.index_bufs,
+                &mut self.matches,
+            );
             ix.lookup_bounds(
                 store,
                 &self.hashes,
                 &self.ends,
                 now,
-                &mut self.sc,
+                &mut self.index_bufs,
                 &mut self.matches,
             );
         }
@@ -642,9 +654,9 @@ impl Router {
         // The opening message's end, when another message follows it (a fleet prefix candidate).
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let footprint = &mut self.footprint;
-        footprint.decay(mi, now, cfg.policy.placement_window_ms);
+        footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
-        let follow = uses_index && deepest == 0 && cfg.policy.placement_window_ms > 0;
+        let follow = uses_index && deepest == 0 && cfg.policy.follows_placements();
         let recent = if follow {
             self.placements
                 .recent(store, &model.placed_key, sibling, now)
@@ -707,7 +719,7 @@ impl Router {
             self.verifier
                 .observe(mi, w, d.matched_blocks, d.total_blocks);
             // What the worker will newly cache (the charge is the uncached estimate).
-            footprint.place(mi, w, tok, cfg.policy.placement_window_ms);
+            footprint.place(mi, w, tok, cfg.policy.footprint_decay_ms());
             if follow {
                 if let Some(wk) = model.workers.get(w) {
                     let key = &model.placed_key;
@@ -771,14 +783,14 @@ impl Router {
             return WriteStats::default();
         };
         let ix = Index::for_model(&self.cfg, model);
-        self.sc.written.clear();
-        let stats = ix.write(store, plan.hashes(), plan.worker, now, &mut self.sc);
+        self.index_bufs.written.clear();
+        let stats = ix.write(store, plan.hashes(), plan.worker, now, &mut self.index_bufs);
         if let Some(ob) = &mut self.outbox {
-            for &h in &self.sc.written {
+            for &h in &self.index_bufs.written {
                 ob.push(model.peer_key, plan.worker, h);
             }
         }
-        self.sc.written.clear();
+        self.index_bufs.written.clear();
         stats
     }
 
@@ -790,9 +802,9 @@ impl Router {
         tokens: u32,
         now: u32,
     ) -> Decision {
-        self.rr = self.rr.wrapping_add(1);
+        self.rotation = self.rotation.wrapping_add(1);
         let (reqs, toks) = self.ledger.view(store, &self.cfg, mi, now);
-        let w = policy::least_loaded(reqs, toks, self.rr);
+        let w = policy::least_loaded(reqs, toks, self.rotation);
         let tokens = tokens.max(1);
         self.ledger
             .add(store, &self.cfg, mi, w, 1, i64::from(tokens));
@@ -986,7 +998,7 @@ impl Router {
         now_ms: u64,
         now: u32,
     ) -> Result<crate::peers::Applied, crate::peers::Refused> {
-        crate::peers::receive(store, &self.cfg, body, now_ms, now, &mut self.sc)
+        crate::peers::receive(store, &self.cfg, body, now_ms, now, &mut self.index_bufs)
     }
 
     /// Number of parked load deltas (should be 0 except under extreme contention).
