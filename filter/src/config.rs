@@ -1,7 +1,12 @@
 //! Typed plugin configuration, validated once in `on_configure`.
 //!
-//! Every default lives in this file (the `default_*` functions and [`Defaults`]); the README's
+//! Every default lives in this file (the `default_*` functions); the README's
 //! config reference is generated from the same values by hand and kept in sync by a test.
+//!
+//! Invariants: [`Config::validate`] checks one section per function, in a fixed order, and every
+//! error names the offending field as the operator wrote it; a [`Config`] that exists is valid.
+//! This layer imports no runtime module (the PD sections are in `config/pd.rs`; the shared-data
+//! keys of every model are named here). Costs: configuration time only.
 
 pub mod pd;
 

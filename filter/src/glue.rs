@@ -262,7 +262,6 @@ pub struct Stream {
     charge: Charge,
     /// A peer's record batch (peer listener only), applied when its body is complete.
     peer_batch: bool,
-    // -- index records (issue 12 item 3) --
     /// Index writes of this stream's decision, made once the response status is 2xx.
     plan: Option<Plan>,
     /// Value of `tenant_header` (set by Envoy after authentication); empty when not configured.

@@ -22,7 +22,7 @@
 //! expire: a native worker thread has no timer and ticks only at stream starts, so a long stream
 //! on a quiet thread would otherwise drop out of every view after 2 s.
 //!
-//! **Costs.** A decision: one get and one CAS (as before), plus a walk over the leases (O(m log n)
+//! **Costs.** A decision: one get and one CAS, plus a walk over the leases (O(m log n)
 //! for m non-zero records, n workers). A release: one get and one CAS on a quiet VM, none on a
 //! busy one (rides on the next write). A tick: nothing for a VM without load and unpublished
 //! changes, one get + CAS per model per heartbeat for one with load; every 200 ms one get per

@@ -12,7 +12,7 @@
 //! Envoy's own in-flight counts `S` at the moment the answer arrived. A decision then uses, per
 //! worker, `max(L, P + L − S)` with `L` the own counts now: the polled load plus this Envoy's
 //! changes since the poll, and never less than what this Envoy alone has in flight there. A single
-//! Envoy without other traffic sees `P ≈ S`, i.e. exactly its own counts, as before.
+//! Envoy without other traffic sees `P ≈ S`, i.e. exactly its own counts, as without polling.
 //!
 //! **Unknown is not idle.** A worker whose last poll failed, or whose last good answer is older
 //! than `load_poll.stale_ms`, counts as `max(L, mean of the known workers)`: neither a magnet for

@@ -4,7 +4,13 @@
 //! so a decision allocates nothing in steady state beyond what serde_json needs for escapes.
 //!
 //! Load accounting lives in [`Ledger`] (`load.rs`), worker choice behind [`Policy`]
-//! (`policy/`), the index in `index.rs`; this file wires them together for one request.
+//! (`policy/`), the index in `index.rs`, the PD body rewrite in `pd_body.rs`; this file wires
+//! them together for one request, a PD request's decode worker included
+//! ([`Router::decode_decision`]).
+//!
+//! Invariants: every field is private, so the ledger, the index buffers, the peer outbox and the
+//! PD rewriter change only through `Router` methods, and a charge is made and released only
+//! here; the configuration is read only ([`Router::cfg`]): a new one is a new router.
 //!
 //! **Rendezvous key.** When no worker holds any part of a prompt, the worker comes from
 //! rendezvous hashing of a key every replica computes alike. For a chat prompt with at least two
