@@ -862,41 +862,10 @@ fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), ConfigError> {
         }
         let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
         for (i, w) in raw_workers.iter().enumerate() {
-            let (cluster, weight, address) = match w {
-                RawWorker::Name(c) => (c.clone(), 1.0, None),
-                RawWorker::Weighted {
-                    cluster,
-                    weight,
-                    address,
-                } => (cluster.clone(), *weight, address.clone()),
-            };
             let wf = format!("{field}.{key}[{i}]");
-            if let Some(a) = &address {
-                if !valid_address(a.as_bytes()) {
-                    return Err(err(format!("{wf}.address"), "must be IP:PORT"));
-                }
-            }
-            if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
-                return Err(err(wf, "cluster must be a non-empty printable name"));
-            }
-            if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
-                return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
-            }
-            let id = worker_id(&cluster);
-            if let Some(prev) = workers.iter().find(|p| p.id == id) {
-                let msg = if prev.cluster == cluster {
-                    format!("duplicate cluster `{cluster}`")
-                } else {
-                    format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
-                };
-                return Err(err(wf, msg));
-            }
-            workers.push(Worker {
-                cluster,
-                weight,
-                address,
-                id,
-            });
+            let worker = check_worker(&wf, w)?;
+            check_distinct(&wf, &workers, &worker)?;
+            workers.push(worker);
         }
         let text_block_bytes = m.text_block_bytes.unwrap_or(raw.text_block_bytes);
         let token_block_size = m.token_block_size.unwrap_or(raw.token_block_size);
@@ -953,6 +922,50 @@ fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), ConfigError> {
         &raw.load_poll.cluster_suffix,
     )?;
     Ok((models, default_model))
+}
+
+/// One worker as written (`wf`: its field): its address, cluster name and weight.
+pub(crate) fn check_worker(wf: &str, w: &RawWorker) -> Result<Worker, ConfigError> {
+    let (cluster, weight, address) = match w {
+        RawWorker::Name(c) => (c.clone(), 1.0, None),
+        RawWorker::Weighted {
+            cluster,
+            weight,
+            address,
+        } => (cluster.clone(), *weight, address.clone()),
+    };
+    if address
+        .as_ref()
+        .is_some_and(|a| !valid_address(a.as_bytes()))
+    {
+        return Err(err(format!("{wf}.address"), "must be IP:PORT"));
+    }
+    if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
+        return Err(err(wf, "cluster must be a non-empty printable name"));
+    }
+    if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
+        return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
+    }
+    Ok(Worker {
+        id: worker_id(&cluster),
+        cluster,
+        weight,
+        address,
+    })
+}
+
+/// `w` (field `wf`) names no worker of `workers` and no id of theirs (ids are hashes of names).
+pub(crate) fn check_distinct(wf: &str, workers: &[Worker], w: &Worker) -> Result<(), ConfigError> {
+    if let Some(prev) = workers.iter().find(|p| p.id == w.id) {
+        let cluster = &w.cluster;
+        let msg = if prev.cluster == *cluster {
+            format!("duplicate cluster `{cluster}`")
+        } else {
+            format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
+        };
+        return Err(err(wf, msg));
+    }
+    Ok(())
 }
 
 /// `cluster_header`, `debug_header` and `prefill_cluster_header`: lower-case and distinct.

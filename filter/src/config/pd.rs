@@ -13,8 +13,8 @@
 //! prefill and a decode worker; every error names the field. The bootstrap fields are rendered
 //! once here (JSON-escaped), so a request only copies them. Costs: configuration time only.
 
-use super::{err, valid_header_name, worker_id, ConfigError, Model, RawModel, RawWorker, Worker};
-use super::{valid_address, MAX_WORKERS_PER_MODEL};
+use super::{check_distinct, check_worker, err, valid_header_name, worker_id};
+use super::{ConfigError, Model, RawModel, RawWorker, MAX_WORKERS_PER_MODEL};
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -131,45 +131,14 @@ pub fn add_decode_models<'a>(
         };
         let mut workers = Vec::with_capacity(m.decode.len());
         for (i, w) in m.decode.iter().enumerate() {
-            let (cluster, weight, address) = match w {
-                RawWorker::Name(c) => (c.clone(), 1.0, None),
-                RawWorker::Weighted {
-                    cluster,
-                    weight,
-                    address,
-                } => (cluster.clone(), *weight, address.clone()),
-            };
             let wf = format!("{field}.decode[{i}]");
-            if address
-                .as_ref()
-                .is_some_and(|a| !valid_address(a.as_bytes()))
-            {
-                return Err(err(format!("{wf}.address"), "must be IP:PORT"));
-            }
-            if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
-                return Err(err(wf, "cluster must be a non-empty printable name"));
-            }
-            if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
-                return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
-            }
-            if prefill_model.workers.iter().any(|p| p.cluster == cluster) {
+            let worker = check_worker(&wf, w)?;
+            let cluster = &worker.cluster;
+            if prefill_model.workers.iter().any(|p| p.cluster == *cluster) {
                 return Err(err(wf, format!("`{cluster}` is also a prefill worker")));
             }
-            let id = worker_id(&cluster);
-            if let Some(prev) = workers.iter().find(|p: &&Worker| p.id == id) {
-                let msg = if prev.cluster == cluster {
-                    format!("duplicate cluster `{cluster}`")
-                } else {
-                    format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
-                };
-                return Err(err(wf, msg));
-            }
-            workers.push(Worker {
-                cluster,
-                weight,
-                address,
-                id,
-            });
+            check_distinct(&wf, &workers, &worker)?;
+            workers.push(worker);
         }
         if workers.len() > MAX_WORKERS_PER_MODEL {
             return Err(err(format!("{field}.decode"), "too many decode workers"));
