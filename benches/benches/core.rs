@@ -13,7 +13,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use prefix_router::blocks::{chain_seed, hash_blocks, hash_token_blocks};
 use prefix_router::config::worker_id;
-use prefix_router::index::{Index, Matches, Scratch};
+use prefix_router::index::{Index, IndexBuffers, Matches};
 use prefix_router::policy::{self, Inputs};
 use prefix_router::request::{self, Endpoint};
 use prefix_router::router::Router;
@@ -59,7 +59,7 @@ fn chain(st: &mut u64) -> Vec<u64> {
 fn warm_index(entries: usize, ids: &[u32]) -> (MemStore, Vec<Vec<u64>>) {
     let s = MemStore::new();
     let ix = index_view(entries);
-    let mut sc = Scratch::default();
+    let mut sc = IndexBuffers::default();
     let mut st = 7u64;
     let mut recent = Vec::new();
     let prompts = entries / 16;
@@ -91,7 +91,7 @@ fn index(c: &mut Criterion) {
             let ids: Vec<u32> = worker_names(n).iter().map(|w| worker_id(w)).collect();
             let (s, recent) = warm_index(entries, &ids);
             let ix = index_view(entries);
-            let mut sc = Scratch::default();
+            let mut sc = IndexBuffers::default();
             let mut m = Matches::default();
             let mut st = 99u64;
             let miss = chain(&mut st);
@@ -117,7 +117,7 @@ fn index(c: &mut Criterion) {
         let ids: Vec<u32> = worker_names(64).iter().map(|w| worker_id(w)).collect();
         let (s, _) = warm_index(entries, &ids);
         let ix = index_view(entries);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let mut st = 1234u64;
         let fresh: Vec<Vec<u64>> = (0..1024).map(|_| chain(&mut st)).collect();
         let mut k = 0usize;

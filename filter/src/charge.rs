@@ -55,18 +55,7 @@ mod tests {
     use crate::policy::Reason;
 
     fn charged(worker: u16, reqs: u32, tokens: u32) -> Decision {
-        Decision {
-            model: 0,
-            worker,
-            reason: Reason::PrefixHit,
-            matched_blocks: 0,
-            total_blocks: 0,
-            charged_reqs: reqs,
-            charged_tokens: tokens,
-            probes: 0,
-            truncated: false,
-            holder: None,
-        }
+        Decision::uncharged(0, usize::from(worker), Reason::PrefixHit).with_charge(reqs, tokens)
     }
 
     /// Sums (requests, tokens) over every part given back, answered or not, answered twice.

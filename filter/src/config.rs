@@ -1,7 +1,14 @@
 //! Typed plugin configuration, validated once in `on_configure`.
 //!
-//! Every default lives in this file (the `default_*` functions and [`Defaults`]); the README's
+//! Every default lives in this file (the `default_*` functions); the README's
 //! config reference is generated from the same values by hand and kept in sync by a test.
+//!
+//! Invariants: [`Config::validate`] checks one section per function, in a fixed order, and every
+//! error names the offending field as the operator wrote it; a [`Config`] that exists is valid.
+//! This layer imports no runtime module (the PD sections are in `config/pd.rs`; the shared-data
+//! keys of every model are named here). Costs: configuration time only.
+
+pub mod pd;
 
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -12,6 +19,10 @@ pub const MAX_WORKERS_PER_MODEL: usize = 1024;
 pub const MAX_BLOCK_BYTES: usize = 1 << 16;
 pub const MAX_TOKEN_BLOCK: usize = 4096;
 pub const MAX_PROMPT_BLOCKS: usize = 1 << 20;
+/// Key prefix of the prefix index's buckets, one table for every model (`index::KEY_PREFIX`).
+pub const INDEX_KEY_PREFIX: &str = "pr/i2/";
+/// Longest worker address accepted (`[v6 address]:port` fits).
+pub const MAX_ADDRESS: usize = 64;
 
 /// Raw configuration as written by the operator (JSON).
 #[derive(Debug, Deserialize)]
@@ -27,7 +38,7 @@ pub struct RawConfig {
     #[serde(default = "default_cluster_header")]
     pub cluster_header: String,
     /// PD models: the header naming the prefill worker (a route's mirror policy reads it).
-    #[serde(default = "crate::pd::default_prefill_header")]
+    #[serde(default = "pd::default_prefill_header")]
     pub prefill_cluster_header: String,
     #[serde(default)]
     pub debug_header: Option<String>,
@@ -241,9 +252,9 @@ fn default_peer_max_records_per_s() -> u32 {
 pub struct RawModel {
     #[serde(default)]
     pub workers: Vec<RawWorker>,
-    /// PD disaggregation (`pd.rs`): prefill and decode workers instead of `workers`.
+    /// PD disaggregation (`config/pd.rs`): prefill and decode workers instead of `workers`.
     #[serde(default)]
-    pub prefill: Vec<crate::pd::RawPrefill>,
+    pub prefill: Vec<pd::RawPrefill>,
     #[serde(default)]
     pub decode: Vec<RawWorker>,
     /// Pool mode: the workers are the healthy hosts of one Envoy cluster (`membership.rs`).
@@ -387,9 +398,12 @@ pub struct PolicyConfig {
     /// rendezvous, so replicas and threads acting on the same averages do not herd onto one.
     #[serde(default = "default_busy_tolerance")]
     pub busy_tolerance: f64,
-    /// Time constant of each worker's decayed sum of prompt tokens it was sent uncached
-    /// (`footprint.rs`): a prompt nobody holds goes to its rendezvous runner-up when the top was
-    /// sent more than one such prompt more; 0: off (plain rendezvous).
+    /// One knob for the two uses of new prompts' placements; read it through
+    /// [`PolicyConfig::footprint_decay_ms`] (the time constant of each worker's decayed sum of
+    /// prompt tokens it was sent uncached, `footprint.rs`: a prompt nobody holds goes to its
+    /// rendezvous runner-up when the top was sent more than one such prompt more) and
+    /// [`PolicyConfig::follows_placements`] (whether a new prompt follows a sibling placed
+    /// moments ago, `placements.rs`); 0 turns both off (plain rendezvous).
     #[serde(default = "default_placement_window_ms")]
     pub placement_window_ms: u32,
     /// Weight of a worker's queued prefill (uncached prompt tokens waiting for prefill, polled,
@@ -427,6 +441,16 @@ pub struct PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Time constant of the workers' uncached-prompt footprints (`footprint.rs`; 0: off).
+    pub fn footprint_decay_ms(&self) -> u32 {
+        self.placement_window_ms
+    }
+
+    /// Whether a prompt nobody holds follows a sibling placed moments ago (`placements.rs`).
+    pub fn follows_placements(&self) -> bool {
+        self.placement_window_ms > 0
+    }
+
     /// The tokens charged for `bytes` of a body read as text (a malformed body, a PD decode
     /// worker's copy): `bytes / chars_per_token`, at most `max_request_tokens`.
     pub fn body_tokens(&self, bytes: usize) -> u32 {
@@ -613,8 +637,8 @@ pub struct Model {
     /// True when all weights are equal (rendezvous can skip the logarithm).
     pub uniform_weights: bool,
     pub total_weight: f64,
-    /// PD model: bootstrap fields per prefill worker and its decode model (`pd.rs`).
-    pub pd: Option<crate::pd::Pd>,
+    /// PD model: bootstrap fields per prefill worker and its decode model (`config/pd.rs`).
+    pub pd: Option<pd::Pd>,
     /// Hidden decode model of the PD model at this index; never matched by name.
     pub decode_of: Option<usize>,
     /// Pool mode: the workers are this cluster's current hosts (empty until first learned).
@@ -706,8 +730,30 @@ fn check_pool(
         load_cluster,
         fallbacks: p.fallbacks,
         max_workers: p.max_workers,
-        members_key: crate::membership::key(model),
+        members_key: format!("pr/m1/{model}"),
     }))
+}
+
+/// `host:port` with a numeric port, printable, at most [`MAX_ADDRESS`] bytes, no whitespace.
+pub fn valid_address(a: &[u8]) -> bool {
+    if a.is_empty() || a.len() > MAX_ADDRESS {
+        return false;
+    }
+    if a.iter().any(|b| !b.is_ascii_graphic() || *b == b',') {
+        return false;
+    }
+    let Some(colon) = a.iter().rposition(|&b| b == b':') else {
+        return false;
+    };
+    let (host, port) = (&a[..colon], &a[colon + 1..]);
+    !host.is_empty()
+        && !port.is_empty()
+        && port.len() <= 5
+        && port.iter().all(u8::is_ascii_digit)
+        && std::str::from_utf8(port)
+            .ok()
+            .and_then(|p| p.parse::<u16>().ok())
+            .is_some_and(|p| p > 0)
 }
 
 /// The 64-bit hashing key of a `hash_key` secret.
@@ -740,346 +786,19 @@ impl Config {
         Config::validate(raw)
     }
 
+    /// Validates every section (each error names its field) and builds the configuration.
     pub fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
-        if raw.models.is_empty() {
-            return Err(err("models", "at least one model is required"));
-        }
-        check_block("text_block_bytes", raw.text_block_bytes, MAX_BLOCK_BYTES)?;
-        check_block("token_block_size", raw.token_block_size, MAX_TOKEN_BLOCK)?;
-        if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > MAX_PROMPT_BLOCKS {
-            return Err(err("max_prompt_blocks", "must be between 1 and 1048576"));
-        }
-        let mut models = Vec::with_capacity(raw.models.len());
-        for (name, m) in &raw.models {
-            let field = format!("models.{name}");
-            if name.is_empty() {
-                return Err(err("models", "model names must not be empty"));
-            }
-            let pool = check_pool(&field, m, &raw.load_poll.cluster_suffix, name)?;
-            let (raw_workers, key) = crate::pd::routing_workers(&field, m)?;
-            if raw_workers.is_empty() && pool.is_none() {
-                return Err(err(format!("{field}.{key}"), "at least one worker"));
-            }
-            if raw_workers.len() > MAX_WORKERS_PER_MODEL {
-                return Err(err(
-                    format!("{field}.{key}"),
-                    format!("at most {MAX_WORKERS_PER_MODEL} workers"),
-                ));
-            }
-            let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
-            for (i, w) in raw_workers.iter().enumerate() {
-                let (cluster, weight, address) = match w {
-                    RawWorker::Name(c) => (c.clone(), 1.0, None),
-                    RawWorker::Weighted {
-                        cluster,
-                        weight,
-                        address,
-                    } => (cluster.clone(), *weight, address.clone()),
-                };
-                let wf = format!("{field}.{key}[{i}]");
-                if let Some(a) = &address {
-                    if !crate::membership::valid_address(a.as_bytes()) {
-                        return Err(err(format!("{wf}.address"), "must be IP:PORT"));
-                    }
-                }
-                if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
-                    return Err(err(wf, "cluster must be a non-empty printable name"));
-                }
-                if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
-                    return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
-                }
-                let id = worker_id(&cluster);
-                if let Some(prev) = workers.iter().find(|p| p.id == id) {
-                    let msg = if prev.cluster == cluster {
-                        format!("duplicate cluster `{cluster}`")
-                    } else {
-                        format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
-                    };
-                    return Err(err(wf, msg));
-                }
-                workers.push(Worker {
-                    cluster,
-                    weight,
-                    address,
-                    id,
-                });
-            }
-            let text_block_bytes = m.text_block_bytes.unwrap_or(raw.text_block_bytes);
-            let token_block_size = m.token_block_size.unwrap_or(raw.token_block_size);
-            check_block(
-                &format!("{field}.text_block_bytes"),
-                text_block_bytes,
-                MAX_BLOCK_BYTES,
-            )?;
-            check_block(
-                &format!("{field}.token_block_size"),
-                token_block_size,
-                MAX_TOKEN_BLOCK,
-            )?;
-            let uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
-            let total_weight = workers.iter().map(|w| w.weight).sum();
-            models.push(Model {
-                index_key_prefix: crate::index::KEY_PREFIX.to_string(),
-                load_key: format!("pr/l2/{name}"),
-                poll_key: format!("pr/p2/{name}"),
-                placed_key: format!("pr/np/{name}"),
-                hits_key: format!("pr/h1/{name}"),
-                peer_key: worker_id(name),
-                poll_clusters: workers
-                    .iter()
-                    .map(|w| format!("{}{}", w.cluster, raw.load_poll.cluster_suffix))
-                    .collect(),
-                name: name.clone(),
-                workers,
-                text_block_bytes,
-                token_block_size,
-                uniform_weights,
-                total_weight,
-                pd: None,
-                decode_of: None,
-                pool,
-            });
-        }
-        let default_model = match &raw.default_model {
-            Some(d) => models
-                .iter()
-                .position(|m| &m.name == d)
-                .ok_or_else(|| err("default_model", format!("`{d}` is not in models")))?,
-            None if models.len() == 1 => 0,
-            None => {
-                return Err(err(
-                    "default_model",
-                    "required when more than one model is configured",
-                ))
-            }
-        };
-        crate::pd::add_decode_models(
-            raw.models.iter(),
-            &mut models,
-            &raw.load_poll.cluster_suffix,
-        )?;
-        if !valid_header_name(&raw.cluster_header) {
-            return Err(err(
-                "cluster_header",
-                "must be a lower-case header name ([a-z0-9_-]+)",
-            ));
-        }
-        if let Some(h) = &raw.debug_header {
-            if !valid_header_name(h) || *h == raw.cluster_header {
-                return Err(err(
-                    "debug_header",
-                    "must be a lower-case header name distinct from cluster_header",
-                ));
-            }
-        }
-        crate::pd::check_header(
-            &raw.prefill_cluster_header,
-            &raw.cluster_header,
-            raw.debug_header.as_deref(),
-        )?;
-        if let Some(k) = &raw.hash_key {
-            if k.len() < MIN_SECRET_LEN || k.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
-                return Err(err(
-                    "hash_key",
-                    format!("must be at least {MIN_SECRET_LEN} printable characters"),
-                ));
-            }
-        }
-        if let Some(h) = &raw.tenant_header {
-            if !valid_header_name(h)
-                || *h == raw.cluster_header
-                || raw.debug_header.as_ref() == Some(h)
-            {
-                return Err(err(
-                    "tenant_header",
-                    "must be a lower-case header name distinct from cluster_header and debug_header",
-                ));
-            }
-        }
-        if let Some(p) = &raw.passthrough_cluster {
-            if p.is_empty() {
-                return Err(err("passthrough_cluster", "must not be empty"));
-            }
-        }
+        let (models, default_model) = check_models(&raw)?;
+        check_headers(&raw)?;
+        check_hash_key(&raw)?;
+        check_tenant_header(&raw)?;
+        check_passthrough(&raw)?;
+        check_index(&raw.index)?;
+        check_policy(&raw.policy)?;
+        check_load_poll(&raw.load_poll)?;
+        check_peers(&raw)?;
+        check_membership(&raw, &models)?;
         let idx = &raw.index;
-        if idx.capacity < 4 || idx.capacity > 1 << 26 {
-            return Err(err("index.capacity", "must be between 4 and 67108864"));
-        }
-        if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
-            return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
-        }
-        // The cache works in the filter's 100 ms clock units: 1..99 would round to 0 and
-        // silently turn it off, so it is refused rather than guessed.
-        if idx.local_cache_ms > 60_000 || (1..100).contains(&idx.local_cache_ms) {
-            return Err(err(
-                "index.local_cache_ms",
-                "must be 0 (off) or between 100 and 60000 (100 ms resolution)",
-            ));
-        }
-        if idx.cas_retries == 0 || idx.cas_retries > 64 {
-            return Err(err("index.cas_retries", "must be between 1 and 64"));
-        }
-        let p = &raw.policy;
-        if !(p.load_eps.is_finite() && p.load_eps >= 0.0 && p.load_eps <= 100.0) {
-            return Err(err("policy.load_eps", "must be between 0 and 100"));
-        }
-        if !(p.batch_releases_min_rps.is_finite()
-            && p.batch_releases_min_rps >= 0.0
-            && p.batch_releases_min_rps <= 1e9)
-        {
-            return Err(err(
-                "policy.batch_releases_min_rps",
-                "must be between 0 and 1000000000",
-            ));
-        }
-        if !(p.load_slack.is_finite() && p.load_slack >= 0.0 && p.load_slack <= 1e6) {
-            return Err(err("policy.load_slack", "must be between 0 and 1000000"));
-        }
-        if !(p.fleet_prefix_share.is_finite() && (0.0..=1.0).contains(&p.fleet_prefix_share)) {
-            return Err(err("policy.fleet_prefix_share", "must be between 0 and 1"));
-        }
-        if !(p.busy_tolerance.is_finite() && p.busy_tolerance >= 0.0 && p.busy_tolerance <= 1e6) {
-            return Err(err(
-                "policy.busy_tolerance",
-                "must be between 0 and 1000000",
-            ));
-        }
-        if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
-            return Err(err("policy.load_weight", "must be a finite number >= 0"));
-        }
-        if !(p.request_cost_tokens.is_finite() && p.request_cost_tokens >= 0.0) {
-            return Err(err(
-                "policy.request_cost_tokens",
-                "must be a finite number >= 0",
-            ));
-        }
-        if p.affinity_blocks == 0 {
-            return Err(err("policy.affinity_blocks", "must be at least 1"));
-        }
-        if p.media_part_tokens > 1 << 20 {
-            return Err(err("policy.media_part_tokens", "must be at most 1048576"));
-        }
-        if p.max_request_tokens == 0 || p.max_request_tokens > 1 << 24 {
-            return Err(err(
-                "policy.max_request_tokens",
-                "must be between 1 and 16777216",
-            ));
-        }
-        if p.chars_per_token == 0 {
-            return Err(err("policy.chars_per_token", "must be at least 1"));
-        }
-        let lp = &raw.load_poll;
-        if lp.interval_ms > 60_000 {
-            return Err(err("load_poll.interval_ms", "must be between 0 and 60000"));
-        }
-        if lp.no_traffic_interval_ms > 60_000 {
-            return Err(err(
-                "load_poll.no_traffic_interval_ms",
-                "must be between 0 and 60000",
-            ));
-        }
-        for (f, v) in [
-            ("path", &lp.path),
-            ("fallback_path", &lp.fallback_path),
-            ("metrics_path", &lp.metrics_path),
-        ] {
-            if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {
-                return Err(err(
-                    format!("load_poll.{f}"),
-                    "must be a path starting with /",
-                ));
-            }
-        }
-        if lp.metrics_interval_ms > 600_000 {
-            return Err(err(
-                "load_poll.metrics_interval_ms",
-                "must be between 0 and 600000",
-            ));
-        }
-        if lp.cluster_suffix.bytes().any(|b| b.is_ascii_control()) {
-            return Err(err("load_poll.cluster_suffix", "must be printable"));
-        }
-        if lp.timeout_ms == 0 || lp.timeout_ms > 60_000 {
-            return Err(err("load_poll.timeout_ms", "must be between 1 and 60000"));
-        }
-        if lp.stale_ms < lp.interval_ms || lp.stale_ms > 600_000 {
-            return Err(err(
-                "load_poll.stale_ms",
-                "must be at least interval_ms and at most 600000",
-            ));
-        }
-        if let Some(p) = &raw.peers {
-            if p.secret.len() < MIN_SECRET_LEN
-                || p.secret.bytes().any(|b| !(0x21..0x7f).contains(&b))
-            {
-                return Err(err(
-                    "peers.secret",
-                    format!("must be at least {MIN_SECRET_LEN} printable characters"),
-                ));
-            }
-            for (i, c) in p.clusters.iter().enumerate() {
-                if c.is_empty() || c.bytes().any(|b| b.is_ascii_control()) {
-                    return Err(err(
-                        format!("peers.clusters[{i}]"),
-                        "must be a cluster name",
-                    ));
-                }
-            }
-            if p.flush_ms == 0 || p.flush_ms > 60_000 {
-                return Err(err("peers.flush_ms", "must be between 1 and 60000"));
-            }
-            if p.timeout_ms == 0 || p.timeout_ms > 60_000 {
-                return Err(err("peers.timeout_ms", "must be between 1 and 60000"));
-            }
-            if p.max_batch == 0 || p.max_batch > 65_536 {
-                return Err(err("peers.max_batch", "must be between 1 and 65536"));
-            }
-            if p.window_s == 0 || p.window_s > 3600 {
-                return Err(err("peers.window_s", "must be between 1 and 3600"));
-            }
-            if p.max_records_per_s == 0 || p.max_records_per_s > 10_000_000 {
-                return Err(err(
-                    "peers.max_records_per_s",
-                    "must be between 1 and 10000000",
-                ));
-            }
-        } else if raw.peer_listener {
-            return Err(err(
-                "peer_listener",
-                "needs `peers.secret` (the secret that authenticates peers' batches)",
-            ));
-        }
-        let mem = &raw.membership;
-        if models.iter().any(|m| m.pool.is_some()) {
-            if !valid_header_name(&raw.destination_header)
-                || raw.destination_header == raw.cluster_header
-                || raw.debug_header.as_ref() == Some(&raw.destination_header)
-                || raw.tenant_header.as_ref() == Some(&raw.destination_header)
-                || raw.destination_header == raw.prefill_cluster_header
-            {
-                return Err(err(
-                    "destination_header",
-                    "must be a lower-case header name distinct from the filter's other headers",
-                ));
-            }
-            if mem.interval_ms > 0 {
-                if mem.cluster.is_empty() || !mem.path.starts_with('/') {
-                    return Err(err(
-                        "membership",
-                        "needs a cluster and a path starting with /",
-                    ));
-                }
-                if !(100..=600_000).contains(&mem.interval_ms) {
-                    return Err(err(
-                        "membership.interval_ms",
-                        "must be 0 (off) or between 100 and 600000",
-                    ));
-                }
-                if mem.timeout_ms == 0 || mem.timeout_ms > 60_000 {
-                    return Err(err("membership.timeout_ms", "must be between 1 and 60000"));
-                }
-            }
-        }
         Ok(Config {
             destination_header: raw.destination_header,
             membership: raw.membership,
@@ -1106,34 +825,407 @@ impl Config {
     }
 
     /// Index of the model named `name`, if configured. Linear: configs hold a handful of models.
-    /// This configuration with pool model `mi`'s workers set to `members` (at most its
-    /// `max_workers`; `membership.rs`). `None` when `mi` is not a pool model.
-    pub fn with_members(&self, mi: usize, members: &[crate::membership::Member]) -> Option<Config> {
-        let mut cfg = self.clone();
-        let m = cfg.models.get_mut(mi)?;
-        let pool = m.pool.as_ref()?;
-        let workers: Vec<Worker> = members
-            .iter()
-            .take(pool.max_workers)
-            .map(|x| Worker {
-                cluster: x.address.clone(),
-                weight: f64::from(x.weight.max(1)),
-                address: Some(x.address.clone()),
-                id: worker_id(&x.address),
-            })
-            .collect();
-        m.poll_clusters = vec![pool.load_cluster.clone(); workers.len()];
-        m.uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
-        m.total_weight = workers.iter().map(|w| w.weight).sum();
-        m.workers = workers;
-        Some(cfg)
-    }
-
     pub fn model_index(&self, name: &[u8]) -> Option<usize> {
         self.models
             .iter()
             .position(|m| m.decode_of.is_none() && m.name.as_bytes() == name)
     }
+}
+
+/// `models`, `default_model` and the block sizes: the configured models in name order, then
+/// the PD models' hidden decode models (`config/pd.rs`); and the default model's position.
+fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), ConfigError> {
+    if raw.models.is_empty() {
+        return Err(err("models", "at least one model is required"));
+    }
+    check_block("text_block_bytes", raw.text_block_bytes, MAX_BLOCK_BYTES)?;
+    check_block("token_block_size", raw.token_block_size, MAX_TOKEN_BLOCK)?;
+    if raw.max_prompt_blocks == 0 || raw.max_prompt_blocks > MAX_PROMPT_BLOCKS {
+        return Err(err("max_prompt_blocks", "must be between 1 and 1048576"));
+    }
+    let mut models = Vec::with_capacity(raw.models.len());
+    for (name, m) in &raw.models {
+        let field = format!("models.{name}");
+        if name.is_empty() {
+            return Err(err("models", "model names must not be empty"));
+        }
+        let pool = check_pool(&field, m, &raw.load_poll.cluster_suffix, name)?;
+        let (raw_workers, key) = pd::routing_workers(&field, m)?;
+        if raw_workers.is_empty() && pool.is_none() {
+            return Err(err(format!("{field}.{key}"), "at least one worker"));
+        }
+        if raw_workers.len() > MAX_WORKERS_PER_MODEL {
+            return Err(err(
+                format!("{field}.{key}"),
+                format!("at most {MAX_WORKERS_PER_MODEL} workers"),
+            ));
+        }
+        let mut workers: Vec<Worker> = Vec::with_capacity(raw_workers.len());
+        for (i, w) in raw_workers.iter().enumerate() {
+            let wf = format!("{field}.{key}[{i}]");
+            let worker = check_worker(&wf, w)?;
+            check_distinct(&wf, &workers, &worker)?;
+            workers.push(worker);
+        }
+        let text_block_bytes = m.text_block_bytes.unwrap_or(raw.text_block_bytes);
+        let token_block_size = m.token_block_size.unwrap_or(raw.token_block_size);
+        check_block(
+            &format!("{field}.text_block_bytes"),
+            text_block_bytes,
+            MAX_BLOCK_BYTES,
+        )?;
+        check_block(
+            &format!("{field}.token_block_size"),
+            token_block_size,
+            MAX_TOKEN_BLOCK,
+        )?;
+        let uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
+        let total_weight = workers.iter().map(|w| w.weight).sum();
+        models.push(Model {
+            index_key_prefix: INDEX_KEY_PREFIX.to_string(),
+            load_key: format!("pr/l2/{name}"),
+            poll_key: format!("pr/p2/{name}"),
+            placed_key: format!("pr/np/{name}"),
+            hits_key: format!("pr/h1/{name}"),
+            peer_key: worker_id(name),
+            poll_clusters: workers
+                .iter()
+                .map(|w| format!("{}{}", w.cluster, raw.load_poll.cluster_suffix))
+                .collect(),
+            name: name.clone(),
+            workers,
+            text_block_bytes,
+            token_block_size,
+            uniform_weights,
+            total_weight,
+            pd: None,
+            decode_of: None,
+            pool,
+        });
+    }
+    let default_model = match &raw.default_model {
+        Some(d) => models
+            .iter()
+            .position(|m| &m.name == d)
+            .ok_or_else(|| err("default_model", format!("`{d}` is not in models")))?,
+        None if models.len() == 1 => 0,
+        None => {
+            return Err(err(
+                "default_model",
+                "required when more than one model is configured",
+            ))
+        }
+    };
+    pd::add_decode_models(
+        raw.models.iter(),
+        &mut models,
+        &raw.load_poll.cluster_suffix,
+    )?;
+    Ok((models, default_model))
+}
+
+/// One worker as written (`wf`: its field): its address, cluster name and weight.
+pub(crate) fn check_worker(wf: &str, w: &RawWorker) -> Result<Worker, ConfigError> {
+    let (cluster, weight, address) = match w {
+        RawWorker::Name(c) => (c.clone(), 1.0, None),
+        RawWorker::Weighted {
+            cluster,
+            weight,
+            address,
+        } => (cluster.clone(), *weight, address.clone()),
+    };
+    if address
+        .as_ref()
+        .is_some_and(|a| !valid_address(a.as_bytes()))
+    {
+        return Err(err(format!("{wf}.address"), "must be IP:PORT"));
+    }
+    if cluster.is_empty() || cluster.bytes().any(|b| b.is_ascii_control()) {
+        return Err(err(wf, "cluster must be a non-empty printable name"));
+    }
+    if !(weight.is_finite() && weight > 0.0 && weight <= 1e6) {
+        return Err(err(format!("{wf}.weight"), "must be > 0 and <= 1e6"));
+    }
+    Ok(Worker {
+        id: worker_id(&cluster),
+        cluster,
+        weight,
+        address,
+    })
+}
+
+/// `w` (field `wf`) names no worker of `workers` and no id of theirs (ids are hashes of names).
+pub(crate) fn check_distinct(wf: &str, workers: &[Worker], w: &Worker) -> Result<(), ConfigError> {
+    if let Some(prev) = workers.iter().find(|p| p.id == w.id) {
+        let cluster = &w.cluster;
+        let msg = if prev.cluster == *cluster {
+            format!("duplicate cluster `{cluster}`")
+        } else {
+            format!("`{cluster}` collides with `{}`; rename one", prev.cluster)
+        };
+        return Err(err(wf, msg));
+    }
+    Ok(())
+}
+
+/// `cluster_header`, `debug_header` and `prefill_cluster_header`: lower-case and distinct.
+fn check_headers(raw: &RawConfig) -> Result<(), ConfigError> {
+    if !valid_header_name(&raw.cluster_header) {
+        return Err(err(
+            "cluster_header",
+            "must be a lower-case header name ([a-z0-9_-]+)",
+        ));
+    }
+    if let Some(h) = &raw.debug_header {
+        if !valid_header_name(h) || *h == raw.cluster_header {
+            return Err(err(
+                "debug_header",
+                "must be a lower-case header name distinct from cluster_header",
+            ));
+        }
+    }
+    pd::check_header(
+        &raw.prefill_cluster_header,
+        &raw.cluster_header,
+        raw.debug_header.as_deref(),
+    )?;
+    Ok(())
+}
+
+/// `hash_key`: a secret of at least [`MIN_SECRET_LEN`] printable characters.
+fn check_hash_key(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(k) = &raw.hash_key {
+        if k.len() < MIN_SECRET_LEN || k.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+            return Err(err(
+                "hash_key",
+                format!("must be at least {MIN_SECRET_LEN} printable characters"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `tenant_header`: lower-case and distinct from the cluster and debug headers.
+fn check_tenant_header(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(h) = &raw.tenant_header {
+        if !valid_header_name(h) || *h == raw.cluster_header || raw.debug_header.as_ref() == Some(h)
+        {
+            return Err(err(
+                "tenant_header",
+                "must be a lower-case header name distinct from cluster_header and debug_header",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `passthrough_cluster`: a name when set.
+fn check_passthrough(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(p) = &raw.passthrough_cluster {
+        if p.is_empty() {
+            return Err(err("passthrough_cluster", "must not be empty"));
+        }
+    }
+    Ok(())
+}
+
+/// `index.*`.
+fn check_index(idx: &IndexConfig) -> Result<(), ConfigError> {
+    if idx.capacity < 4 || idx.capacity > 1 << 26 {
+        return Err(err("index.capacity", "must be between 4 and 67108864"));
+    }
+    if idx.ttl_seconds == 0 || idx.ttl_seconds > 30 * 24 * 3600 {
+        return Err(err("index.ttl_seconds", "must be between 1 and 2592000"));
+    }
+    // The cache works in the filter's 100 ms clock units: 1..99 would round to 0 and
+    // silently turn it off, so it is refused rather than guessed.
+    if idx.local_cache_ms > 60_000 || (1..100).contains(&idx.local_cache_ms) {
+        return Err(err(
+            "index.local_cache_ms",
+            "must be 0 (off) or between 100 and 60000 (100 ms resolution)",
+        ));
+    }
+    if idx.cas_retries == 0 || idx.cas_retries > 64 {
+        return Err(err("index.cas_retries", "must be between 1 and 64"));
+    }
+    Ok(())
+}
+
+/// `policy.*`.
+fn check_policy(p: &PolicyConfig) -> Result<(), ConfigError> {
+    if !(p.load_eps.is_finite() && p.load_eps >= 0.0 && p.load_eps <= 100.0) {
+        return Err(err("policy.load_eps", "must be between 0 and 100"));
+    }
+    if !(p.batch_releases_min_rps.is_finite()
+        && p.batch_releases_min_rps >= 0.0
+        && p.batch_releases_min_rps <= 1e9)
+    {
+        return Err(err(
+            "policy.batch_releases_min_rps",
+            "must be between 0 and 1000000000",
+        ));
+    }
+    if !(p.load_slack.is_finite() && p.load_slack >= 0.0 && p.load_slack <= 1e6) {
+        return Err(err("policy.load_slack", "must be between 0 and 1000000"));
+    }
+    if !(p.fleet_prefix_share.is_finite() && (0.0..=1.0).contains(&p.fleet_prefix_share)) {
+        return Err(err("policy.fleet_prefix_share", "must be between 0 and 1"));
+    }
+    if !(p.busy_tolerance.is_finite() && p.busy_tolerance >= 0.0 && p.busy_tolerance <= 1e6) {
+        return Err(err(
+            "policy.busy_tolerance",
+            "must be between 0 and 1000000",
+        ));
+    }
+    if !(p.load_weight.is_finite() && p.load_weight >= 0.0) {
+        return Err(err("policy.load_weight", "must be a finite number >= 0"));
+    }
+    if !(p.request_cost_tokens.is_finite() && p.request_cost_tokens >= 0.0) {
+        return Err(err(
+            "policy.request_cost_tokens",
+            "must be a finite number >= 0",
+        ));
+    }
+    if p.affinity_blocks == 0 {
+        return Err(err("policy.affinity_blocks", "must be at least 1"));
+    }
+    if p.media_part_tokens > 1 << 20 {
+        return Err(err("policy.media_part_tokens", "must be at most 1048576"));
+    }
+    if p.max_request_tokens == 0 || p.max_request_tokens > 1 << 24 {
+        return Err(err(
+            "policy.max_request_tokens",
+            "must be between 1 and 16777216",
+        ));
+    }
+    if p.chars_per_token == 0 {
+        return Err(err("policy.chars_per_token", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// `load_poll.*`.
+fn check_load_poll(lp: &LoadPollConfig) -> Result<(), ConfigError> {
+    if lp.interval_ms > 60_000 {
+        return Err(err("load_poll.interval_ms", "must be between 0 and 60000"));
+    }
+    if lp.no_traffic_interval_ms > 60_000 {
+        return Err(err(
+            "load_poll.no_traffic_interval_ms",
+            "must be between 0 and 60000",
+        ));
+    }
+    for (f, v) in [
+        ("path", &lp.path),
+        ("fallback_path", &lp.fallback_path),
+        ("metrics_path", &lp.metrics_path),
+    ] {
+        if !v.starts_with('/') || v.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+            return Err(err(
+                format!("load_poll.{f}"),
+                "must be a path starting with /",
+            ));
+        }
+    }
+    if lp.metrics_interval_ms > 600_000 {
+        return Err(err(
+            "load_poll.metrics_interval_ms",
+            "must be between 0 and 600000",
+        ));
+    }
+    if lp.cluster_suffix.bytes().any(|b| b.is_ascii_control()) {
+        return Err(err("load_poll.cluster_suffix", "must be printable"));
+    }
+    if lp.timeout_ms == 0 || lp.timeout_ms > 60_000 {
+        return Err(err("load_poll.timeout_ms", "must be between 1 and 60000"));
+    }
+    if lp.stale_ms < lp.interval_ms || lp.stale_ms > 600_000 {
+        return Err(err(
+            "load_poll.stale_ms",
+            "must be at least interval_ms and at most 600000",
+        ));
+    }
+    Ok(())
+}
+
+/// `peers.*`, and `peer_listener` (which needs `peers.secret`).
+fn check_peers(raw: &RawConfig) -> Result<(), ConfigError> {
+    if let Some(p) = &raw.peers {
+        if p.secret.len() < MIN_SECRET_LEN || p.secret.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+            return Err(err(
+                "peers.secret",
+                format!("must be at least {MIN_SECRET_LEN} printable characters"),
+            ));
+        }
+        for (i, c) in p.clusters.iter().enumerate() {
+            if c.is_empty() || c.bytes().any(|b| b.is_ascii_control()) {
+                return Err(err(
+                    format!("peers.clusters[{i}]"),
+                    "must be a cluster name",
+                ));
+            }
+        }
+        if p.flush_ms == 0 || p.flush_ms > 60_000 {
+            return Err(err("peers.flush_ms", "must be between 1 and 60000"));
+        }
+        if p.timeout_ms == 0 || p.timeout_ms > 60_000 {
+            return Err(err("peers.timeout_ms", "must be between 1 and 60000"));
+        }
+        if p.max_batch == 0 || p.max_batch > 65_536 {
+            return Err(err("peers.max_batch", "must be between 1 and 65536"));
+        }
+        if p.window_s == 0 || p.window_s > 3600 {
+            return Err(err("peers.window_s", "must be between 1 and 3600"));
+        }
+        if p.max_records_per_s == 0 || p.max_records_per_s > 10_000_000 {
+            return Err(err(
+                "peers.max_records_per_s",
+                "must be between 1 and 10000000",
+            ));
+        }
+    } else if raw.peer_listener {
+        return Err(err(
+            "peer_listener",
+            "needs `peers.secret` (the secret that authenticates peers' batches)",
+        ));
+    }
+    Ok(())
+}
+
+/// `membership.*` and `destination_header`, checked only when a model is a pool.
+fn check_membership(raw: &RawConfig, models: &[Model]) -> Result<(), ConfigError> {
+    let mem = &raw.membership;
+    if models.iter().any(|m| m.pool.is_some()) {
+        if !valid_header_name(&raw.destination_header)
+            || raw.destination_header == raw.cluster_header
+            || raw.debug_header.as_ref() == Some(&raw.destination_header)
+            || raw.tenant_header.as_ref() == Some(&raw.destination_header)
+            || raw.destination_header == raw.prefill_cluster_header
+        {
+            return Err(err(
+                "destination_header",
+                "must be a lower-case header name distinct from the filter's other headers",
+            ));
+        }
+        if mem.interval_ms > 0 {
+            if mem.cluster.is_empty() || !mem.path.starts_with('/') {
+                return Err(err(
+                    "membership",
+                    "needs a cluster and a path starting with /",
+                ));
+            }
+            if !(100..=600_000).contains(&mem.interval_ms) {
+                return Err(err(
+                    "membership.interval_ms",
+                    "must be 0 (off) or between 100 and 600000",
+                ));
+            }
+            if mem.timeout_ms == 0 || mem.timeout_ms > 60_000 {
+                return Err(err("membership.timeout_ms", "must be between 1 and 60000"));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_block(field: &str, v: usize, max: usize) -> Result<(), ConfigError> {
@@ -1385,7 +1477,7 @@ mod tests {
             })
             .collect();
         let c = Config::from_json(pool(r#"{"cluster":"m","max_workers":2}"#).as_bytes()).unwrap();
-        let next = c.with_members(0, &members).unwrap();
+        let next = crate::membership::with_members(&c, 0, &members).unwrap();
         let m = &next.models[0];
         assert_eq!(m.workers.len(), 2, "at most max_workers");
         assert_eq!(

@@ -54,7 +54,9 @@ pub enum Action {
     Pause = 1,
 }
 
-struct Shared {
+/// One installed (accepted) configuration's state, shared by the root and every stream that
+/// started under it: the router, the metrics, and whether it is being replaced or removed.
+struct Installed {
     router: RefCell<Router>,
     metrics: Metrics,
     /// Set when the root context is done (plugin removed: a config update drained its filter
@@ -63,16 +65,14 @@ struct Shared {
     closing: Cell<bool>,
 }
 
-impl Shared {
+impl Installed {
     /// Sends everything this VM still holds: parked load deltas, batched metric increments
     /// and, where this root cannot call, its peer records (to the root that sends them).
     fn flush_all(&self, h: &impl Host) {
         if let Ok(mut r) = self.router.try_borrow_mut() {
             r.flush_pending(h);
             if !h.can_call() {
-                if let Some(ob) = r.outbox.as_mut() {
-                    ob.hand_off(h);
-                }
+                r.hand_off_peer_records(h);
             }
         }
         self.metrics.flush(h);
@@ -81,7 +81,8 @@ impl Shared {
 
 #[derive(Default)]
 pub struct Root {
-    shared: Option<Rc<Shared>>,
+    /// The accepted configuration's state (`None` before one was accepted).
+    state: Option<Rc<Installed>>,
     ticks: u32,
     /// Load polls and counter reads (when this VM holds the poll lease).
     polls: Polls,
@@ -99,7 +100,7 @@ impl Root {
     /// `proxy_on_http_call_response`: a counter read's, a peer batch's or a load poll's answer,
     /// tried in that order (the load poll's reads the body before its token is looked up).
     pub fn on_http_call_response(&mut self, h: &impl Host, token: u32, body_size: usize) {
-        let Some(s) = self.shared.clone() else {
+        let Some(s) = self.state.clone() else {
             return;
         };
         let status = host::status(h, Map::HttpCallResponseHeaders);
@@ -127,7 +128,7 @@ impl Root {
         // shutdown). Without this, the in-flight gauge decrements of the last streams (batched
         // until the next tick, which never comes) and any parked load deltas would be lost, and
         // the gauges would stay above zero for good.
-        if let Some(s) = &self.shared {
+        if let Some(s) = &self.state {
             s.closing.set(true);
             s.flush_all(h);
         }
@@ -167,20 +168,18 @@ impl Root {
             Some(_) => self.polls.me,
             None => (u64::from(router.vm_id()) << 32) | (nanos & 0xffff_fffe) | 1,
         };
-        self.polls.configure(&router.cfg, me);
-        if let Some(ob) = router.outbox.as_mut() {
-            // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
-            // replicas' VMs would need the same id and the same clock nanoseconds).
-            ob.set_sender(me);
-        }
-        if let Some(old) = &self.shared {
+        self.polls.configure(router.cfg(), me);
+        // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
+        // replicas' VMs would need the same id and the same clock nanoseconds).
+        router.set_peer_sender(me);
+        if let Some(old) = &self.state {
             if let (Some(joined), Ok(o)) = (change, old.router.try_borrow()) {
                 router.adopt(&o, joined);
             }
             old.closing.set(true);
             old.flush_all(h);
         }
-        self.shared = Some(Rc::new(Shared {
+        self.state = Some(Rc::new(Installed {
             router: RefCell::new(router),
             metrics,
             closing: Cell::new(false),
@@ -190,7 +189,7 @@ impl Root {
     /// Applies pool models' published memberships when they changed (`membership.rs`): every
     /// `membership.interval_ms / 2`, or now (`force`).
     fn look_at_members(&mut self, h: &impl Host, force: bool) {
-        let Some(s) = &self.shared else {
+        let Some(s) = &self.state else {
             return;
         };
         let now_ms = h.now_nanos() / 1_000_000;
@@ -198,11 +197,11 @@ impl Root {
             let Ok(r) = s.router.try_borrow() else {
                 return;
             };
-            self.members.look(h, &r.cfg, now_ms, force)
+            self.members.look(h, r.cfg(), now_ms, force)
         };
         if let Some(c) = change {
             self.install(h, c.cfg, Some(&c.members));
-            if let Some(s) = &self.shared {
+            if let Some(s) = &self.state {
                 s.metrics.add(Counter::MembershipRebuilds, 1);
             }
         }
@@ -211,7 +210,7 @@ impl Root {
     /// `proxy_on_tick`.
     pub fn on_tick(&mut self, h: &impl Host) {
         self.ticks = self.ticks.wrapping_add(1);
-        if let Some(s) = &self.shared {
+        if let Some(s) = &self.state {
             // Metrics every METRICS_EVERY ticks (200 ms): a busy thread also flushes them at a
             // decision every 100 ms, so flushing on each 50 ms tick would only add host calls.
             if self.ticks.is_multiple_of(METRICS_EVERY) {
@@ -224,7 +223,7 @@ impl Root {
             }
         }
         self.look_at_members(h, false);
-        if let Some(s) = &self.shared {
+        if let Some(s) = &self.state {
             let s = s.clone();
             let (_, nanos) = now_ticks(h);
             let now_ms = nanos / 1_000_000;
@@ -236,9 +235,9 @@ impl Root {
     /// A new stream of this plugin; `None` before a configuration was accepted (the stream then
     /// has no context in the VM and every callback continues).
     pub fn new_stream(&self) -> Option<Stream> {
-        let shared = self.shared.clone()?;
+        let state = self.state.clone()?;
         Some(Stream {
-            shared,
+            state,
             endpoint: None,
             decision: None,
             decode: None,
@@ -252,7 +251,8 @@ impl Root {
 }
 
 pub struct Stream {
-    shared: Rc<Shared>,
+    /// The state of the configuration this stream started under.
+    state: Rc<Installed>,
     endpoint: Option<Endpoint>,
     /// What was decided (kept for the debug header): the routed worker (the prefill worker for
     /// PD models; passthrough's too) and, PD models only, the decode worker.
@@ -265,7 +265,6 @@ pub struct Stream {
     charge: Charge,
     /// A peer's record batch (peer listener only), applied when its body is complete.
     peer_batch: bool,
-    // -- index records (issue 12 item 3) --
     /// Index writes of this stream's decision, made once the response status is 2xx.
     plan: Option<Plan>,
     /// Value of `tenant_header` (set by Envoy after authentication); empty when not configured.
@@ -276,19 +275,17 @@ pub struct Stream {
 /// pool model the pool's cluster and, in the destination header, the chosen host and its
 /// fallbacks (`Router::destination`).
 fn point(h: &impl Host, r: &mut Router, d: &Decision) {
-    let pool = r
-        .cfg
+    let cfg = r.cfg();
+    let pool = cfg
         .models
         .get(usize::from(d.model))
         .and_then(|m| m.pool.as_ref());
     match pool {
-        None => h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(d)),
+        None => h.add_header(Map::RequestHeaders, &cfg.cluster_header, r.cluster(d)),
         Some(p) => {
-            h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, &p.cluster);
-            let mut dest = std::mem::take(&mut r.dest);
-            r.destination(d, &mut dest);
-            h.add_header(Map::RequestHeaders, &r.cfg.destination_header, &dest);
-            r.dest = dest;
+            h.add_header(Map::RequestHeaders, &cfg.cluster_header, &p.cluster);
+            let (name, value) = r.destination(d);
+            h.add_header(Map::RequestHeaders, name, value);
         }
     }
 }
@@ -318,8 +315,8 @@ impl Stream {
     /// client sent under them is never trusted or forwarded. A map without `:method` (the read
     /// failed: Envoy always has one) removes them unconditionally.
     fn read_head<'a>(&self, h: &impl Host, raw: &'a [u8]) -> Head<'a> {
-        let r = self.shared.router.borrow();
-        let cfg = &r.cfg;
+        let r = self.state.router.borrow();
+        let cfg = &r.cfg();
         let tenant = cfg.tenant_header.as_deref().map(str::as_bytes);
         let ours = [
             Some(cfg.cluster_header.as_str()),
@@ -362,12 +359,12 @@ impl Stream {
         };
         let (now, _) = now_ticks(h);
         let outcome = {
-            let mut r = self.shared.router.borrow_mut();
+            let mut r = self.state.router.borrow_mut();
             let o = r.route_for(h, ep, body, &self.tenant, now);
             self.plan = r.take_plan();
             o
         };
-        let m = &self.shared.metrics;
+        let m = &self.state.metrics;
         match outcome {
             Outcome::Reject { status, body } => {
                 m.request(Reason::Rejected);
@@ -378,14 +375,14 @@ impl Stream {
                 m.add(Counter::PoolUnplaced, 1);
                 m.request(Reason::Fallback);
                 m.maybe_flush(h, now);
-                let r = self.shared.router.borrow();
+                let r = self.state.router.borrow();
                 if let Some(pool) = r
-                    .cfg
+                    .cfg()
                     .models
                     .get(usize::from(model))
                     .and_then(|m| m.pool.as_ref())
                 {
-                    h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, &pool.cluster);
+                    h.add_header(Map::RequestHeaders, &r.cfg().cluster_header, &pool.cluster);
                 }
                 Action::Continue
             }
@@ -400,10 +397,10 @@ impl Stream {
                     routed: Some(d),
                     decode: None,
                 };
-                let m = &self.shared.metrics;
+                let m = &self.state.metrics;
                 m.decision(&d);
                 m.maybe_flush(h, now);
-                point(h, &mut self.shared.router.borrow_mut(), &d);
+                point(h, &mut self.state.router.borrow_mut(), &d);
                 Action::Continue
             }
         }
@@ -413,10 +410,10 @@ impl Stream {
     /// worker, and points the cluster header at it and the prefill header at `d`'s worker (the
     /// route mirrors the body there). `None`: not a PD model, route as usual.
     fn pd_route(&mut self, h: &impl Host, d: &Decision, body: &[u8], now: u32) -> Option<Action> {
-        let mut guard = self.shared.router.borrow_mut();
+        let mut guard = self.state.router.borrow_mut();
         let r = &mut *guard;
-        let rewritten = crate::pd::rewrite_for(r, d, body)?;
-        let m = &self.shared.metrics;
+        let rewritten = r.rewrite_for_prefill(d, body)?;
+        let m = &self.state.metrics;
         if rewritten.is_err() {
             // not a JSON object: no worker could use it; undo the prefill charge
             r.release(h, d);
@@ -429,7 +426,7 @@ impl Stream {
                 r#"{"object":"error","message":"request body must be a JSON object","type":"BadRequestError","code":400}"#,
             ));
         }
-        let dec = crate::pd::decode_decision(r, h, d, body.len(), now)?;
+        let dec = r.decode_decision(h, d, body.len(), now)?;
         // Both charges are owned by the stream before any host call (see `decide`).
         self.charge = Charge {
             routed: Some(*d),
@@ -437,21 +434,25 @@ impl Stream {
         };
         self.decision = Some(*d);
         self.decode = Some(dec);
-        h.set_buffer(Buffer::RequestBody, body.len(), &r.pd.out);
+        h.set_buffer(Buffer::RequestBody, body.len(), r.rewritten().body());
         let length = h.header(Map::RequestHeaders, "content-length");
         if length.is_some_and(|v| !v.is_empty()) {
-            let len = r.pd.out.len().to_string();
+            let len = r.rewritten().body().len().to_string();
             h.replace_header(Map::RequestHeaders, "content-length", &len);
         }
-        h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, r.cluster(&dec));
         h.add_header(
             Map::RequestHeaders,
-            &r.cfg.prefill_cluster_header,
+            &r.cfg().cluster_header,
+            r.cluster(&dec),
+        );
+        h.add_header(
+            Map::RequestHeaders,
+            &r.cfg().prefill_cluster_header,
             r.cluster(d),
         );
         m.decision(d);
         m.add(Counter::PdRequests, 1);
-        m.add(Counter::PdClientFields, i64::from(r.pd.dropped));
+        m.add(Counter::PdClientFields, i64::from(r.rewritten().dropped()));
         m.inflight(&dec, 1);
         m.maybe_flush(h, now);
         Some(Action::Continue)
@@ -465,7 +466,7 @@ impl Stream {
         if parts == [None, None] {
             return; // nothing charged, or released already: no host call
         }
-        let s = &*self.shared;
+        let s = &*self.state;
         for d in parts.iter().flatten() {
             // Borrowed only if a callback re-entered the glue: the gauges still move.
             if let Ok(mut r) = s.router.try_borrow_mut() {
@@ -484,8 +485,8 @@ impl Stream {
     pub fn on_request_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
         let raw = h.header_pairs(Map::RequestHeaders);
         let head = self.read_head(h, &raw);
-        if self.shared.router.borrow().cfg.peer_listener {
-            let m = &self.shared.metrics;
+        if self.state.router.borrow().cfg().peer_listener {
+            let m = &self.state.metrics;
             self.peer_batch =
                 peer_flush::batch_headers(h, m, head.method, head.path, end_of_stream);
             return Action::Pause;
@@ -504,16 +505,16 @@ impl Stream {
             }
             return Action::Pause;
         }
-        let m = &self.shared.metrics;
+        let m = &self.state.metrics;
         m.request(Reason::Passthrough);
-        let mut r = self.shared.router.borrow_mut();
+        let mut r = self.state.router.borrow_mut();
         let d = r.passthrough();
-        match (&d, &r.cfg.passthrough_cluster) {
+        match (&d, &r.cfg().passthrough_cluster) {
             (Some(d), _) => point(h, &mut r, d),
-            (None, Some(c)) => h.add_header(Map::RequestHeaders, &r.cfg.cluster_header, c),
+            (None, Some(c)) => h.add_header(Map::RequestHeaders, &r.cfg().cluster_header, c),
             (None, None) => {
                 // a pool model with no known worker: its cluster's fallback policy picks
-                let cfg = &r.cfg;
+                let cfg = &r.cfg();
                 let pool = cfg
                     .models
                     .get(cfg.default_model)
@@ -542,7 +543,7 @@ impl Stream {
             }
             self.peer_batch = false;
             let body = h.buffer(Buffer::RequestBody, body_size);
-            peer_flush::receive_batch(h, &self.shared.router, &self.shared.metrics, &body);
+            peer_flush::receive_batch(h, &self.state.router, &self.state.metrics, &body);
             return Action::Pause;
         }
         if self.endpoint.is_none() {
@@ -563,8 +564,8 @@ impl Stream {
         if let Some(plan) = self.plan.take() {
             self.commit(h, &plan);
         }
-        let r = self.shared.router.borrow();
-        if let (Some(name), Some(d)) = (&r.cfg.debug_header, &self.decision) {
+        let r = self.state.router.borrow();
+        if let (Some(name), Some(d)) = (&r.cfg().debug_header, &self.decision) {
             h.add_header(
                 Map::ResponseHeaders,
                 name,
@@ -587,9 +588,9 @@ impl Stream {
         }
         let mi = usize::from(d.model);
         {
-            let r = self.shared.router.borrow();
+            let r = self.state.router.borrow();
             let addressed = r
-                .cfg
+                .cfg()
                 .models
                 .get(mi)
                 .and_then(|m| m.workers.get(usize::from(d.worker)))
@@ -601,13 +602,13 @@ impl Stream {
         let Some(served) = h.upstream_address() else {
             return;
         };
-        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
+        let Ok(mut r) = self.state.router.try_borrow_mut() else {
             return;
         };
         let Some(to) = r.worker_at(mi, &served).filter(|&w| w != d.worker) else {
             return;
         };
-        let m = &self.shared.metrics;
+        let m = &self.state.metrics;
         m.add(Counter::ServedByFallback, 1);
         if let Some(mut charged) = self.charge.routed {
             m.inflight(&charged, -1);
@@ -627,12 +628,12 @@ impl Stream {
     /// Writes the decision's index records if the response status is 2xx (one `:status` read).
     fn commit(&mut self, h: &impl Host, plan: &Plan) {
         let status = host::status(h, Map::ResponseHeaders).unwrap_or(0);
-        let Ok(mut r) = self.shared.router.try_borrow_mut() else {
+        let Ok(mut r) = self.state.router.try_borrow_mut() else {
             return;
         };
         // Stamped with the decision's time: no clock read (a host call) for it.
         let w = r.commit(h, plan, status, plan.at);
-        self.shared.metrics.index_writes(&w);
+        self.state.metrics.index_writes(&w);
     }
 
     /// `proxy_on_delete` (Envoy calls it right after `on_done`, not exported): the stream ended,

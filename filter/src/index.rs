@@ -40,8 +40,9 @@ use std::fmt::Write;
 
 /// Shared-data key prefix of the index: `pr/i2/<bucket>`. The `2` is the layout version (the
 /// bucket encoding below); a new layout gets a new prefix, so no VM ever decodes another
-/// layout's bytes. One table serves every model (the model is part of every hash).
-pub const KEY_PREFIX: &str = "pr/i2/";
+/// layout's bytes. One table serves every model (the model is part of every hash). Defined
+/// with the other shared-data keys in the config layer, which writes it into every model.
+pub const KEY_PREFIX: &str = crate::config::INDEX_KEY_PREFIX;
 /// Holds the table's bucket count (u32 LE) as last configured (see [`resize`]).
 pub const SIZE_KEY: &str = "pr/i2/size";
 /// Buckets a VM empties per tick when the table shrank (see [`clear_some`]).
@@ -280,7 +281,7 @@ pub struct Index<'a> {
 }
 
 /// Reusable buffers so lookups and writes do not allocate in steady state.
-pub struct Scratch {
+pub struct IndexBuffers {
     key: String,
     buf: Vec<u8>,
     cache: ProbeCache,
@@ -290,9 +291,9 @@ pub struct Scratch {
     pub peer_table: Vec<u8>,
 }
 
-impl Default for Scratch {
+impl Default for IndexBuffers {
     fn default() -> Self {
-        Scratch {
+        IndexBuffers {
             key: String::with_capacity(64),
             buf: Vec::with_capacity(BUCKET_BYTES),
             cache: ProbeCache::default(),
@@ -362,7 +363,7 @@ impl<'a> Index<'a> {
         h: u64,
         worker: u32,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
     ) -> WriteStats {
         let mut st = WriteStats::default();
         self.add_holder(store, h, worker, now, sc, &mut st);
@@ -383,7 +384,7 @@ impl<'a> Index<'a> {
         hashes: &[u64],
         j: usize,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
         out: &mut Matches,
     ) -> bool {
         self.probe_blocks(store, hashes, nth_checkpoint(j), now, sc, out)
@@ -396,7 +397,7 @@ impl<'a> Index<'a> {
         hashes: &[u64],
         blocks: usize,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
         out: &mut Matches,
     ) -> bool {
         let Some(&h) = hashes.get(blocks.wrapping_sub(1)) else {
@@ -452,7 +453,7 @@ impl<'a> Index<'a> {
         store: &S,
         hashes: &[u64],
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
         out: &mut Matches,
     ) {
         out.clear();
@@ -505,7 +506,7 @@ impl<'a> Index<'a> {
         hashes: &[u64],
         ends: &[usize],
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
         out: &mut Matches,
     ) {
         let floor = out.deepest as usize;
@@ -530,7 +531,7 @@ impl<'a> Index<'a> {
         blocks: usize,
         worker: u32,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
     ) -> WriteStats {
         let mut st = WriteStats::default();
         let is_checkpoint = blocks > 0 && nth_checkpoint(checkpoints_upto(blocks) - 1) == blocks;
@@ -580,7 +581,7 @@ impl<'a> Index<'a> {
         planned: &[u64],
         worker: u32,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
     ) -> WriteStats {
         let mut st = WriteStats::default();
         for &h in planned {
@@ -600,7 +601,7 @@ impl<'a> Index<'a> {
         worker: u32,
         known: Known,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
     ) -> WriteStats {
         let mut p = Plan::default();
         self.plan(hashes, None, known, now, &mut p);
@@ -613,7 +614,7 @@ impl<'a> Index<'a> {
         h: u64,
         worker: u32,
         now: u32,
-        sc: &mut Scratch,
+        sc: &mut IndexBuffers,
         st: &mut WriteStats,
     ) {
         self.key_for(h, &mut sc.key);
@@ -750,7 +751,7 @@ mod tests {
     fn lookup_finds_longest_prefix_with_few_probes() {
         let s = MemStore::new();
         let ix = idx(1 << 16);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let mut m = Matches::default();
         let base = b"x".repeat(8 * 200);
         let a = hashes(&base);
@@ -789,7 +790,7 @@ mod tests {
     fn holders_expire_after_ttl() {
         let s = MemStore::new();
         let ix = idx(1024);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let mut m = Matches::default();
         let a = hashes(&b"z".repeat(64));
         ix.record(&s, &a, 3, Known::default(), 1000, &mut sc);
@@ -807,7 +808,7 @@ mod tests {
     fn memory_is_bounded_by_capacity() {
         let s = MemStore::new();
         let ix = idx(64);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         for i in 0..5000u32 {
             let a = hashes(format!("prompt number {i} with some padding").as_bytes());
             ix.record(&s, &a, 1 + i % 5, Known::default(), i, &mut sc);
@@ -824,7 +825,7 @@ mod tests {
     fn several_holders_per_block_with_lru_replacement() {
         let s = MemStore::new();
         let ix = idx(1024);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let a = hashes(&b"q".repeat(8));
         for (w, t) in [(1, 10), (2, 11), (3, 12), (4, 13), (5, 14)] {
             ix.record(&s, &a, w, Known::default(), t, &mut sc);
@@ -841,7 +842,7 @@ mod tests {
         // Every 2nd conditional write loses a race.
         let s = MemStore::with_conflicts(2);
         let ix = idx(256);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let mut total = WriteStats::default();
         for i in 0..300u32 {
             let a = hashes(format!("race {i} ........").as_bytes());
@@ -879,7 +880,7 @@ mod tests {
             cache_ttl: 10,
             ..idx(1 << 12)
         };
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let mut m = Matches::default();
         let a = hashes(&b"c".repeat(8 * 100));
         ix.lookup(&s, &a, 100, &mut sc, &mut m);
@@ -890,7 +891,7 @@ mod tests {
         ix.lookup(&s, &a, 105, &mut sc, &mut m);
         assert_eq!((m.deepest, m.probes, s.calls().0), (96, 0, gets));
         // Another VM (empty cache) records a second holder: we see it once our entries expire.
-        let mut other = Scratch::default();
+        let mut other = IndexBuffers::default();
         ix.record(&s, &a, 6, Known::default(), 106, &mut other);
         ix.lookup(&s, &a, 108, &mut sc, &mut m);
         assert_eq!(m.blocks_for(6), 0, "stale by design within cache_ttl");
@@ -903,7 +904,7 @@ mod tests {
     fn conversation_ends_are_matched_beyond_checkpoints() {
         let s = MemStore::new();
         let ix = idx(1 << 12);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let mut m = Matches::default();
         // Turn 1: 70 blocks; recorded at its checkpoints (deepest 64) and at its end (70).
         let turn1 = b"t".repeat(8 * 70);
@@ -924,7 +925,14 @@ mod tests {
     }
 
     /// Looks `hashes` up and records worker `w` the way the router does; returns the match.
-    fn serve(ix: &Index, s: &MemStore, hashes: &[u64], w: u32, now: u32, sc: &mut Scratch) -> u32 {
+    fn serve(
+        ix: &Index,
+        s: &MemStore,
+        hashes: &[u64],
+        w: u32,
+        now: u32,
+        sc: &mut IndexBuffers,
+    ) -> u32 {
         let mut m = Matches::default();
         ix.lookup(s, hashes, now, sc, &mut m);
         ix.record(s, hashes, w, m.known_for(w), now, sc);
@@ -937,7 +945,7 @@ mod tests {
         // request's deepest record is fresh, the shared checkpoints must stay fresh too.
         let s = MemStore::new();
         let ix = idx(1 << 14); // ttl 6000 units = 600 s
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let sys = b"s".repeat(8 * 32);
         let mut last = 0;
         for i in 0..1800u32 {
@@ -971,7 +979,7 @@ mod tests {
     fn a_missing_shallow_checkpoint_is_a_hole_not_a_miss() {
         let s = MemStore::new();
         let ix = idx(1 << 16);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let a = hashes(&b"h".repeat(8 * 100));
         ix.record(&s, &a, 4, Known::default(), 10, &mut sc);
         // Checkpoint 0 (1 block) is evicted from its bucket: overwrite that bucket with garbage.
@@ -995,7 +1003,7 @@ mod tests {
     fn a_clock_stepping_back_keeps_records_fresh() {
         let s = MemStore::new();
         let ix = idx(1 << 10);
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let a = hashes(&b"c".repeat(8 * 20));
         ix.record(&s, &a, 9, Known::default(), 5000, &mut sc);
         // Another thread's clock is 1 s (10 units) behind, or ours stepped back.

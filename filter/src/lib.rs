@@ -26,7 +26,7 @@ pub mod load;
 pub mod load_answer;
 pub mod membership;
 pub mod metrics;
-pub mod pd;
+pub mod pd_body;
 pub mod peer_flush;
 pub mod peers;
 pub mod placements;

@@ -22,7 +22,7 @@
 //! expire: a native worker thread has no timer and ticks only at stream starts, so a long stream
 //! on a quiet thread would otherwise drop out of every view after 2 s.
 //!
-//! **Costs.** A decision: one get and one CAS (as before), plus a walk over the leases (O(m log n)
+//! **Costs.** A decision: one get and one CAS, plus a walk over the leases (O(m log n)
 //! for m non-zero records, n workers). A release: one get and one CAS on a quiet VM, none on a
 //! busy one (rides on the next write). A tick: nothing for a VM without load and unpublished
 //! changes, one get + CAS per model per heartbeat for one with load; every 200 ms one get per
@@ -63,28 +63,28 @@ pub fn alive(beat: u32, now: u32) -> bool {
 
 /// One lease of a value: `(vm, beat, start, end)` byte offsets of the whole lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Lease {
+struct LoadLease {
     vm: u32,
     beat: u32,
     start: usize,
     end: usize,
 }
 
-/// Iterates the leases of a value; stops at a malformed tail (see [`Leases::rest`]).
-struct Leases<'a> {
+/// Iterates the leases of a value; stops at a malformed tail.
+struct LoadLeases<'a> {
     b: &'a [u8],
     o: usize,
 }
 
-impl<'a> Leases<'a> {
+impl<'a> LoadLeases<'a> {
     fn new(b: &'a [u8]) -> Self {
-        Leases { b, o: 0 }
+        LoadLeases { b, o: 0 }
     }
 }
 
-impl Iterator for Leases<'_> {
-    type Item = Lease;
-    fn next(&mut self) -> Option<Lease> {
+impl Iterator for LoadLeases<'_> {
+    type Item = LoadLease;
+    fn next(&mut self) -> Option<LoadLease> {
         let start = self.o;
         if start + HDR > self.b.len() {
             return None;
@@ -95,7 +95,7 @@ impl Iterator for Leases<'_> {
             .and_then(|r| r.checked_add(start + HDR))
             .filter(|&e| e <= self.b.len())?;
         self.o = end;
-        Some(Lease {
+        Some(LoadLease {
             vm: rd(self.b, start),
             beat: rd(self.b, start + 4),
             start,
@@ -111,7 +111,7 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, reqs: &mut Vec<u32>, tokens: &mut 
     tokens.clear();
     reqs.resize(n, 0);
     tokens.resize(n, 0);
-    for l in Leases::new(b) {
+    for l in LoadLeases::new(b) {
         let recs = b.get(l.start + HDR..l.end).unwrap_or(&[]);
         ids.each(recs, REC, |p, o| {
             if let (Some(r), Some(t)) = (reqs.get_mut(p), tokens.get_mut(p)) {
@@ -151,9 +151,9 @@ pub struct Ledger {
     listed: Vec<bool>,
     beat: Vec<u32>,
     /// Decisions since the last tick, and whether the last tick found this VM busy enough to
-    /// defer releases.
+    /// park its releases until its next write ([`Ledger::release`]).
     decisions: u32,
-    busy: bool,
+    park_releases: bool,
     ticks: u32,
     /// Per model: the workers' polled loads as of this VM's last tick (empty: polling off).
     polled: Vec<Vec<Polled>>,
@@ -193,7 +193,7 @@ impl Ledger {
             listed: vec![false; models],
             beat: vec![0; models],
             decisions: 0,
-            busy: false,
+            park_releases: false,
             ticks: 0,
             polled: cfg
                 .models
@@ -267,7 +267,7 @@ impl Ledger {
             self.tokens.push(t);
         }
         let clock = self.now;
-        for l in Leases::new(&self.buf) {
+        for l in LoadLeases::new(&self.buf) {
             // No clock seen yet (no decision or tick): count every lease rather than guess.
             if l.vm == self.me || (clock != 0 && !alive(l.beat, clock)) {
                 continue;
@@ -319,7 +319,7 @@ impl Ledger {
         };
         let now = self.now;
         self.out.clear();
-        for l in Leases::new(&self.buf) {
+        for l in LoadLeases::new(&self.buf) {
             if l.vm != self.me && (now == 0 || alive(l.beat, now)) {
                 if let Some(b) = self.buf.get(l.start..l.end) {
                     self.out.extend_from_slice(b);
@@ -457,7 +457,7 @@ impl Ledger {
             return;
         }
         self.bump(mi, w, -i64::from(reqs), -i64::from(tokens));
-        if !self.busy {
+        if !self.park_releases {
             self.publish(store, cfg, mi);
         }
     }
@@ -468,7 +468,7 @@ impl Ledger {
     /// on a new VM's first tick), samples the shared-data totals and drops dead leases.
     pub fn tick<S: Store>(&mut self, store: &S, cfg: &Config, elapsed_ms: u32, now: u32) {
         let rate = f64::from(self.decisions) * 1000.0 / f64::from(elapsed_ms.max(1));
-        self.busy = rate >= cfg.policy.batch_releases_min_rps;
+        self.park_releases = rate >= cfg.policy.batch_releases_min_rps;
         self.decisions = 0;
         self.now = now;
         for mi in 0..cfg.models.len() {
@@ -510,7 +510,7 @@ impl Ledger {
                 continue;
             };
             let (mut dead, mut end) = (false, 0);
-            for l in Leases::new(&self.buf) {
+            for l in LoadLeases::new(&self.buf) {
                 end = l.end;
                 if !alive(l.beat, now) {
                     dead = true;
@@ -587,7 +587,7 @@ impl Ledger {
             .is_some_and(|o| o.iter().any(|c| *c != (0, 0)));
         let clock = self.now;
         let busy = own
-            || Leases::new(&self.buf)
+            || LoadLeases::new(&self.buf)
                 .any(|l| l.end > l.start + HDR && (clock == 0 || alive(l.beat, clock)));
         poll::Activity { stamp, busy }
     }
@@ -631,7 +631,7 @@ mod tests {
     fn leases(s: &MemStore) -> Vec<Stored> {
         let mut b = Vec::new();
         s.get("pr/l2/m", &mut b);
-        Leases::new(&b)
+        LoadLeases::new(&b)
             .map(|l| {
                 let recs = b[l.start + HDR..l.end]
                     .chunks_exact(REC)

@@ -1,6 +1,6 @@
 //! Live membership of pool models: the hosts of a model's Envoy cluster (EDS or DNS), read from
 //! Envoy's admin `GET /clusters` (text format) by the poll lease holder, published in shared
-//! data for every VM, and turned into that model's worker list (`config::Config::with_members`).
+//! data for every VM, and turned into that model's worker list ([`with_members`]).
 //!
 //! Source: one admin line per host field, `<cluster>::<ip>:<port>::<field>::<value>`; we read
 //! the `health_flags` line (`healthy`, or `/`-separated failure flags) and the `weight` line.
@@ -19,18 +19,16 @@
 //! same address has an empty cache).
 //!
 //! Bounds: at most `max_workers` members per model (the first by address beyond are dropped and
-//! counted); addresses longer than [`MAX_ADDRESS`] bytes or not `host:port` are skipped; an
+//! counted); addresses longer than `config::MAX_ADDRESS` bytes or not `host:port` are skipped; an
 //! answer longer than [`MAX_ANSWER`] bytes is not parsed at all (the last membership stays).
 //!
 //! Costs: the lease holder makes one admin call per `membership.interval_ms` and scans the
 //! answer once (about 1 KB per host). Every VM reads each pool model's record once per interval
 //! (one shared-data read) and rebuilds its router only when the bytes changed.
 
-use crate::config::Config;
+use crate::config::{valid_address, worker_id, Config, Worker};
 use crate::store::Store;
 
-/// Longest address accepted (`[v6 address]:port` fits).
-pub const MAX_ADDRESS: usize = 64;
 /// Largest admin answer parsed: about 1 KB per host for several thousand hosts.
 pub const MAX_ANSWER: usize = 8 << 20;
 
@@ -146,31 +144,27 @@ fn rfind2(s: &[u8]) -> Option<usize> {
     s.windows(2).rposition(|w| w == b"::")
 }
 
-/// `host:port` with a numeric port, printable, at most [`MAX_ADDRESS`] bytes, no whitespace.
-pub fn valid_address(a: &[u8]) -> bool {
-    if a.is_empty() || a.len() > MAX_ADDRESS {
-        return false;
-    }
-    if a.iter().any(|b| !b.is_ascii_graphic() || *b == b',') {
-        return false;
-    }
-    let Some(colon) = a.iter().rposition(|&b| b == b':') else {
-        return false;
-    };
-    let (host, port) = (&a[..colon], &a[colon + 1..]);
-    !host.is_empty()
-        && !port.is_empty()
-        && port.len() <= 5
-        && port.iter().all(u8::is_ascii_digit)
-        && std::str::from_utf8(port)
-            .ok()
-            .and_then(|p| p.parse::<u16>().ok())
-            .is_some_and(|p| p > 0)
-}
-
-/// Shared-data key of a model's published membership.
-pub fn key(model: &str) -> String {
-    format!("pr/m1/{model}")
+/// `cfg` with pool model `mi`'s workers set to `members` (at most its
+/// `max_workers`; `membership.rs`). `None` when `mi` is not a pool model.
+pub fn with_members(cfg: &Config, mi: usize, members: &[Member]) -> Option<Config> {
+    let mut cfg = cfg.clone();
+    let m = cfg.models.get_mut(mi)?;
+    let pool = m.pool.as_ref()?;
+    let workers: Vec<Worker> = members
+        .iter()
+        .take(pool.max_workers)
+        .map(|x| Worker {
+            cluster: x.address.clone(),
+            weight: f64::from(x.weight.max(1)),
+            address: Some(x.address.clone()),
+            id: worker_id(&x.address),
+        })
+        .collect();
+    m.poll_clusters = vec![pool.load_cluster.clone(); workers.len()];
+    m.uniform_weights = workers.windows(2).all(|w| w[0].weight == w[1].weight);
+    m.total_weight = workers.iter().map(|w| w.weight).sum();
+    m.workers = workers;
+    Some(cfg)
 }
 
 /// Encodes members as the published record (module docs).
@@ -303,7 +297,7 @@ impl View {
             let mut members = Vec::new();
             decode(&self.buf, pool.max_workers, &mut members);
             let base = change.as_ref().map_or(cfg, |c| &c.cfg);
-            let Some(next) = base.with_members(mi, &members) else {
+            let Some(next) = with_members(base, mi, &members) else {
                 continue;
             };
             match &mut change {

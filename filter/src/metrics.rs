@@ -275,7 +275,7 @@ impl Metrics {
     /// data holds it (live leases), not as this VM counted it: a release that never reached
     /// shared data stays visible.
     pub fn after_tick(&self, h: &impl Host, r: &mut Router, sample: bool) {
-        self.add(Counter::LoadUnderflows, r.ledger.take_underflows() as i64);
+        self.add(Counter::LoadUnderflows, r.take_load_underflows() as i64);
         let (closed, aged_out) = r.take_hit_checks();
         self.add(Counter::HitAgedOut, aged_out as i64);
         if closed {
@@ -285,7 +285,7 @@ impl Metrics {
             });
         }
         if sample {
-            let (q, t) = r.ledger.sampled();
+            let (q, t) = r.sampled_load();
             self.set(h, Gauge::LoadRequests, q);
             self.set(h, Gauge::LoadTokens, t);
         }
@@ -360,24 +360,16 @@ mod tests {
         let n = Counter::ALL.len() + Reason::ALL.len() + 3 * 2 + Gauge::ALL.len() + 3 * 2;
         assert_eq!(names.len(), n);
         // Model b's only worker is the third: its gauges are w2's.
-        let d = Decision {
-            model: 1,
-            worker: 0,
-            reason: Reason::PrefixHit,
-            matched_blocks: 0,
-            total_blocks: 0,
-            charged_reqs: 1,
-            charged_tokens: 7,
-            probes: 0,
-            truncated: false,
-            holder: None,
-        };
+        let d = Decision::uncharged(1, 0, Reason::PrefixHit).with_charge(1, 7);
         m.inflight(&d, 1);
         m.flush(&h);
         assert_eq!(h.metric("prefix_router.inflight_tokens.w2"), Some(7));
         assert_eq!(h.metric("prefix_router.inflight_tokens.w0"), Some(0));
         // A worker that is not configured moves nothing.
-        m.inflight(&Decision { worker: 1, ..d }, 1);
+        m.inflight(
+            &Decision::uncharged(1, 1, Reason::PrefixHit).with_charge(1, 7),
+            1,
+        );
         m.flush(&h);
         assert_eq!(h.metric("prefix_router.inflight_tokens.w2"), Some(7));
     }

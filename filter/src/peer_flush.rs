@@ -39,20 +39,18 @@ impl PeerSender {
             return;
         };
         let r = &mut *guard;
-        let Some(p) = &r.cfg.peers else {
+        let listener = r.cfg().peer_listener;
+        let Some((p, ob)) = r.outbox() else {
             return;
         };
         self.calls.expire(now_ms, p.timeout_ms, |_| {
             m.add(Counter::PeerSendFailures, 1)
         });
         let since = since(self.last_flush_ms, now_ms);
-        if r.cfg.peer_listener || since < u64::from(p.flush_ms) {
+        if listener || since < u64::from(p.flush_ms) {
             return;
         }
         self.last_flush_ms = now_ms;
-        let Some(ob) = r.outbox.as_mut() else {
-            return;
-        };
         if h.can_call() {
             ob.take_relayed(h);
         } else {
@@ -127,9 +125,9 @@ pub fn batch_headers(
 pub fn receive_batch(h: &impl Host, router: &RefCell<Router>, m: &Metrics, body: &[u8]) {
     let (now, nanos) = now_ticks(h);
     let res = {
-        let mut guard = router.borrow_mut();
-        let r = &mut *guard;
-        peers::receive(h, &r.cfg, body, nanos / 1_000_000, now, &mut r.sc)
+        router
+            .borrow_mut()
+            .receive_peer_batch(h, body, nanos / 1_000_000, now)
     };
     match res {
         Ok(a) => {

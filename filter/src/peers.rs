@@ -45,7 +45,7 @@
 //! for that hash expires (`index.local_cache_ms`) if they probed the very same prefix just before.
 
 use crate::config::{Config, PeersConfig};
-use crate::index::{Index, Scratch, WriteStats};
+use crate::index::{Index, IndexBuffers, WriteStats};
 use crate::store::Store;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -483,7 +483,7 @@ pub fn receive<S: Store>(
     body: &[u8],
     now_ms: u64,
     now: u32,
-    sc: &mut Scratch,
+    sc: &mut IndexBuffers,
 ) -> Result<Applied, Refused> {
     let Some(p) = cfg.peers.as_ref() else {
         return Err(Refused::BadMac); // no secret: nothing authenticates
@@ -512,7 +512,7 @@ pub fn apply<S: Store>(
     cfg: &Config,
     records: &[u8],
     now: u32,
-    sc: &mut Scratch,
+    sc: &mut IndexBuffers,
 ) -> Applied {
     let mut out = Applied::default();
     for r in records.chunks_exact(REC) {
@@ -608,7 +608,7 @@ mod tests {
         ob.push(77, m.workers[0].id, 0xF00D); // unknown model
         assert_eq!(ob.len(), 3);
         let s = MemStore::new();
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let batch = ob.seal(SECRET, NOW).to_vec();
         assert_eq!(batch.len(), HEADER + 3 * REC + MAC_LEN);
         assert_eq!(batch, seal(SECRET, 42, 1, NOW, ob.records()));
@@ -637,7 +637,7 @@ mod tests {
         }
         assert_eq!((ob.len(), ob.dropped), (2, 3));
         let s = MemStore::new();
-        let mut sc = Scratch::default();
+        let mut sc = IndexBuffers::default();
         let rec = [0u8; REC];
         let short = seal(SECRET, 1, 1, NOW, &[]); // no record
         let ragged = seal(SECRET, 1, 1, NOW, &rec[..15]);

@@ -4,7 +4,7 @@
 //! Why: an Envoy's load vector (`load.rs`) counts only the requests *this* Envoy routed. With N
 //! replicas each sees about 1/N of a worker's queue, so N load bounds together admit N times the
 //! intended load; traffic that bypasses Envoy is invisible. Each worker knows its real queue, so
-//! one VM per Envoy (the holder of a lease in shared data, see [`Lease`]) asks every worker for it
+//! one VM per Envoy (the holder of a lease in shared data, see [`PollLease`]) asks every worker for it
 //! every `load_poll.interval_ms` (`GET /v1/loads`; `GET /get_load` for a worker that answers 404)
 //! and publishes the answers in one shared-data value per model ([`publish`]).
 //!
@@ -12,7 +12,7 @@
 //! Envoy's own in-flight counts `S` at the moment the answer arrived. A decision then uses, per
 //! worker, `max(L, P + L − S)` with `L` the own counts now: the polled load plus this Envoy's
 //! changes since the poll, and never less than what this Envoy alone has in flight there. A single
-//! Envoy without other traffic sees `P ≈ S`, i.e. exactly its own counts, as before.
+//! Envoy without other traffic sees `P ≈ S`, i.e. exactly its own counts, as without polling.
 //!
 //! **Unknown is not idle.** A worker whose last poll failed, or whose last good answer is older
 //! than `load_poll.stale_ms`, counts as `max(L, mean of the known workers)`: neither a magnet for
@@ -188,11 +188,11 @@ pub fn parse_load(body: &[u8]) -> Option<Load> {
 /// ms). The holder renews it every tick; another VM takes it over only once it expired (the
 /// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
 /// harmless (both publish the same kind of answer).
-pub struct Lease;
+pub struct PollLease;
 
 pub const LEASE_KEY: &str = "pr/poller";
 
-impl Lease {
+impl PollLease {
     /// Takes or renews the lease for `me` until `now_ms + ttl_ms`; true if `me` holds it.
     pub fn hold<S: Store>(store: &S, me: u64, now_ms: u64, ttl_ms: u64, buf: &mut Vec<u8>) -> bool {
         let cas = store.get(LEASE_KEY, buf);
@@ -498,12 +498,15 @@ mod tests {
     fn one_lease_holder_until_it_expires() {
         let s = MemStore::new();
         let mut b = Vec::new();
-        assert!(Lease::hold(&s, 1, 1000, 300, &mut b));
-        assert!(!Lease::hold(&s, 2, 1100, 300, &mut b));
-        assert!(Lease::hold(&s, 1, 1200, 300, &mut b), "renewal");
-        assert!(!Lease::hold(&s, 2, 1499, 300, &mut b));
-        assert!(Lease::hold(&s, 2, 1500, 300, &mut b), "expired: taken over");
-        assert!(!Lease::hold(&s, 1, 1600, 300, &mut b));
+        assert!(PollLease::hold(&s, 1, 1000, 300, &mut b));
+        assert!(!PollLease::hold(&s, 2, 1100, 300, &mut b));
+        assert!(PollLease::hold(&s, 1, 1200, 300, &mut b), "renewal");
+        assert!(!PollLease::hold(&s, 2, 1499, 300, &mut b));
+        assert!(
+            PollLease::hold(&s, 2, 1500, 300, &mut b),
+            "expired: taken over"
+        );
+        assert!(!PollLease::hold(&s, 1, 1600, 300, &mut b));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! counter reads (`hits.rs`), sent from the root context's tick, and their answers.
 //!
 //! Invariants:
-//! - Only the holder of the poll lease ([`Lease`], one VM per Envoy) sends; a root that cannot
+//! - Only the holder of the poll lease ([`PollLease`], one VM per Envoy) sends; a root that cannot
 //!   make calls (a native worker thread) or a peer listener never takes the lease, so it never
 //!   takes it from one that can.
 //! - A worker has at most one load poll and one counter read in flight; a call whose answer
@@ -21,7 +21,7 @@ use crate::hits;
 use crate::host::{now_ticks, Buffer, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::poll::{self, Lease, Polled, Poller, Target};
+use crate::poll::{self, PollLease, Polled, Poller, Target};
 use crate::router::Router;
 use crate::schedule::{since, Calls};
 use std::cell::RefCell;
@@ -71,32 +71,31 @@ impl Polls {
             return;
         };
         let r = &mut *guard;
-        let lp = &r.cfg.load_poll;
+        let lp = &r.cfg().load_poll;
         let lost = self.poller.expire(now_ms, lp.timeout_ms);
         m.add(Counter::PollFailures, lost as i64);
-        if lp.interval_ms == 0 || r.cfg.peer_listener || !h.can_call() {
+        if lp.interval_ms == 0 || r.cfg().peer_listener || !h.can_call() {
             return;
         }
-        let ttl = 3 * u64::from(lp.interval_ms.max(tick_ms));
+        let (interval_ms, no_traffic_ms) = (lp.interval_ms, lp.no_traffic_interval_ms);
+        let ttl = 3 * u64::from(interval_ms.max(tick_ms));
         let mut buf = Vec::new();
-        if !Lease::hold(h, self.me, now_ms, ttl, &mut buf) {
+        if !PollLease::hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
         }
         let mut targets: Vec<Target> = Vec::new();
-        for mi in 0..r.cfg.models.len() {
-            let activity = || r.ledger.activity(h, &r.cfg, mi);
-            if self.poller.due(
-                mi,
-                now_ms,
-                lp.interval_ms,
-                lp.no_traffic_interval_ms,
-                activity,
-            ) {
+        for mi in 0..r.cfg().models.len() {
+            let activity = || r.activity(h, mi);
+            if self
+                .poller
+                .due(mi, now_ms, interval_ms, no_traffic_ms, activity)
+            {
                 targets.extend(self.poller.round(mi));
             }
         }
+        let lp = &r.cfg().load_poll;
         for t in targets {
-            let Some((w, upstream)) = r.cfg.models.get(usize::from(t.model)).and_then(|m| {
+            let Some((w, upstream)) = r.cfg().models.get(usize::from(t.model)).and_then(|m| {
                 let i = usize::from(t.worker);
                 Some((m.workers.get(i)?, m.poll_clusters.get(i)?))
             }) else {
@@ -108,7 +107,7 @@ impl Polls {
                 lp.path.as_str()
             };
             let pooled = r
-                .cfg
+                .cfg()
                 .models
                 .get(usize::from(t.model))
                 .is_some_and(|m| m.pool.is_some());
@@ -116,7 +115,7 @@ impl Polls {
                 (":method", "GET"),
                 (":path", path),
                 (":authority", w.cluster.as_str()),
-                (r.cfg.destination_header.as_str(), w.cluster.as_str()),
+                (r.cfg().destination_header.as_str(), w.cluster.as_str()),
             ];
             let headers = if pooled { &headers[..] } else { &headers[..3] };
             match h.http_call(upstream, headers, None, lp.timeout_ms) {
@@ -135,8 +134,8 @@ impl Polls {
     /// Reads Envoy's admin `/clusters` each `membership.interval_ms` when a model is a pool
     /// (`membership.rs`); one read in flight at most.
     fn read_members(&mut self, h: &impl Host, r: &Router, m: &Metrics, now_ms: u64) {
-        let mc = &r.cfg.membership;
-        if mc.interval_ms == 0 || !r.cfg.models.iter().any(|m| m.pool.is_some()) {
+        let mc = &r.cfg().membership;
+        if mc.interval_ms == 0 || !r.cfg().models.iter().any(|m| m.pool.is_some()) {
             return;
         }
         self.member_calls.expire(now_ms, mc.timeout_ms, |_| {
@@ -185,7 +184,7 @@ impl Polls {
         let (now, _) = now_ticks(h);
         let (mut buf, mut previous) = (Vec::new(), Vec::new());
         let mut read = false;
-        for model in &r.cfg.models {
+        for model in &r.cfg().models {
             let Some(pool) = &model.pool else {
                 continue;
             };
@@ -215,7 +214,7 @@ impl Polls {
     /// Reads every worker's token counters each `metrics_interval_ms` (`hits.rs`); a clock
     /// step starts a round (`schedule::since`).
     fn read_counters(&mut self, h: &impl Host, r: &Router, m: &Metrics, now_ms: u64) {
-        let lp = &r.cfg.load_poll;
+        let lp = &r.cfg().load_poll;
         if lp.metrics_interval_ms == 0 {
             return;
         }
@@ -228,7 +227,7 @@ impl Polls {
             return;
         }
         self.last_hit_round_ms = Some(now_ms);
-        for (mi, model) in r.cfg.models.iter().enumerate() {
+        for (mi, model) in r.cfg().models.iter().enumerate() {
             let pooled = model.pool.is_some();
             for (wi, (w, upstream)) in model.workers.iter().zip(&model.poll_clusters).enumerate() {
                 let (mi, wi) = (mi as u16, wi as u16);
@@ -239,7 +238,7 @@ impl Polls {
                     (":method", "GET"),
                     (":path", lp.metrics_path.as_str()),
                     (":authority", w.cluster.as_str()),
-                    (r.cfg.destination_header.as_str(), w.cluster.as_str()),
+                    (r.cfg().destination_header.as_str(), w.cluster.as_str()),
                 ];
                 let headers = if pooled { &headers[..] } else { &headers[..3] };
                 match h.http_call(upstream, headers, None, lp.timeout_ms) {
@@ -278,7 +277,7 @@ impl Polls {
         };
         let (mi, wi) = (usize::from(mi), usize::from(wi));
         let Some((model, w)) = r
-            .cfg
+            .cfg()
             .models
             .get(mi)
             .and_then(|model| Some((model, model.workers.get(wi)?)))
@@ -322,8 +321,7 @@ impl Polls {
             return;
         };
         let (mi, w) = (usize::from(t.model), usize::from(t.worker));
-        let r = &mut *r;
-        let (snap_reqs, snap_tokens) = r.ledger.own_of(h, &r.cfg, mi, w);
+        let (snap_reqs, snap_tokens) = r.own_load(h, mi, w);
         let p = match load {
             Some(l) => Polled {
                 reqs: l.reqs,
@@ -335,7 +333,7 @@ impl Polls {
             },
             None => Polled::default(), // failed: unknown until the next good answer
         };
-        let Some(model) = r.cfg.models.get(mi) else {
+        let Some(model) = r.cfg().models.get(mi) else {
             return;
         };
         let mut buf = Vec::new();
@@ -344,10 +342,10 @@ impl Polls {
             return; // the gauges once per round, at its last answer
         }
         let mut all = Vec::new();
-        if let Some(ids) = r.ledger.ids(mi) {
+        if let Some(ids) = r.worker_ids(mi) {
             poll::decode(&buf, ids, model.workers.len(), &mut all);
         }
-        let (oldest, unknown) = round_gauges(&all, now, r.cfg.load_poll.stale_ms / 100);
+        let (oldest, unknown) = round_gauges(&all, now, r.cfg().load_poll.stale_ms / 100);
         m.set(h, Gauge::PollAgeMs, u64::from(oldest) * 100);
         m.set(h, Gauge::PollUnknown, unknown as u64);
     }

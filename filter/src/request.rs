@@ -205,22 +205,22 @@ pub fn parse_with_bounds<'a>(
 /// scanned ids, where their blocks end, and the body with the id array replaced by
 /// [`PLACEHOLDER`].
 #[derive(Debug, Default)]
-pub struct Scratch {
+pub struct IdBuffers {
     ids: Vec<u8>,
     body: Vec<u8>,
-    /// Ids per block whose ends the scan records (0: none); see [`Scratch::block_ends`].
+    /// Ids per block whose ends the scan records (0: none); see [`IdBuffers::block_ends`].
     block: usize,
     ends: Vec<usize>,
     /// Whether `ends` belong to the last [`parse_fast`] result.
     ends_valid: bool,
 }
 
-impl Scratch {
+impl IdBuffers {
     /// Buffers whose scans also record where blocks of `block` ids end (0: never).
-    pub fn for_blocks(block: usize) -> Scratch {
-        Scratch {
+    pub fn for_blocks(block: usize) -> IdBuffers {
+        IdBuffers {
             block,
-            ..Scratch::default()
+            ..IdBuffers::default()
         }
     }
 
@@ -261,7 +261,7 @@ pub fn parse_fast<'a>(
     body: &'a [u8],
     canon: &mut Vec<u8>,
     bounds: &mut Vec<usize>,
-    scratch: &mut Scratch,
+    scratch: &mut IdBuffers,
     limit: impl Into<Limit>,
 ) -> Result<Parsed<'a>, ParseError> {
     let limit = limit.into();
@@ -276,7 +276,7 @@ fn fast<'a>(
     body: &'a [u8],
     canon: &mut Vec<u8>,
     bounds: &mut Vec<usize>,
-    scratch: &mut Scratch,
+    scratch: &mut IdBuffers,
     limit: Limit,
 ) -> Option<Parsed<'a>> {
     let keys: &[&[u8]] = match endpoint {
@@ -1144,7 +1144,7 @@ mod tests {
         };
         let ids = format!("{{\"prompt\":[{}]}}", vec!["12345"; 150].join(", "));
         let text = format!("{{\"prompt\":\"{}\"}}", "a".repeat(500));
-        let (mut bounds, mut scratch) = (Vec::new(), Scratch::for_blocks(16));
+        let (mut bounds, mut scratch) = (Vec::new(), IdBuffers::for_blocks(16));
         for (body, want) in [(&ids, 900), (&text, 100)] {
             let p = parse(Endpoint::Completions, body.as_bytes(), &mut buf, limit).unwrap();
             assert_eq!((buf.len(), p.truncated), (want, want == 100), "{body:.40}");
@@ -1465,7 +1465,7 @@ mod tests {
     fn fast_path_equals_serde() {
         let mut r = Rng(0x9E37_79B9_7F4A_7C15);
         let (mut fast_hits, mut oks, mut errs) = (0, 0, 0);
-        let mut scratch = Scratch::for_blocks(3);
+        let mut scratch = IdBuffers::for_blocks(3);
         let (mut ca, mut cb, mut ba, mut bb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut ha, mut hb, mut ended) = (Vec::new(), Vec::new(), 0);
         for case in 0..60_000 {
@@ -1558,7 +1558,7 @@ mod tests {
             #[test]
             fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
                 let mut buf = Vec::new();
-                let (mut bounds, mut scratch) = (Vec::new(), Scratch::default());
+                let (mut bounds, mut scratch) = (Vec::new(), IdBuffers::default());
                 for ep in [Endpoint::Chat, Endpoint::Completions, Endpoint::Generate] {
                     let _ = parse(ep, &body, &mut buf, 4096);
                     prop_assert!(buf.len() <= 4096);
@@ -1586,7 +1586,7 @@ mod tests {
                 prop_assert_eq!(p.kind, PromptKind::Tokens);
                 prop_assert_eq!(p.tokens, ids.len());
                 prop_assert_eq!(&buf, &super::tokens(&ids));
-                let (mut fast, mut bounds, mut scratch) = (Vec::new(), Vec::new(), Scratch::default());
+                let (mut fast, mut bounds, mut scratch) = (Vec::new(), Vec::new(), IdBuffers::default());
                 let f = parse_fast(Endpoint::Generate, body.as_bytes(), &mut fast, &mut bounds, &mut scratch, 1 << 20).unwrap();
                 prop_assert_eq!((f.kind, f.tokens), (PromptKind::Tokens, ids.len()));
                 prop_assert_eq!(fast, buf);

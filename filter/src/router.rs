@@ -4,7 +4,13 @@
 //! so a decision allocates nothing in steady state beyond what serde_json needs for escapes.
 //!
 //! Load accounting lives in [`Ledger`] (`load.rs`), worker choice behind [`Policy`]
-//! (`policy/`), the index in `index.rs`; this file wires them together for one request.
+//! (`policy/`), the index in `index.rs`, the PD body rewrite in `pd_body.rs`; this file wires
+//! them together for one request, a PD request's decode worker included
+//! ([`Router::decode_decision`]).
+//!
+//! Invariants: every field is private, so the ledger, the index buffers, the peer outbox and the
+//! PD rewriter change only through `Router` methods, and a charge is made and released only
+//! here; the configuration is read only ([`Router::cfg`]): a new one is a new router.
 //!
 //! **Rendezvous key.** When no worker holds any part of a prompt, the worker comes from
 //! rendezvous hashing of a key every replica computes alike. For a chat prompt with at least two
@@ -16,12 +22,13 @@
 
 use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
 use crate::busy::Busy;
-use crate::config::{Config, UnknownModel};
+use crate::config::{Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
 use crate::ids;
-use crate::index::{Held, Index, Matches, Plan, Scratch, WriteStats};
+use crate::index::{Held, Index, IndexBuffers, Matches, Plan, WriteStats};
 use crate::load::Ledger;
+use crate::pd_body::{BadBody, Rewriter};
 use crate::peers::Outbox;
 use crate::placements::Placements;
 use crate::policy::{self, Inputs, Policy, Reason};
@@ -63,6 +70,31 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The one way to make a decision: worker `worker` of model `model` for `reason`, nothing
+    /// charged, matched or probed yet (a passthrough pick stays so; routed decisions add their
+    /// charge with [`Decision::with_charge`] and their match fields).
+    pub fn uncharged(model: usize, worker: usize, reason: Reason) -> Decision {
+        Decision {
+            model: model as u16,
+            worker: worker as u16,
+            reason,
+            matched_blocks: 0,
+            total_blocks: 0,
+            charged_reqs: 0,
+            charged_tokens: 0,
+            probes: 0,
+            truncated: false,
+            holder: None,
+        }
+    }
+
+    /// This decision charging its worker `reqs` requests and `tokens` prompt tokens.
+    pub fn with_charge(mut self, reqs: u32, tokens: u32) -> Decision {
+        self.charged_reqs = reqs;
+        self.charged_tokens = tokens;
+        self
+    }
+
     /// Takes the prompt-token part out of the charge (`None` when there is none left), for
     /// [`Router::release`] when the worker answers: a streamed SGLang answer starts with its
     /// first token, so from then on the request is decoding, not queued prefill work, and a new
@@ -70,11 +102,7 @@ impl Decision {
     /// request stays charged: the stream's end releases what is left of `self`.
     pub fn take_prompt_tokens(&mut self) -> Option<Decision> {
         let tokens = std::mem::take(&mut self.charged_tokens);
-        (tokens > 0).then_some(Decision {
-            charged_reqs: 0,
-            charged_tokens: tokens,
-            ..*self
-        })
+        (tokens > 0).then_some(self.with_charge(0, tokens))
     }
 }
 
@@ -105,27 +133,28 @@ pub enum Outcome {
 }
 
 pub struct Router {
-    pub cfg: Config,
+    cfg: Config,
     canon: Vec<u8>,
     /// Canonical length after each chat message, and those boundaries as block counts.
     bounds: Vec<usize>,
     /// The token-id fast path's buffers (`request::parse_fast`).
-    tok: request::Scratch,
+    id_bufs: request::IdBuffers,
     /// Canonical bytes kept per prompt: enough for `max_prompt_blocks` blocks of any model, text
     /// or token ids (up to `MAX_ID_BYTES` canonical bytes per id). Derived from `cfg` once.
     limit: request::Limit,
     ends: Vec<usize>,
     hashes: Vec<u64>,
-    pub sc: Scratch,
+    /// The index's reusable buffers and probe cache (`index.rs`).
+    index_bufs: IndexBuffers,
     matches: Matches,
     matched: Vec<u32>,
     /// The model `matched` belongs to (the last decision's; `usize::MAX`: none).
     last_model: usize,
     /// The destination header's value, reused (`glue`; see [`Router::destination`]).
-    pub dest: String,
+    dest: String,
     /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
     ids: Vec<ById>,
-    pub ledger: Ledger,
+    ledger: Ledger,
     busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
@@ -136,15 +165,16 @@ pub struct Router {
     verifier: Verifier,
     policy: Box<dyn Policy>,
     /// Index records for the peers (present when `peers` is configured).
-    pub outbox: Option<Outbox>,
-    /// Rotation for passthrough requests.
-    rr: usize,
+    outbox: Option<Outbox>,
+    /// Where the next round-robin pick starts: passthrough requests, and the tie-break of a
+    /// least-loaded pick.
+    rotation: usize,
     /// Index writes planned by the last decision (see [`Router::take_plan`]).
     plan: Option<Plan>,
     /// Index buckets this VM still has to empty after the table shrank (`index::resize`).
     shrink: Option<std::ops::Range<u32>>,
-    /// PD models: body rewriting buffer and room generator (`pd.rs`).
-    pub pd: crate::pd::Rewriter,
+    /// PD models: body rewriting buffer and room generator (`pd_body.rs`).
+    pd_body: Rewriter,
     /// The seed this VM was created with (the clock at configure; see [`Router::init_store`]).
     seed: u64,
 }
@@ -176,14 +206,14 @@ impl Router {
             // Scans record block ends at the default model's block size: the model a body
             // names is only known once it is parsed (another size searches, `blocks.rs`).
             limit,
-            tok: request::Scratch::for_blocks(
+            id_bufs: request::IdBuffers::for_blocks(
                 cfg.models
                     .get(cfg.default_model)
                     .map_or(0, |m| m.token_block_size),
             ),
             ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
-            sc: Scratch::default(),
+            index_bufs: IndexBuffers::default(),
             // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
             matches: Matches::with_capacity(),
             matched: Vec::with_capacity(max_workers),
@@ -197,10 +227,10 @@ impl Router {
             verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
             policy: policy::from_config(cfg.policy.name, seed),
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
-            rr: (seed as usize) % 1024,
+            rotation: (seed as usize) % 1024,
             plan: None,
             shrink: None,
-            pd: crate::pd::Rewriter::new(seed ^ 0x7064),
+            pd_body: Rewriter::new(seed ^ 0x7064),
             seed,
             cfg,
         }
@@ -216,9 +246,15 @@ impl Router {
         self.ledger.init(store, &self.cfg);
         self.shrink = crate::index::resize(store, self.cfg.index_buckets);
         let seed = policy::mix(self.seed, self.ledger.lease_id());
-        self.pd.reseed(seed ^ 0x7064);
-        self.rr = (seed as usize) % 1024;
+        self.pd_body.reseed(seed ^ 0x7064);
+        self.rotation = (seed as usize) % 1024;
         self.policy = policy::from_config(self.cfg.policy.name, seed);
+    }
+
+    /// The configuration this router was built from (read only: a new configuration is a new
+    /// router).
+    pub fn cfg(&self) -> &Config {
+        &self.cfg
     }
 
     /// This VM's id, unique among the VMs of this Envoy process (0 before [`Router::init_store`]).
@@ -235,11 +271,20 @@ impl Router {
             .map_or("", |w| w.cluster.as_str())
     }
 
-    /// The destination header's value for a pool model's decision (`membership.rs`): the chosen
-    /// worker's address, then up to the pool's `fallbacks` others, those predicted to hold the
-    /// most of the prompt first (ties: list order after the chosen one). Empty for a model that
-    /// is not a pool. Call right after the decision's [`Router::route`].
-    pub fn destination(&self, d: &Decision, out: &mut String) {
+    /// The destination header's name and value for a pool model's decision (`membership.rs`):
+    /// the chosen worker's address, then up to the pool's `fallbacks` others, those predicted to
+    /// hold the most of the prompt first (ties: list order after the chosen one). The value is
+    /// empty for a model that is not a pool. Call right after the decision's [`Router::route`].
+    /// Written into a buffer the router reuses: no allocation in steady state.
+    pub fn destination(&mut self, d: &Decision) -> (&str, &str) {
+        let mut dest = std::mem::take(&mut self.dest);
+        self.fill_destination(d, &mut dest);
+        self.dest = dest;
+        (&self.cfg.destination_header, &self.dest)
+    }
+
+    /// [`Router::destination`]'s value, into `out`.
+    fn fill_destination(&self, d: &Decision, out: &mut String) {
         out.clear();
         let Some(m) = self.cfg.models.get(usize::from(d.model)) else {
             return;
@@ -359,8 +404,12 @@ impl Router {
         if n == 0 {
             return None; // a pool model with no known worker: its cluster picks
         }
-        self.rr = self.rr.wrapping_add(1);
-        Some(plain(m, self.rr % n, Reason::Passthrough))
+        self.rotation = self.rotation.wrapping_add(1);
+        Some(Decision::uncharged(
+            m,
+            self.rotation % n,
+            Reason::Passthrough,
+        ))
     }
 
     /// Decides where an inference request goes, in the shared (tenant-less) index space. `now`
@@ -395,7 +444,7 @@ impl Router {
             body,
             &mut self.canon,
             &mut self.bounds,
-            &mut self.tok,
+            &mut self.id_bufs,
             self.limit,
         ) {
             Ok(p) => p,
@@ -458,7 +507,7 @@ impl Router {
         // A block: `block` bytes of text, or `block` token ids (`ids.rs`).
         let truncated = parsed.truncated
             | match parsed.kind {
-                PromptKind::Tokens => match self.tok.block_ends(block) {
+                PromptKind::Tokens => match self.id_bufs.block_ends(block) {
                     Some(ends) => hash_blocks_at(
                         seed,
                         &self.canon,
@@ -567,13 +616,19 @@ impl Router {
         let ix = Index::for_model(cfg, model);
         self.matches.clear();
         if uses_index {
-            ix.lookup(store, &self.hashes, now, &mut self.sc, &mut self.matches);
+            ix.lookup(
+                store,
+                &self.hashes,
+                now,
+                &mut self.index_bufs,
+                &mut self.matches,
+            );
             ix.lookup_bounds(
                 store,
                 &self.hashes,
                 &self.ends,
                 now,
-                &mut self.sc,
+                &mut self.index_bufs,
                 &mut self.matches,
             );
         }
@@ -605,9 +660,9 @@ impl Router {
         // The opening message's end, when another message follows it (a fleet prefix candidate).
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let footprint = &mut self.footprint;
-        footprint.decay(mi, now, cfg.policy.placement_window_ms);
+        footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
-        let follow = uses_index && deepest == 0 && cfg.policy.placement_window_ms > 0;
+        let follow = uses_index && deepest == 0 && cfg.policy.follows_placements();
         let recent = if follow {
             self.placements
                 .recent(store, &model.placed_key, sibling, now)
@@ -661,20 +716,16 @@ impl Router {
                 };
                 (w, tok, reason)
             });
-        let d = Decision {
-            matched_blocks: self.matched.get(w).copied().unwrap_or(0),
-            total_blocks,
-            charged_reqs: 1,
-            charged_tokens: tok,
-            probes: self.matches.probes,
-            holder,
-            ..plain(mi, w, reason)
-        };
+        let mut d = Decision::uncharged(mi, w, reason).with_charge(1, tok);
+        d.matched_blocks = self.matched.get(w).copied().unwrap_or(0);
+        d.total_blocks = total_blocks;
+        d.probes = self.matches.probes;
+        d.holder = holder;
         if uses_index {
             self.verifier
                 .observe(mi, w, d.matched_blocks, d.total_blocks);
             // What the worker will newly cache (the charge is the uncached estimate).
-            footprint.place(mi, w, tok, cfg.policy.placement_window_ms);
+            footprint.place(mi, w, tok, cfg.policy.footprint_decay_ms());
             if follow {
                 if let Some(wk) = model.workers.get(w) {
                     let key = &model.placed_key;
@@ -738,14 +789,14 @@ impl Router {
             return WriteStats::default();
         };
         let ix = Index::for_model(&self.cfg, model);
-        self.sc.written.clear();
-        let stats = ix.write(store, plan.hashes(), plan.worker, now, &mut self.sc);
+        self.index_bufs.written.clear();
+        let stats = ix.write(store, plan.hashes(), plan.worker, now, &mut self.index_bufs);
         if let Some(ob) = &mut self.outbox {
-            for &h in &self.sc.written {
+            for &h in &self.index_bufs.written {
                 ob.push(model.peer_key, plan.worker, h);
             }
         }
-        self.sc.written.clear();
+        self.index_bufs.written.clear();
         stats
     }
 
@@ -757,17 +808,64 @@ impl Router {
         tokens: u32,
         now: u32,
     ) -> Decision {
-        self.rr = self.rr.wrapping_add(1);
+        self.rotation = self.rotation.wrapping_add(1);
         let (reqs, toks) = self.ledger.view(store, &self.cfg, mi, now);
-        let w = policy::least_loaded(reqs, toks, self.rr);
+        let w = policy::least_loaded(reqs, toks, self.rotation);
         let tokens = tokens.max(1);
         self.ledger
             .add(store, &self.cfg, mi, w, 1, i64::from(tokens));
-        Decision {
-            charged_reqs: 1,
-            charged_tokens: tokens,
-            ..plain(mi, w, reason)
-        }
+        Decision::uncharged(mi, w, reason).with_charge(1, tokens)
+    }
+
+    /// The decode half of a PD decision: the least loaded decode worker of the model `prefill`
+    /// routed to (`policy::least_loaded`, ties spread from a random start), chosen and charged
+    /// in one CAS: one request and the body's estimated tokens (`body_len / chars_per_token`,
+    /// capped at `policy.max_request_tokens` like every other charge, so a junk field cannot
+    /// inflate a decode worker's load). `None` when the model is not a PD model.
+    pub fn decode_decision<S: Store>(
+        &mut self,
+        store: &S,
+        prefill: &Decision,
+        body_len: usize,
+        now: u32,
+    ) -> Option<Decision> {
+        let dm = self
+            .cfg
+            .models
+            .get(usize::from(prefill.model))?
+            .pd
+            .as_ref()?
+            .decode_model;
+        let start = (self.pd_body.room() & 0xffff) as usize;
+        let tokens = self.cfg.policy.body_tokens(body_len).max(1);
+        let (w, tok, ()) = self
+            .ledger
+            .decide(store, &self.cfg, dm, now, |reqs, toks, _| {
+                (policy::least_loaded(reqs, toks, start), tokens, ())
+            });
+        Some(Decision::uncharged(dm, w, Reason::LoadSpill).with_charge(1, tok))
+    }
+
+    /// PD model: rewrites `body` for the prefill worker `prefill` chose, with a fresh room
+    /// (`pd_body.rs`); the result is [`Router::rewritten`]. `None`: not a PD model.
+    pub fn rewrite_for_prefill(
+        &mut self,
+        prefill: &Decision,
+        body: &[u8],
+    ) -> Option<Result<(), BadBody>> {
+        let pd = self
+            .cfg
+            .models
+            .get(usize::from(prefill.model))?
+            .pd
+            .as_ref()?;
+        let fields = pd.fields.get(usize::from(prefill.worker))?;
+        Some(self.pd_body.rewrite_with_room(body, fields))
+    }
+
+    /// The last PD body rewrite ([`Router::rewrite_for_prefill`]).
+    pub fn rewritten(&self) -> &Rewriter {
+        &self.pd_body
     }
 
     /// Undoes a decision's load charge; call exactly once when its stream ends (see
@@ -863,6 +961,64 @@ impl Router {
         v
     }
 
+    /// Saturated load updates since the last call (`Ledger::take_underflows`).
+    pub fn take_load_underflows(&mut self) -> u64 {
+        self.ledger.take_underflows()
+    }
+
+    /// `(requests, tokens)` in flight in shared data over all models, as of the ledger's last
+    /// sample (`Ledger::sampled`).
+    pub fn sampled_load(&self) -> (u64, u64) {
+        self.ledger.sampled()
+    }
+
+    /// What model `mi`'s load value says about its traffic, for the poller's schedule.
+    pub fn activity<S: Store>(&mut self, store: &S, mi: usize) -> crate::poll::Activity {
+        self.ledger.activity(store, &self.cfg, mi)
+    }
+
+    /// This VM's own in-flight `(requests, tokens)` on worker `w` of model `mi` (a load poll's
+    /// answer is merged against it, `poll.rs`).
+    pub fn own_load<S: Store>(&mut self, store: &S, mi: usize, w: usize) -> (u32, u32) {
+        self.ledger.own_of(store, &self.cfg, mi, w)
+    }
+
+    /// Model `mi`'s workers by id.
+    pub fn worker_ids(&self, mi: usize) -> Option<&ById> {
+        self.ids.get(mi)
+    }
+
+    /// The peers' configuration and this VM's records for them (`None` without `peers`).
+    pub fn outbox(&mut self) -> Option<(&PeersConfig, &mut Outbox)> {
+        Some((self.cfg.peers.as_ref()?, self.outbox.as_mut()?))
+    }
+
+    /// Names this VM as the sender of its peer batches (`peers.rs`).
+    pub fn set_peer_sender(&mut self, me: u64) {
+        if let Some(ob) = self.outbox.as_mut() {
+            ob.set_sender(me);
+        }
+    }
+
+    /// Hands this VM's peer records to the root that sends them (a VM that cannot call,
+    /// `peers::Outbox::hand_off`).
+    pub fn hand_off_peer_records<S: Store>(&mut self, store: &S) {
+        if let Some(ob) = self.outbox.as_mut() {
+            ob.hand_off(store);
+        }
+    }
+
+    /// Applies a peer's record batch at the peer listener (`peers::receive`).
+    pub fn receive_peer_batch<S: Store>(
+        &mut self,
+        store: &S,
+        body: &[u8],
+        now_ms: u64,
+        now: u32,
+    ) -> Result<crate::peers::Applied, crate::peers::Refused> {
+        crate::peers::receive(store, &self.cfg, body, now_ms, now, &mut self.index_bufs)
+    }
+
     /// Number of parked load deltas (should be 0 except under extreme contention).
     pub fn pending_len(&self) -> usize {
         self.ledger.pending_len()
@@ -871,21 +1027,6 @@ impl Router {
     /// This Envoy's own in-flight (requests, tokens) of every worker of model `mi`.
     pub fn loads<S: Store>(&mut self, store: &S, mi: usize) -> Vec<(u32, u32)> {
         self.ledger.own(store, &self.cfg, mi)
-    }
-}
-
-fn plain(model: usize, worker: usize, reason: Reason) -> Decision {
-    Decision {
-        model: model as u16,
-        worker: worker as u16,
-        reason,
-        matched_blocks: 0,
-        total_blocks: 0,
-        charged_reqs: 0,
-        charged_tokens: 0,
-        probes: 0,
-        truncated: false,
-        holder: None,
     }
 }
 
@@ -902,6 +1043,7 @@ pub fn not_found_body(model: &str) -> String {
 mod tests {
     use super::*;
     use crate::store::MemStore;
+    use serde_json::Value;
 
     fn cfg(extra: &str) -> Config {
         let json = format!(
@@ -1538,5 +1680,117 @@ mod tests {
             prev_blocks = (canon.len() / 64) as u32;
             msgs.push(serde_json::json!({"role": "assistant", "content": format!("answer {turn} ").repeat(15)}));
         }
+    }
+
+    const PD: &str = r#"{"models":{"m":{
+        "prefill":[{"cluster":"p0","bootstrap_host":"10.0.0.1","bootstrap_port":9001},
+                   {"cluster":"p1","bootstrap_host":"10.0.0.2"}],
+        "decode":["d0","d1"]}}}"#;
+
+    #[test]
+    fn two_vms_configured_at_the_same_clock_reading_draw_different_rooms() {
+        let store = MemStore::default();
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let mut rooms = std::collections::HashSet::new();
+        for _ in 0..2 {
+            // the same seed: Envoy may hand two worker threads' VMs the same time
+            let mut r = Router::new(Config::from_json(PD.as_bytes()).unwrap(), 5);
+            r.init_store(&store);
+            for _ in 0..64 {
+                let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                    panic!("rejected");
+                };
+                assert!(r.rewrite_for_prefill(&p, body).unwrap().is_ok());
+                let v: Value = serde_json::from_slice(r.rewritten().body()).unwrap();
+                assert!(
+                    rooms.insert(v["bootstrap_room"].as_u64().unwrap()),
+                    "a room repeats"
+                );
+                r.release(&store, &p);
+            }
+        }
+    }
+
+    /// A router over the `PD` model and its store.
+    fn pd_router() -> (Router, MemStore) {
+        let store = MemStore::default();
+        let mut r = Router::new(Config::from_json(PD.as_bytes()).unwrap(), 5);
+        r.init_store(&store);
+        (r, store)
+    }
+
+    #[test]
+    fn prefill_by_cache_and_load_decode_by_load_both_released() {
+        let (mut r, store) = pd_router();
+        let body = br#"{"model":"m","prompt":"a long shared prefix that spans several blocks of text for the index to remember it, twice over and over again"}"#;
+        // one at a time: the same prompt stays on its prefill worker (prefix hit)
+        let mut prefills = Vec::new();
+        for _ in 0..4 {
+            let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                panic!("rejected");
+            };
+            // The index records once the response is a 2xx (router::Router::commit).
+            if let Some(plan) = r.take_plan() {
+                r.commit(&store, &plan, 200, 10);
+            }
+            let d = r.decode_decision(&store, &p, 400, 10).unwrap();
+            assert_eq!(usize::from(d.model), 1);
+            assert!(r.rewrite_for_prefill(&p, body).unwrap().is_ok());
+            let v: Value = serde_json::from_slice(r.rewritten().body()).unwrap();
+            assert_eq!(v["model"], "m");
+            assert!(v["bootstrap_room"].as_u64().unwrap() < 1 << 63);
+            prefills.push((p.worker, p.reason));
+            r.release(&store, &p);
+            r.release(&store, &d);
+        }
+        assert!(
+            prefills.iter().all(|w| w.0 == prefills[0].0),
+            "{prefills:?}"
+        );
+        assert_eq!(prefills[3].1, Reason::PrefixHit);
+        // held together: decode spreads by load, two each
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+                panic!("rejected");
+            };
+            let d = r.decode_decision(&store, &p, 400, 10).unwrap();
+            held.push((p, d));
+        }
+        let on0 = held.iter().filter(|(_, d)| d.worker == 0).count();
+        assert_eq!(on0, 2);
+        for (p, d) in &held {
+            r.release(&store, p);
+            r.release(&store, d);
+        }
+        r.flush_pending(&store);
+        for mi in 0..2 {
+            let (reqs, toks) = r.ledger.view(&store, &r.cfg, mi, 10);
+            assert!(reqs.iter().all(|&x| x == 0), "model {mi}: {reqs:?}");
+            assert!(toks.iter().all(|&x| x == 0), "model {mi}: {toks:?}");
+        }
+        // a non-PD model has no decode half
+        let c = Config::from_json(br#"{"models":{"m":{"workers":["a"]}}}"#).unwrap();
+        let mut r = Router::new(c, 5);
+        r.init_store(&store);
+        let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+            panic!()
+        };
+        assert!(r.decode_decision(&store, &p, 1, 10).is_none());
+        assert!(r.rewrite_for_prefill(&p, body).is_none());
+    }
+
+    #[test]
+    fn a_client_cannot_inflate_the_decode_charge() {
+        let (mut r, store) = pd_router();
+        let body = br#"{"model":"m","prompt":"hello"}"#;
+        let Outcome::Route(p) = r.route(&store, Endpoint::Completions, body, 10) else {
+            panic!("rejected");
+        };
+        // A 16 MiB body (a junk field): charged at most max_request_tokens, not 4M tokens.
+        let d = r.decode_decision(&store, &p, 16 << 20, 10).unwrap();
+        assert_eq!(d.charged_tokens, r.cfg.policy.max_request_tokens);
+        r.release(&store, &p);
+        r.release(&store, &d);
     }
 }
