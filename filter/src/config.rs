@@ -1,7 +1,8 @@
 //! Typed plugin configuration, validated once in `on_configure`.
 //!
-//! Every default lives in this file (the `default_*` functions); the README's
-//! config reference is generated from the same values by hand and kept in sync by a test.
+//! Every default lives in this file (the `default_*` functions); the example in
+//! `docs/configuration.md` lists every field with its default, and `filter/tests/config_doc.rs`
+//! checks it against these.
 //!
 //! Invariants: [`Config::validate`] checks one section per function, in a fixed order, and every
 //! error names the offending field as the operator wrote it; a [`Config`] that exists is valid.

@@ -4,11 +4,11 @@
 //! `models` and `peers` is the default (the whole example, with `peers` removed, deserializes to
 //! the same `RawConfig` as a config that gives only its models).
 
+use prefix_router::config::pd::RawPrefill;
 use prefix_router::config::{
     Config, IndexConfig, LoadPollConfig, MembershipConfig, PeersConfig, PolicyConfig, RawConfig,
     RawModel, RawPool,
 };
-use prefix_router::pd::RawPrefill;
 use serde::de::{self, DeserializeOwned, Visitor};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
