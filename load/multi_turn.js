@@ -55,7 +55,8 @@ for (let a = 0; a < p.APPS; a++) systems.push(`App ${a}. ` + text(rng(p.SEED * 7
 export default function () {
   const user = exec.vu.idInTest;
   const conv = exec.vu.iterationInScenario;
-  const id = user * 100000 + conv;
+  // (time-bound runs: room for many conversations per user; counted runs keep their ids and prompts)
+  const id = user * (p.DURATION > 0 ? 100000 : 1000) + conv;
   const r = rng(p.SEED * 104729 + id);
   const messages = [{ role: 'system', content: systems[id % p.APPS] }];
   const end = exec.scenario.startTime + p.DURATION * 1000;

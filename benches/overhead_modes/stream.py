@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from prkit.ports import free_port
-from prkit.wait import wait_http
+from prkit.wait import wait_http, wait_until
 
 from .common import LOAD_CPU, POOL_HOSTS, POOL_KINDS, Proc, SIM, WORKERS, all_proxies, meter, rotated
 
@@ -21,6 +21,9 @@ STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ fl
                 ("prefix_router_dm_nopoll", "+ prefix-router, dynamic module, no load polls"),
                 ("prefix_router_pool64", f"+ prefix-router, pool of {POOL_HOSTS}, membership 1 s"),
                 ("prefix_router_pool64_nomembership", f"+ prefix-router, pool of {POOL_HOSTS}, membership off")]
+
+
+POLLS = "prefix_router\\.load_poll\\.(answers|failures)"
 
 
 def filter_stats(proc: Proc, prefix: str) -> dict:
@@ -106,6 +109,13 @@ def run_stream(args, tmp: Path):
             for k in kinds if args.idle else []:
                 # No traffic: what the proxy spends per second on timers and load polls.
                 start, stop = meters[k]
+                if POOL_KINDS.get(k):
+                    # The window starts right after a load-poll round (one poll per host, every
+                    # 60 s), so it holds none: the stream mode prints the polls it held.
+                    def polls(p=proxies[k][0]):
+                        return sum(filter_stats(p, POLLS).values())
+                    before_round = polls()
+                    wait_until(lambda: polls() >= before_round + POOL_HOSTS, f"{k}: a load-poll round", 300, 0.2)
                 before = filter_stats(proxies[k][0], "prefix_router\\.(membership|load_poll)") if k in POOL_KINDS else {}
                 start()
                 time.sleep(args.idle)
