@@ -30,11 +30,13 @@ and the stream mode wants few streams and a slow decode step so that Envoy under
 One module per mode in benches/overhead_modes/: table (wrk), count (--callgrind table), rss, stream
 (--stream, --idle); common holds the proxies, their configs, wrk and the meters.
 
-Pool kinds (idle only: --stream --idle S --rounds 0): prefix_router_pool64 is the filter with one
-pool model of 64 hosts (a file-based EDS file; nothing listens at those addresses) and no load
-polls, reading the pool's membership from the admin's /clusters every second;
+Pool kinds (idle only: --stream --idle S --rounds 0, S under 60): prefix_router_pool64 is the
+filter with one pool model of 64 hosts (a file-based EDS file; nothing listens at those
+addresses), reading the pool's membership from the admin's /clusters every second;
 prefix_router_pool64_nomembership the same with --membership-ms 0. Their difference is what the
-membership refresh costs. --no-worker-address drops the static workers' `address` from the plugin
+membership refresh costs. Load polls every 60 s (the filter reads membership only while load polls
+are on), and each idle window starts right after a poll round; the window's membership reads and
+polls are printed. --no-worker-address drops the static workers' `address` from the plugin
 config (the config of envoy/gen before pools; what a filter build from before them accepts).
 
 Installs what it needs (only for the proxies in --kinds): nginx and wrk with apt-get when missing, smg==1.13.0 into .venv-smg.
