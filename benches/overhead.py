@@ -16,6 +16,8 @@ every request after the first is a prefix hit, the steady state).
   benches/overhead --callgrind --sizes 4 --rounds 2                  # Envoy instructions per request
   benches/overhead --callgrind --stream --streams 4 --step-ms 10 --tokens 256 1024 --rounds 2
   benches/overhead --callgrind --stream --idle 5 --rounds 0   # per-second cost without traffic
+  benches/overhead --callgrind --stream --idle 30 --rounds 0 \
+      --kinds prefix_router_pool64 prefix_router_pool64_nomembership   # the pool membership refresh
 
 --callgrind runs every Envoy under valgrind's callgrind and reports the instructions Envoy executed
 (all its threads) per request or streamed response instead of CPU time: a count that does not move
@@ -28,7 +30,16 @@ and the stream mode wants few streams and a slow decode step so that Envoy under
 One module per mode in benches/overhead_modes/: table (wrk), count (--callgrind table), rss, stream
 (--stream, --idle); common holds the proxies, their configs, wrk and the meters.
 
-Installs what it needs: nginx and wrk with apt-get when missing, smg==1.13.0 into .venv-smg.
+Pool kinds (idle only: --stream --idle S --rounds 0, S under 60): prefix_router_pool64 is the
+filter with one pool model of 64 hosts (a file-based EDS file; nothing listens at those
+addresses), reading the pool's membership from the admin's /clusters every second;
+prefix_router_pool64_nomembership the same with --membership-ms 0. Their difference is what the
+membership refresh costs. Load polls every 60 s (the filter reads membership only while load polls
+are on), and each idle window starts right after a poll round; the window's membership reads and
+polls are printed. --no-worker-address drops the static workers' `address` from the plugin
+config (the config of envoy/gen before pools; what a filter build from before them accepts).
+
+Installs what it needs (only for the proxies in --kinds): nginx and wrk with apt-get when missing, smg==1.13.0 into .venv-smg.
 Envoy is .venv/bin/envoy (scripts/setup); the filter is target/wasm32-wasip1/release/prefix_router.wasm
 (built here when missing).
 """
@@ -43,7 +54,8 @@ import sys
 from prkit.ports import free_port
 from prkit.wait import wait_http
 
-from benches.overhead_modes.common import KINDS, LOAD_CPU, OPTIONAL, Proc, ensure_tools, nginx_conf, workdir
+from benches.overhead_modes import common
+from benches.overhead_modes.common import KINDS, LOAD_CPU, OPTIONAL, POOL_KINDS, Proc, ensure_tools, nginx_conf, workdir
 from benches.overhead_modes.count import run_count_table
 from benches.overhead_modes.rss import run_rss
 from benches.overhead_modes.stream import STREAM_KINDS, run_stream
@@ -68,14 +80,20 @@ def main():
     ap.add_argument("--requests", type=int, default=400, help="--callgrind table: requests per measurement")
     ap.add_argument("--idle", type=float, default=0, metavar="SECS",
                     help="--stream: first measure each proxy for SECS seconds without traffic (timers, load polls)")
+    ap.add_argument("--no-worker-address", action="store_true",
+                    help="static workers without `address` in the plugin config (as envoy/gen wrote it before pools)")
     ap.add_argument("--keep", metavar="DIR",
                     help="work in DIR and keep it: Envoy configs and logs, callgrind dumps for callgrind_annotate")
     args = ap.parse_args()
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores (proxy on core 0, load on core 1)")
-    ensure_tools()
     if args.stream and args.kinds == [k for k, _ in KINDS if k not in OPTIONAL]:
         args.kinds = [k for k, _ in STREAM_KINDS if k not in OPTIONAL]
+    pools = [k for k in args.kinds if k in POOL_KINDS]
+    if pools and not (args.stream and args.idle and args.rounds == 0):
+        sys.exit(f"{', '.join(pools)}: idle only (--stream --idle SECS --rounds 0): nothing listens at the pool's hosts")
+    common.WORKER_ADDRESS = not args.no_worker_address
+    ensure_tools(args.kinds, sim=args.stream)
     if args.callgrind:
         if not shutil.which("valgrind"):
             sys.exit("--callgrind needs valgrind (apt-get install valgrind)")

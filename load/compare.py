@@ -25,6 +25,17 @@ first block with an earlier one: share sent to the worker that served it, from `
 decision reasons per holder-follow group, TTFT / E2E, replay lateness (k6 send time minus trace
 time), requests per worker.
 
+Live membership (--scenario multi_turn --membership A:B:C [--duration S] [--membership-ms MS]
+[--no-baseline], prefix-router only): the model is a pool (`envoy/gen --model llama=eds:PATH`) whose
+EDS file lists the fleet's first A workers, rewritten (by a rename) to the first B, then C, at equal
+fractions of S seconds of load (default 150, quick 30; load/multi_turn.js DURATION: each user
+starts conversation after conversation), with the decision header and per-request records on;
+then (unless --no-baseline) the same load on a static pool of max(A, B, C) workers. Writes
+`load/results/multi_turn-membership-A-B-C.md`: failed requests (and those in flight on a removed
+worker), per added worker the seconds from its EDS change to the first request it served, per
+removed worker the requests it served that were sent after its removal, and per phase (and its
+second, stable half) hit rate, requests and TTFT (MembershipSchedule, membership_stats).
+
 Routers (--replicas N: N separate router processes, each a full router of the whole fleet; k6
 sends every request to a random replica, or with --pin every request of a conversation / prompt
 group to the replica its id hashes to):
@@ -66,6 +77,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -228,13 +240,18 @@ def gen_flags() -> set[str]:
     return {f for f in SCALE_OUT_FLAGS if f in out}
 
 
-def prefix_router_config(fleet: SimFleet, policy: dict, listener: int, admin: int, extra: list[str]) -> str:
+def prefix_router_config(fleet: SimFleet, policy: dict, listener: int, admin: int, extra: list[str],
+                         pool: Path | None = None) -> str:
     """envoy/gen's config for the fleet (one cluster per worker, its models), loopback listeners,
     no rate limit, no stats listener, `policy` merged into the plugin's policy. In process
-    (prkit.envoy_config); with ENVOY_GEN, that generator's output (no policy overrides)."""
+    (prkit.envoy_config); with ENVOY_GEN, that generator's output (no policy overrides). `pool`:
+    the fleet's one model is a pool whose hosts the EDS file at that path lists (--membership)."""
     groups = _by_model(fleet)
     args = []
     for model, names in groups.items():
+        if pool is not None:
+            args += ["--model", f"{model}=eds:{pool}"]
+            continue
         args += ["--model", model + "=" + ",".join(f"127.0.0.1:{fleet.ports[n]}" for n in names)]
     args += ["--default-model", next(iter(groups)), "--listen", f"127.0.0.1:{listener}",
              "--admin", f"127.0.0.1:{admin}", "--stats-listen", "none", "--rate-limit", "0",
@@ -299,10 +316,13 @@ class Smg:
 
 
 def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, replicas: int = 1,
-                 debug_header: bool = False) -> tuple[list, list[str], str]:
+                 debug_header: bool = False, pool: Path | None = None,
+                 membership_ms: int | None = None) -> tuple[list, list[str], str]:
     """Starts the router (`replicas` processes where the router scales out); returns (processes to
     stop, target URLs, a note on how the replicas were configured). `debug_header`: the
-    prefix-router answers with its decision header (envoy/gen --debug-header)."""
+    prefix-router answers with its decision header (envoy/gen --debug-header). `pool`: the
+    prefix-router's model is a pool read from this EDS file (`--model llama=eds:PATH`), with
+    `--membership-ms membership_ms` when given."""
     procs: list = []
     try:
         if router in SINGLE:
@@ -347,13 +367,19 @@ def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, repl
                 key = secrets.token_hex(32)
                 for extra in per_replica:
                     extra += ["--hash-key", key]
+            if pool is not None:
+                note += f", pool model from the EDS file {pool.name} (--model NAME=eds:PATH)"
+                if membership_ms is not None:
+                    for extra in per_replica:
+                        extra += ["--membership-ms", str(membership_ms)]
+                    note += f", --membership-ms {membership_ms}"
             if debug_header:
                 note += f", --debug-header ({ec.DEBUG_HEADER})"
             for k in range(replicas):
                 listener, admin = free_port(), free_port()
                 d = workdir / f"envoy{k}"
                 d.mkdir()
-                e = Envoy(prefix_router_config(fleet, policy, listener, admin, per_replica[k]),
+                e = Envoy(prefix_router_config(fleet, policy, listener, admin, per_replica[k], pool),
                           listener_port=listener, admin_port=admin, workdir=d, concurrency=threads)
                 procs.append(e)
                 e.start()
@@ -443,28 +469,51 @@ def router_label(router: str, replicas: int, pin: bool) -> str:
 
 
 def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: dict, replicas: int = 1,
-            pin: bool = False) -> dict:
+            pin: bool = False, membership: dict | None = None) -> dict:
+    """One router on a fresh fleet. `membership` (--membership): {"phases": worker counts,
+    "duration": seconds, "interval_ms": --membership-ms or None}: the prefix-router's model is a
+    pool read from an EDS file that MembershipSchedule rewrites at each phase; k6 runs for
+    `duration` seconds with per-request records and the decision header on."""
     label = router_label(router, replicas, pin)
     workers = len(scen["models"])
     workdir = Path(tempfile.mkdtemp(prefix=f"compare-{router}-"))
     fleet = SimFleet(workers, workdir, sim_args, models=scen["models"])
     procs = []
+    records_on = scen.get("records") or membership is not None
+    schedule = None
     try:
         fleet.start()
-        procs, urls, how = start_router(router, fleet, policy, workdir, replicas, scen.get("debug_header", False))
+        pool = None
+        if membership is not None:
+            label = membership_label(label, membership["phases"])
+            pool = workdir / "eds" / "pool.json"
+            pool.parent.mkdir()
+            schedule = MembershipSchedule(fleet, pool, membership["phases"], membership["duration"])
+        procs, urls, how = start_router(router, fleet, policy, workdir, replicas,
+                                        scen.get("debug_header", False) or membership is not None, pool,
+                                        membership and membership.get("interval_ms"))
         log(f"{label}: {workers} workers up, router at {', '.join(urls)} ({how}); k6 {scen['script']} running")
         env = dict(k6_env, TARGETS=",".join(urls), PIN="1" if pin else "0")
+        if membership is not None:
+            env.update(DURATION=membership["duration"], RECORDS=1)
         extra = ["--out", f"csv={workdir / 'samples.csv'}"]
-        if scen.get("records"):  # per-request console lines (load/trace.js)
+        if records_on:  # per-request console lines (load/trace.js, load/multi_turn.js RECORDS=1)
             extra += ["--log-format", "raw", "--console-output", str(workdir / "records.log")]
         t0 = time.monotonic()
-        summary = run_k6(LOAD / scen["script"], env, workdir / "summary.json", workdir, extra_args=extra)
+        if schedule is not None:
+            schedule.start()
+        try:
+            summary = run_k6(LOAD / scen["script"], env, workdir / "summary.json", workdir, extra_args=extra)
+        finally:
+            if schedule is not None:
+                schedule.finish()
         wall = time.monotonic() - t0
         m = fleet.metrics()
         ttfts = k6_samples(workdir / "samples.csv", "ttft")
-        records = k6_records(workdir / "records.log") if scen.get("records") else None
+        records = k6_records(workdir / "records.log") if records_on else None
         per_target = k6_requests_per_target(workdir / "samples.csv", urls)
         peer = envoy_peer_stats(procs)
+        pool_stats = envoy_pool_stats(procs) if membership is not None else None
     finally:
         for p in procs:
             p.stop()
@@ -507,12 +556,249 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
     }
     if records is not None:
         row["records"] = records
+    if schedule is not None:
+        row["membership"] = membership_stats(records or [], schedule, fleet, pool_stats)
     t = row["ttft"]
     log(f"{label}: {row['requests']} requests in {wall:.0f}s, errors {row['errors']}, hit rate "
         f"{row['hit_rate']:.1%}, TTFT p50/p99 {t.get('med', 0):.0f}/{t.get('p(99)', 0):.0f} ms, "
         f"max/mean load {row['max_over_mean']:.2f}, workers used {row['workers_used']}/{workers}, "
         f"requests per replica {'/'.join(map(str, per_target))}")
     return row
+
+
+# --------------------------------------------------------------------------------------------
+# Live membership (--membership A:B:C)
+# --------------------------------------------------------------------------------------------
+
+# Seconds of load per --membership run (full / --quick): phases of equal length.
+MEMBERSHIP_DURATION = 150
+MEMBERSHIP_DURATION_QUICK = 30
+
+
+def parse_membership(spec: str, workers: int) -> list[int]:
+    """`A:B:C...`: the pool's worker count per phase (the fleet's first N workers), 1..workers."""
+    try:
+        phases = [int(x) for x in spec.split(":")]
+    except ValueError:
+        raise ValueError(f"--membership: expected worker counts like 4:8:4, got {spec!r}") from None
+    if not phases or any(n < 1 or n > workers for n in phases):
+        raise ValueError(f"--membership: each phase needs 1 to {workers} workers, got {spec!r}")
+    return phases
+
+
+def membership_label(label: str, phases: list[int]) -> str:
+    if len(set(phases)) == 1:
+        return f"{label}, static pool of {phases[0]}"
+    return f"{label}, pool {':'.join(map(str, phases))}"
+
+
+def write_eds(path: Path, cluster: str, ports: list[int], version: int) -> None:
+    """The pool's EDS file (a DiscoveryResponse of one ClusterLoadAssignment, hosts on 127.0.0.1),
+    replaced by a rename: Envoy re-reads a file moved into its watched directory."""
+    doc = {"version_info": str(version), "resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": cluster,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+            "address": "127.0.0.1", "port_value": p}}}} for p in ports]}]}]}
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(doc))
+    os.rename(tmp, path)
+
+
+class MembershipSchedule:
+    """The pool's membership over a run: the EDS file lists the fleet's first phases[0] workers
+    from the start; `start()` (when k6 starts) begins phase 0, and phase k begins k/len(phases) of
+    `duration` later, when the file is rewritten with the first phases[k] workers (not rewritten
+    when the list stays the same: a static pool). The workers' metrics are read at every half
+    phase and by `finish()` (after k6), so a phase's hit rate, and its second (stable) half's, are
+    differences of the workers' counters. Removed workers keep running (a drain: Envoy sends
+    them nothing new, what runs there finishes). Times are Unix ms, as k6's records'."""
+
+    def __init__(self, fleet: SimFleet, eds: Path, phases: list[int], duration: float, cluster: str = "llama"):
+        self.fleet, self.eds, self.phases, self.duration, self.cluster = fleet, eds, phases, duration, cluster
+        self.changes: list[dict] = []  # {"at", "phase", "added", "removed"}
+        self.snapshots: list[tuple[float, dict]] = []  # (Unix ms, fleet.metrics())
+        self.members = fleet.names[:phases[0]]
+        self.version = 1
+        write_eds(eds, cluster, [fleet.ports[n] for n in self.members], self.version)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+        self._thread.start()
+
+    def _snapshot(self) -> None:
+        self.snapshots.append((time.time() * 1000, self.fleet.metrics()))
+
+    def _run(self) -> None:
+        try:
+            t0 = time.monotonic()
+            self._snapshot()
+            halves = 2 * len(self.phases)
+            for j in range(1, halves):
+                if self._stop.wait(max(0.0, t0 + self.duration * j / halves - time.monotonic())):
+                    return
+                if j % 2 == 0:
+                    self._change(j // 2)
+                self._snapshot()
+        except BaseException as e:  # reported by finish()
+            self.error = e
+
+    def _change(self, k: int) -> None:
+        new = self.fleet.names[:self.phases[k]]
+        if new == self.members:
+            return
+        self.version += 1
+        write_eds(self.eds, self.cluster, [self.fleet.ports[n] for n in new], self.version)
+        at = time.time() * 1000
+        self.changes.append({"at": at, "phase": k, "added": [n for n in new if n not in self.members],
+                             "removed": [n for n in self.members if n not in new]})
+        log(f"membership: phase {k}: EDS file now lists {len(new)} workers "
+            f"(+{len(self.changes[-1]['added'])} / -{len(self.changes[-1]['removed'])})")
+        self.members = new
+
+    def finish(self) -> None:
+        """Stops the schedule (k6 ended) and takes the last snapshot."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"membership schedule failed: {self.error!r}")
+        self._snapshot()
+
+
+POOL_STAT_RE = re.compile(r"^\S*prefix_router\.(membership\.\w+|served_by_fallback|pool\.unplaced): (\d+)$")
+
+
+def envoy_pool_stats(procs: list) -> dict:
+    """The filter's pool counters (membership reads, rebuilds, requests served by another worker,
+    pool requests without a worker), summed over the Envoys (saved by envoy_peer_stats' /stats)."""
+    out: Counter = Counter()
+    for p in procs:
+        f = getattr(p, "workdir", None)
+        if not isinstance(p, Envoy) or f is None or not (f / "stats.txt").exists():
+            continue
+        for line in (f / "stats.txt").read_text().splitlines():
+            m = POOL_STAT_RE.match(line)
+            if m:
+                out[m.group(1)] += int(m.group(2))
+    return dict(out)
+
+
+def _decided_worker(header: str | None) -> str | None:
+    m = re.search(r"worker=([^;\s]+)", header or "")
+    return m.group(1) if m else None
+
+
+def _hit(snapshots: list, a: int, b: int) -> float | None:
+    """The fleet's hit rate between snapshots a and b (cached / prompt token deltas)."""
+    if b >= len(snapshots):
+        return None
+    def tot(k, name):
+        return sum(v.get(name, 0) for v in snapshots[k][1].values())
+    prompt = tot(b, "sglang:prompt_tokens_total") - tot(a, "sglang:prompt_tokens_total")
+    cached = tot(b, "sglang:cached_tokens_total") - tot(a, "sglang:cached_tokens_total")
+    return cached / prompt if prompt else None
+
+
+def membership_stats(records: list[dict], sched: MembershipSchedule, fleet: SimFleet, pool_stats: dict | None) -> dict:
+    """What the run's records (load/multi_turn.js RECORDS=1) say about the membership changes:
+    failed requests, and those in flight on a worker a change removed (sent before, ended after,
+    served by or decided for a removed worker); per added worker the seconds from its change to
+    the first request sent that it served; per removed worker the requests it served that were
+    sent after its removal; requests served by another worker than the decision named (Envoy's
+    fallback); per phase (and its second, stable half) requests, hit rate, TTFT."""
+    addr = {f"127.0.0.1:{fleet.ports[n]}": n for n in fleet.names}
+    n = len(sched.phases)
+    t_start = sched.snapshots[0][0]
+    bounds = [sched.snapshots[2 * k][0] if 2 * k < len(sched.snapshots) else math.inf for k in range(n)] + [math.inf]
+    failed = [r for r in records if r["s"] != 200]
+    on_removed = []
+    for r in failed:
+        who = {r.get("w"), addr.get(_decided_worker(r.get("d")) or "")}
+        if any(c["removed"] and r["t0"] <= c["at"] <= r["t1"] and who & set(c["removed"]) for c in sched.changes):
+            on_removed.append(r)
+    added, removed = [], []
+    for c in sched.changes:
+        for w in c["added"]:
+            sent = [r["t0"] for r in records if r.get("w") == w and r["s"] == 200 and r["t0"] >= c["at"]]
+            added.append({"worker": w, "phase": c["phase"],
+                          "first_request_s": (min(sent) - c["at"]) / 1000 if sent else None,
+                          "requests": len(sent)})
+        for w in c["removed"]:
+            after = [r["t0"] for r in records if r.get("w") == w and r["t0"] > c["at"]]
+            removed.append({"worker": w, "phase": c["phase"], "requests_sent_after": len(after),
+                            "last_sent_after_s": (max(after) - c["at"]) / 1000 if after else None})
+    elsewhere = sum(1 for r in records if r["s"] == 200 and r.get("w") and _decided_worker(r.get("d"))
+                    and addr.get(_decided_worker(r.get("d"))) != r["w"])
+    phases = []
+    for k in range(n):
+        lo, hi = bounds[k], bounds[k + 1]
+        mid = sched.snapshots[2 * k + 1][0] if 2 * k + 1 < len(sched.snapshots) else math.inf
+        rs = [r for r in records if lo <= r["t0"] < hi]
+        stable = [r for r in rs if r["t0"] >= mid]
+        tt = [r["ttft"] for r in stable if r["s"] == 200 and r.get("ttft") is not None]
+        tt_all = [r["ttft"] for r in rs if r["s"] == 200 and r.get("ttft") is not None]
+        per = Counter(r.get("w") for r in rs if r["s"] == 200)
+        phases.append({
+            "workers": sched.phases[k], "requests": len(rs), "failed": sum(1 for r in rs if r["s"] != 200),
+            "hit_rate": _hit(sched.snapshots, 2 * k, 2 * k + 2),
+            "hit_rate_stable": _hit(sched.snapshots, 2 * k + 1, 2 * k + 2),
+            "ttft_p50": percentile(tt_all, 50), "ttft_p99": percentile(tt_all, 99),
+            "ttft_p50_stable": percentile(tt, 50), "ttft_p99_stable": percentile(tt, 99),
+            "worker_requests": [per.get(w, 0) for w in fleet.names],
+        })
+    return {
+        "phases_spec": sched.phases, "duration_s": sched.duration, "start_ms": t_start,
+        "changes": [{**c, "at_s": (c["at"] - t_start) / 1000} for c in sched.changes],
+        "records": len(records), "failed": len(failed), "failed_on_removed": len(on_removed),
+        "failed_elsewhere": len(failed) - len(on_removed),
+        "failed_detail": [{k: r.get(k) for k in ("i", "w", "d", "s")} for r in failed[:20]],
+        "added": added, "removed": removed, "served_elsewhere": elsewhere, "phases": phases,
+        "envoy": pool_stats or {},
+    }
+
+
+def membership_table(rows: list[dict]) -> str:
+    """Per run and phase: workers, requests, hit rate (whole phase / second half), TTFT."""
+    lines = ["| run | phase | pool workers | requests (failed) | hit rate: phase / stable half "
+             "| TTFT p50 / p99: phase | TTFT p50 / p99: stable half | requests per worker |",
+             "|---|---|---|---|---|---|---|---|"]
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+    for r in rows:
+        for k, ph in enumerate(r["membership"]["phases"]):
+            lines.append(
+                f"| {r['label']} | {k + 1} | {ph['workers']} | {ph['requests']} ({ph['failed']}) "
+                f"| {pct(ph['hit_rate'])} / {pct(ph['hit_rate_stable'])} "
+                f"| {ph['ttft_p50']:.0f} / {ph['ttft_p99']:.0f} ms | {ph['ttft_p50_stable']:.0f} / "
+                f"{ph['ttft_p99_stable']:.0f} ms | {' / '.join(map(str, ph['worker_requests']))} |")
+    return "\n".join(lines)
+
+
+def membership_notes(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        ms = r["membership"]
+        ch = ", ".join(f"{c['at_s']:.1f} s (phase {c['phase'] + 1}: added {','.join(c['added']) or 'none'}, "
+                       f"removed {','.join(c['removed']) or 'none'})" for c in ms["changes"]) or "none (static)"
+        add = ", ".join(f"{a['worker']} {a['first_request_s']:.1f} s ({a['requests']} requests)"
+                        if a["first_request_s"] is not None else f"{a['worker']} never"
+                        for a in ms["added"])
+        rem = ", ".join(f"{x['worker']} {x['requests_sent_after']}"
+                        + (f" (last {x['last_sent_after_s']:.1f} s after)" if x["last_sent_after_s"] is not None else "")
+                        for x in ms["removed"])
+        env = ", ".join(f"{k} {v}" for k, v in sorted(ms["envoy"].items()))
+        out.append(f"- {r['label']}: {ms['records']} requests recorded; EDS changes at {ch}; failed "
+                   f"{ms['failed']} ({ms['failed_on_removed']} in flight on a removed worker, "
+                   f"{ms['failed_elsewhere']} others)"
+                   + (f"; first request of each added worker after its change: {add}" if add else "")
+                   + (f"; requests served by each removed worker that were sent after its removal: {rem}" if rem else "")
+                   + f"; served by another worker than the decision named: {ms['served_elsewhere']}"
+                   + (f"; Envoy: {env}" if env else "") + ".")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -835,9 +1121,11 @@ def git_rev() -> str:
 
 def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_args: list[str], kv: int,
                  policy: dict, command: str, outdir: Path, no_plots: bool, stem: str | None = None,
-                 replicas: int = 1, pin: bool = False, trace: dict | None = None) -> Path:
+                 replicas: int = 1, pin: bool = False, trace: dict | None = None,
+                 membership: dict | None = None) -> Path:
     """`trace`: trace_setup's result (--scenario trace): the workload line describes the replay and
-    the trace tables (bounds, holder follow, decision reasons, lateness) replace the usual one."""
+    the trace tables (bounds, holder follow, decision reasons, lateness) replace the usual one.
+    `membership` (--membership): the phases table and per-run notes follow the usual table."""
     stem = stem or scenario
     outdir.mkdir(parents=True, exist_ok=True)
     pngs = [] if no_plots else plots(rows, scenario, stem, outdir)
@@ -886,6 +1174,19 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
                    reasons, ""]
     else:
         md += [table(rows), ""]
+    if membership:
+        ph = membership["phases"]
+        md += [f"Live membership (`--membership {':'.join(map(str, ph))}`): the model is a pool (`envoy/gen --model "
+               f"llama=eds:PATH`) whose EDS file lists the fleet's first {ph[0]} workers at the start and is replaced "
+               f"(by a rename) at each phase change: {len(ph)} phases of {membership['duration'] / len(ph):g} s "
+               f"({membership['duration']:g} s of load, k6 `DURATION`; each virtual user starts conversation after "
+               f"conversation); pool workers per phase {', '.join(map(str, ph))}. A removed worker keeps running "
+               "(Envoy sends it nothing new; what runs there finishes). Each run with a static pool of "
+               f"{max(ph)} lists every worker from the start (no change): the baseline of the same load. "
+               "Hit rate per phase and per its second half (\"stable\") from the workers' counters read at every "
+               "half phase; requests and TTFT per phase by k6 send time (per-request records: the worker from "
+               "`x-worker-id`, the decision from `x-prefix-router-decision`).", "",
+               membership_table(rows), "", *membership_notes(rows), ""]
     for r in rows:
         md.append(f"- {r['label']}: {r.get('router_setup', '')}")
     md.append("")
@@ -915,6 +1216,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep every run's work directory (logs, k6 samples)")
     ap.add_argument("--set", action="append", default=[], metavar="K=V", help="override a k6 env parameter")
+    mg = ap.add_argument_group("--membership (live pool membership, --scenario multi_turn, prefix-router only)")
+    mg.add_argument("--membership", default=None, metavar="A:B:C",
+                    help="the model is an EDS pool of the fleet's first A workers, then B, then C (phases of equal "
+                    "length), plus a baseline run with a static pool of max(A, B, C)")
+    mg.add_argument("--duration", type=float, default=None,
+                    help=f"--membership: seconds of load (default {MEMBERSHIP_DURATION}, quick {MEMBERSHIP_DURATION_QUICK})")
+    mg.add_argument("--membership-ms", type=int, default=None, help="envoy/gen --membership-ms (default: gen's, 1000)")
+    mg.add_argument("--no-baseline", action="store_true", help="--membership: skip the static-pool baseline run")
     tg = ap.add_argument_group("--scenario trace")
     tg.add_argument("--trace", default=None,
                     help="conversation (default) or synthetic (the Mooncake traces in load/traces) or a .jsonl[.gz] path")
@@ -933,7 +1242,25 @@ def main(argv: list[str] | None = None) -> int:
     scen = SCENARIOS[args.scenario]
     if args.replicas < 1:
         ap.error("--replicas must be >= 1")
+    membership = None
+    if args.membership is None and (args.duration is not None or args.membership_ms is not None or args.no_baseline):
+        ap.error("--duration/--membership-ms/--no-baseline need --membership")
+    if args.membership is not None:
+        if args.scenario != "multi_turn":
+            ap.error("--membership needs --scenario multi_turn (a time-bound multi-turn load)")
+        try:
+            phases = parse_membership(args.membership, len(scen["models"]))
+        except ValueError as e:
+            ap.error(str(e))
+        duration = args.duration or (MEMBERSHIP_DURATION_QUICK if args.quick else MEMBERSHIP_DURATION)
+        if duration <= 0:
+            ap.error("--duration must be > 0")
+        membership = {"phases": phases, "duration": duration, "interval_ms": args.membership_ms}
+        if args.routers == ",".join(ROUTERS):
+            args.routers = "prefix_router_2t"
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    if membership and any(not r.startswith("prefix_router_") for r in routers):
+        ap.error("--membership: prefix-router routers only (pools are an envoy/gen feature)")
     for r in routers:
         if r not in ROUTERS:
             ap.error(f"unknown router {r!r}; known: {', '.join(ROUTERS)}")
@@ -973,12 +1300,25 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(envs + ["load/compare"]) + " " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
                                          for a in (argv if argv is not None else sys.argv[1:]))
     base = f"trace-{trace['stem']}" + ("-chat" if trace["api"] == "chat" else "") if trace else args.scenario
+    if membership:
+        base += "-membership-" + "-".join(map(str, membership["phases"]))
     stem = base + (f"-{args.replicas}replicas" if args.replicas > 1 else "") + ("-pin" if args.pin else "")
     log(f"scenario {args.scenario}{' (quick)' if args.quick else ''}: routers {', '.join(routers)}"
         f"{f', {args.replicas} replicas' if args.replicas > 1 else ''}{' (pinned)' if args.pin else ''}")
     rows = []
-    for r in routers:
-        row = run_one(r, scen, k6_env, sim_args, policy, args.replicas, args.pin)
+    runs = [(r, None) for r in routers]
+    if membership:
+        static = dict(membership, phases=[max(membership["phases"])] * len(membership["phases"]))
+        runs = [(r, m) for r in routers for m in ([membership] if args.no_baseline else [membership, static])]
+    for r, mem in runs:
+        row = run_one(r, scen, k6_env, sim_args, policy, args.replicas, args.pin, mem)
+        if mem:
+            ms = row["membership"]
+            log(f"{row['label']}: failed {ms['failed']} ({ms['failed_on_removed']} in flight on a removed worker); "
+                "first request of each added worker after its change: "
+                + (", ".join(f"{a['worker']} {a['first_request_s']}" for a in ms["added"]) or "-")
+                + "; hit rate per phase (stable half): "
+                + ", ".join("-" if p["hit_rate_stable"] is None else f"{p['hit_rate_stable']:.1%}" for p in ms["phases"]))
         if trace:
             row["trace"] = s = trace_stats(row, trace)
             log(f"{row['label']}: share of infinite {s['share_of_infinite']:.0%}, of pooled LRU "
@@ -986,7 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"lateness p99 {s['lateness_p99_ms']:.0f} ms")
         rows.append(row)
     path = write_report(rows, args.scenario, scen, k6_env, sim_args, kv, policy, command, Path(args.out),
-                        args.no_plots, stem, args.replicas, args.pin, trace)
+                        args.no_plots, stem, args.replicas, args.pin, trace, membership)
     if trace and not args.keep:
         shutil.rmtree(trace["plan"].parent, ignore_errors=True)
     print()
@@ -997,6 +1337,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + reasons)
     else:
         print(table(rows))
+    if membership:
+        print("\n" + membership_table(rows) + "\n\n" + "\n".join(membership_notes(rows)))
     print(f"\nwrote {path}")
     bad = [r["label"] for r in rows if r["errors"] or r["k6_exit"] != 0]
     for r in rows:  # keep the logs (Envoy, smg, workers, k6, samples) of failed runs only

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from time import time_ns
 
 from prkit import envoy_config as ec
 from prkit.build import ensure_smg, envoy_executable
@@ -32,6 +33,9 @@ FLOOR_SDK_WASM = REPO_ROOT / "target/wasm32-wasip1/release/wasm_floor_sdk.wasm"
 DM_DIR = REPO_ROOT / "target/release"
 DM_FLOOR = "dm_floor"
 DM_ROUTER = "prefix_router"
+# Static workers carry their `address` in the plugin config (envoy/gen's default for IP hosts);
+# benches/overhead --no-worker-address turns it off.
+WORKER_ADDRESS = True
 SIM = Path(os.environ.get("SGLANG_SIM_BIN", REPO_ROOT / "target/release/sglang-sim"))
 PROXY_CPU, LOAD_CPU = "0", "1"
 WORKERS = 4
@@ -41,24 +45,34 @@ def sh(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
-def ensure_tools():
+def ensure_tools(kinds: list[str] | None = None, sim: bool = True):
+    """What the bench needs, built or installed only for the proxies of `kinds` (all when None):
+    nginx and wrk (apt-get), Envoy (scripts/setup), smg, the filter (unless PREFIX_ROUTER_WASM
+    names a build), the floors, the dynamic modules; the simulator when `sim` (stream mode) and
+    SGLANG_SIM_BIN is unset."""
+    want = set(kinds if kinds is not None else [k for k, _ in KINDS])
     missing = [p for p, b in (("nginx", "/usr/sbin/nginx"), ("wrk", "wrk")) if not shutil.which(b)]
     if missing:
         print(f"installing {missing} with apt-get", flush=True)
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         sh(["apt-get", "install", "-y", *missing], env=env, stdout=subprocess.DEVNULL)
-    ensure_smg()
+    if "smg" in want:
+        ensure_smg()
     if not ENVOY.exists():
         sh([str(REPO_ROOT / "scripts" / "setup")])
-    if "PREFIX_ROUTER_WASM" not in os.environ:  # cargo decides whether it is fresh
+    uses_wasm = any(WASM_OF.get(k) is WASM for k in want) or any(k.startswith("prefix_router_dm") for k in want)
+    if "PREFIX_ROUTER_WASM" not in os.environ and uses_wasm:  # cargo decides whether it is fresh
         sh(["cargo", "build", "-p", "prefix-router", "--target", "wasm32-wasip1", "--release"], cwd=REPO_ROOT)
-    build_floor = ["cargo", "build", "-p", "wasm-floor", "--target", "wasm32-wasip1", "--release"]
-    sh([*build_floor, "--features", "sdk"], cwd=REPO_ROOT)
-    shutil.copyfile(FLOOR_WASM, FLOOR_SDK_WASM)
-    sh(build_floor, cwd=REPO_ROOT)
-    sh(["cargo", "build", "-p", "dm-floor", "--release"], cwd=REPO_ROOT)
-    sh(["cargo", "build", "-p", "prefix-router", "--release", "--features", "dynamic-module"], cwd=REPO_ROOT)
-    if "SGLANG_SIM_BIN" not in os.environ:
+    if want & {"wasm_floor", "wasm_floor_sdk"}:
+        build_floor = ["cargo", "build", "-p", "wasm-floor", "--target", "wasm32-wasip1", "--release"]
+        sh([*build_floor, "--features", "sdk"], cwd=REPO_ROOT)
+        shutil.copyfile(FLOOR_WASM, FLOOR_SDK_WASM)
+        sh(build_floor, cwd=REPO_ROOT)
+    if "dm_floor" in want:
+        sh(["cargo", "build", "-p", "dm-floor", "--release"], cwd=REPO_ROOT)
+    if want & {"prefix_router_dm", "prefix_router_dm_nopoll"}:
+        sh(["cargo", "build", "-p", "prefix-router", "--release", "--features", "dynamic-module"], cwd=REPO_ROOT)
+    if sim and "SGLANG_SIM_BIN" not in os.environ:
         sh(["cargo", "build", "-p", "sglang-sim", "--release"], cwd=REPO_ROOT)
 
 
@@ -121,21 +135,25 @@ http {{
     return conf
 
 
-def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plugin: dict | None = None) -> str:
+def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plugin: dict | None = None,
+               tmp: Path | None = None) -> str:
     """`upstream`: one port (every cluster's endpoint) or one per worker (plain Envoy: one cluster
     over all of them, round robin; Wasm modes: cluster w<i> on port i). From prkit.envoy_config:
     the Wasm modes are the `bench` profile (one endpoint per worker cluster, no access log, no rate
     limit; load polls at the filter's default, every 100 ms per worker, except in the `_nopoll`
-    modes); plain and buffer are its filter-less baseline."""
+    modes); plain and buffer are its filter-less baseline. Static workers carry their `address`
+    unless WORKER_ADDRESS is off (`--no-worker-address`: the config a filter from before pools
+    accepts). The `prefix_router_pool64*` modes (idle only, see POOL_KINDS) write their EDS file
+    into `tmp`."""
     ups = upstream if isinstance(upstream, list) else [upstream] * WORKERS
     listen, admin_addr = ("127.0.0.1", port), ("127.0.0.1", admin)
     if mode in ("plain", "buffer"):
         filters = [ec.buffer_filter()] if mode == "buffer" else []
         pools = {"up": [("127.0.0.1", u) for u in sorted(set(ups))]}
         return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
-    wasm = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
-            "dm_floor": WASM, "prefix_router_dm": WASM, "prefix_router_nopoll": WASM,
-            "prefix_router_dm_nopoll": WASM}[mode]
+    if mode in POOL_KINDS:
+        return pool_yaml(mode, listen, admin_addr, tmp)
+    wasm = WASM_OF[mode]
     if mode.endswith("_nopoll"):
         # The same filter without its load polls (a per-second cost, not a per-request one).
         plugin = {**(plugin or {}), "load_poll": {"interval_ms": 0}}
@@ -145,8 +163,52 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
     # (nginx listens on all four), so the generator sees four distinct workers.
     hosts = ["127.0.0.1"] * WORKERS if len(set(ups)) == WORKERS else [f"127.0.0.{i + 1}" for i in range(WORKERS)]
     models = {"llama": [ec.Worker(f"w{i}", hosts[i], ups[i]) for i in range(WORKERS)]}
+    if not WORKER_ADDRESS:
+        # cluster names only: the filter never reads `upstream.address` at the response
+        plugin = ec.merge(plugin or {}, {"models": {"llama": {"workers": [w.cluster for w in models["llama"]]}}})
     o = ec.profile("bench", models=models, listen=listen, admin=admin_addr, wasm=str(wasm),
                    dynamic_module=module, plugin=plugin or {})
+    return ec.render(o)
+
+
+# Idle-only kinds: prefix-router with ONE pool model of POOL_HOSTS hosts (a file-based EDS
+# DiscoveryResponse; the hosts are addresses nothing listens on: no request may go through),
+# reading the pool's membership from the admin's /clusters every 1000 ms (envoy/gen's default
+# --membership-ms) or never (0): their idle difference is the membership refresh's cost. Load
+# polls every 60 s (the longest the filter accepts; the index self-check off): the filter reads
+# membership only from its load-poll tick, which returns early when load_poll.interval_ms is 0
+# (filter/src/poller.rs `tick`), so polls cannot be switched off; the stream mode prints the
+# polls and membership reads each idle window held.
+POOL_HOSTS = 64
+POOL_KINDS = {"prefix_router_pool64": 1000, "prefix_router_pool64_nomembership": 0}
+
+
+def write_eds(path: Path, cluster: str, hosts: list[tuple[str, int]]) -> None:
+    """An EDS DiscoveryResponse of `hosts` for `cluster`, replaced by a rename (Envoy re-reads a
+    file moved into its watched directory, not one edited in place)."""
+    import json
+    doc = {"version_info": str(time_ns()), "resources": [{
+        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "cluster_name": cluster,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+            "address": h, "port_value": p}}}} for h, p in hosts]}]}]}
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(json.dumps(doc))
+    os.rename(tmp, path)
+
+
+def pool_yaml(mode: str, listen, admin_addr, tmp: Path | None) -> str:
+    if tmp is None:
+        raise ValueError(f"{mode}: needs a directory for its EDS file")
+    d = tmp / f"eds-{mode}"
+    d.mkdir(exist_ok=True)
+    eds = d / "llama.json"
+    # 127.0.1.x: no listener there (and none of the sims' ports on 127.0.0.1)
+    write_eds(eds, "llama", [(f"127.0.1.{i + 1}", 30000) for i in range(POOL_HOSTS)])
+    o = ec.profile("bench", models={}, pools={"llama": ec.Pool("llama", "eds", path=str(eds))}, listen=listen,
+                   admin=admin_addr, wasm=str(WASM), membership_ms=POOL_KINDS[mode], pool_max_workers=POOL_HOSTS,
+                   default_model="llama", load_poll_ms=60000, hit_check_ms=0,
+                   plugin={"load_poll": {"no_traffic_interval_ms": 60000}})
     return ec.render(o)
 
 
@@ -188,12 +250,9 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool
                "--worker-urls", *urls, "--policy", "cache_aware", "--log-level", "warn"]
         p = Proc(cmd, PROXY_CPU, tmp / "smg.log")
     else:
-        mode = {"envoy": "plain", "envoy_buffer": "buffer", "prefix_router": "prefix_router",
-                "wasm_floor": "wasm_floor", "wasm_floor_sdk": "wasm_floor_sdk", "dm_floor": "dm_floor",
-                "prefix_router_dm": "prefix_router_dm", "prefix_router_nopoll": "prefix_router_nopoll",
-                "prefix_router_dm_nopoll": "prefix_router_dm_nopoll"}[kind]
+        mode = {"envoy": "plain", "envoy_buffer": "buffer"}.get(kind, kind)
         cfg = tmp / f"envoy-{kind}.yaml"
-        cfg.write_text(envoy_yaml(mode, port, admin, upstream))
+        cfg.write_text(envoy_yaml(mode, port, admin, upstream, tmp=tmp))
         cmd = [str(ENVOY), "-c", str(cfg), "--concurrency", "1", "--log-level", "warn",
                "--use-dynamic-base-id"]
         if callgrind:
@@ -204,9 +263,13 @@ def start_proxy(kind: str, tmp: Path, upstream: int | list[int], callgrind: bool
         p = Proc(cmd, PROXY_CPU, tmp / f"envoy-{kind}.log",
                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(DM_DIR)} if mode.startswith("dm_")
                  or "_dm" in mode else None)
+    p.admin = admin
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
-        wait_http(url, 900 if callgrind else 60, "POST", body_of_size(1))
+        if kind in POOL_KINDS:  # no host answers: ready when Envoy is
+            wait_http(f"http://127.0.0.1:{admin}/ready", 900 if callgrind else 60)
+        else:
+            wait_http(url, 900 if callgrind else 60, "POST", body_of_size(1))
     except Exception:
         p.stop()
         print((tmp / (p.log.name)).read_text()[-3000:], file=sys.stderr)
@@ -220,9 +283,15 @@ KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buf
          ("dm_floor", "(vi) Envoy + no-op body-reading dynamic module"),
          ("prefix_router_dm", "(vii) Envoy + prefix-router, dynamic module"),
          ("prefix_router_nopoll", "(iii) without load polls"),
-         ("prefix_router_dm_nopoll", "(vii) without load polls")]
-# Measured only when named in --kinds: the filter without its per-second load polls.
-OPTIONAL = ("prefix_router_nopoll", "prefix_router_dm_nopoll")
+         ("prefix_router_dm_nopoll", "(vii) without load polls"),
+         ("prefix_router_pool64", f"(iii) pool of {POOL_HOSTS}, membership every 1 s"),
+         ("prefix_router_pool64_nomembership", f"(iii) pool of {POOL_HOSTS}, membership off")]
+# Measured only when named in --kinds: the filter without its per-second load polls, the pools.
+OPTIONAL = ("prefix_router_nopoll", "prefix_router_dm_nopoll", *POOL_KINDS)
+# The .wasm each Wasm mode loads.
+WASM_OF = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
+           "dm_floor": WASM, "prefix_router_dm": WASM, "prefix_router_nopoll": WASM,
+           "prefix_router_dm_nopoll": WASM, **{k: WASM for k in POOL_KINDS}}
 
 
 @contextlib.contextmanager

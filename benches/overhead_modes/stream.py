@@ -9,16 +9,34 @@ import time
 from pathlib import Path
 
 from prkit.ports import free_port
-from prkit.wait import wait_http
+from prkit.wait import wait_http, wait_until
 
-from .common import LOAD_CPU, Proc, SIM, WORKERS, all_proxies, meter, rotated
+from .common import LOAD_CPU, POOL_HOSTS, POOL_KINDS, Proc, SIM, WORKERS, all_proxies, meter, rotated
 
 
 STREAM_KINDS = [("envoy", "plain Envoy (router only)"), ("wasm_floor_sdk", "+ floor on the SDK (all exports)"),
                 ("wasm_floor", "+ floor, lean exports"), ("dm_floor", "+ floor, dynamic module"),
                 ("prefix_router", "+ prefix-router"), ("prefix_router_dm", "+ prefix-router, dynamic module"),
                 ("prefix_router_nopoll", "+ prefix-router, no load polls"),
-                ("prefix_router_dm_nopoll", "+ prefix-router, dynamic module, no load polls")]
+                ("prefix_router_dm_nopoll", "+ prefix-router, dynamic module, no load polls"),
+                ("prefix_router_pool64", f"+ prefix-router, pool of {POOL_HOSTS}, membership 1 s"),
+                ("prefix_router_pool64_nomembership", f"+ prefix-router, pool of {POOL_HOSTS}, membership off")]
+
+
+POLLS = "prefix_router\\.load_poll\\.(answers|failures)"
+
+
+def filter_stats(proc: Proc, prefix: str) -> dict:
+    """The Envoy's counters whose names contain `prefix` (admin /stats), by name."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.admin}/stats?filter={prefix}", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, v = line.rpartition(": ")
+        if v.isdigit():
+            out[name] = int(v)
+    return out
 
 
 async def _stream_client(host: str, port: int, body: bytes, n: int) -> int:
@@ -91,10 +109,23 @@ def run_stream(args, tmp: Path):
             for k in kinds if args.idle else []:
                 # No traffic: what the proxy spends per second on timers and load polls.
                 start, stop = meters[k]
+                if POOL_KINDS.get(k):
+                    # The window starts right after a load-poll round (one poll per host, every
+                    # 60 s), so it holds none: the stream mode prints the polls it held.
+                    def polls(p=proxies[k][0]):
+                        return sum(filter_stats(p, POLLS).values())
+                    before_round = polls()
+                    wait_until(lambda: polls() >= before_round + POOL_HOSTS, f"{k}: a load-poll round", 300, 0.2)
+                before = filter_stats(proxies[k][0], "prefix_router\\.(membership|load_poll)") if k in POOL_KINDS else {}
                 start()
                 time.sleep(args.idle)
                 idle[k] = stop() * scale / args.idle
                 print(f"idle {labels[k]:36s} Envoy {idle[k]:12,.0f} {unit}/s", flush=True)
+                if k in POOL_KINDS:  # the reads the window held (and that the pool was whole)
+                    after = filter_stats(proxies[k][0], "prefix_router\\.(membership|load_poll)")
+                    delta = {n.split("prefix_router.", 1)[-1]: v - before.get(n, 0) for n, v in after.items()
+                             if "age_ms" not in n}
+                    print(f"  membership during the window: {delta}; pool of {POOL_HOSTS} hosts", flush=True)
             for r in range(args.rounds):
                 for n in args.tokens:
                     body = json.dumps({"model": "llama", "prompt": "Stream me the answer, token by token. " * 8,

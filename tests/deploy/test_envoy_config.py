@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -132,3 +133,30 @@ def test_overhead_bench_configs_validate(mode, upstream, tmp_path):
         # The filter's default load polls, or none in the `_nopoll` mode.
         assert ('"interval_ms":0' in text.replace(" ", "")) == mode.endswith("_nopoll"), text
     check_config(text, tmp_path, f"overhead-{mode}.yaml")
+
+
+@pytest.mark.parametrize("mode", ["prefix_router_pool64", "prefix_router_pool64_nomembership"])
+def test_overhead_bench_pool_configs_validate(mode, tmp_path):
+    """benches/overhead's idle-only pool kinds: one pool model from an EDS file of 64 hosts,
+    membership every 1000 ms or off, load polls every 60 s (the filter reads membership only while
+    they are on); Envoy accepts the config (EDS file included)."""
+    from benches.overhead_modes import common as overhead
+
+    text = overhead.envoy_yaml(mode, 18000, 18001, [18020] * 4, tmp=tmp_path)
+    eds = json.loads((tmp_path / f"eds-{mode}" / "llama.json").read_text())
+    (cla,) = eds["resources"]
+    assert len(cla["endpoints"][0]["lb_endpoints"]) == overhead.POOL_HOSTS == 64
+    plugin = text.replace(" ", "")
+    assert f'"interval_ms":{overhead.POOL_KINDS[mode]},' in plugin and '"interval_ms":60000' in plugin, text
+    check_config(text.replace(str(overhead.WASM), str(wasm_path())), tmp_path, f"overhead-{mode}.yaml")
+
+
+def test_overhead_bench_no_worker_address(monkeypatch):
+    """--no-worker-address: the static workers are cluster names only (what a build from before
+    pools accepts); by default they carry their address."""
+    from benches.overhead_modes import common as overhead
+
+    assert '"address":"127.0.0.2:18020"' in re.sub(r"\s", "", overhead.envoy_yaml("prefix_router", 18000, 18001, 18020))
+    monkeypatch.setattr(overhead, "WORKER_ADDRESS", False)
+    text = re.sub(r"\s", "", overhead.envoy_yaml("prefix_router", 18000, 18001, 18020))
+    assert '"address":"127.0.0.' not in text and '"workers":["w0","w1","w2","w3"]' in text, text

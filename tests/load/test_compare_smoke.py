@@ -4,7 +4,7 @@ first use, ~25 s); then `--replicas 2` on the agentic scenario for prefix-router
 router processes each, k6 spraying requests over both); then the trace replay (`--scenario trace
 --quick`: the conversation trace's first 200 requests) for round robin and prefix-router. Seconds
 per router; the full comparison (all routers, full sizing) is not a CI step (docs/results.md has its
-command)."""
+command). Last, live pool membership (`--membership 4:8:4`) on the multi-turn scenario."""
 
 from __future__ import annotations
 
@@ -99,3 +99,29 @@ def test_compare_quick_trace_replay(repo_root, tmp_path):
     assert not any(x["d"] for x in by["round_robin"]["records"])
     # prefix-router sends more of the requests with a served prefix to a worker that served it.
     assert by["prefix_router_2t"]["trace"]["follow_any"] > by["round_robin"]["trace"]["follow_any"]
+
+
+def test_compare_quick_live_membership(repo_root, tmp_path):
+    """`--membership 4:8:4 --quick` (30 s of multi-turn load, no baseline): the pool grows from 4
+    to 8 workers at 10 s and shrinks back at 20 s (EDS file). No request fails outside a removed
+    worker, every added worker serves requests within 5 s of its change (issue 27's target), and
+    the removed workers get nothing sent more than a few seconds after their removal."""
+    out = tmp_path / "results"
+    md, rows = run_compare(repo_root, out, "multi_turn-membership-4-8-4", "--scenario", "multi_turn",
+                           "--membership", "4:8:4", "--no-baseline", "--no-plots")
+    (r,) = rows
+    ms = r["membership"]
+    assert "pool 4:8:4" in r["label"] and "Live membership" in md, r["label"]
+    assert ms["records"] == r["requests"] > 0
+    assert ms["failed_elsewhere"] == 0, ms["failed_detail"]
+    assert [c["phase"] for c in ms["changes"]] == [1, 2]
+    assert sorted(a["worker"] for a in ms["added"]) == ["w4", "w5", "w6", "w7"]
+    for a in ms["added"]:
+        assert a["requests"] >= 1 and a["first_request_s"] is not None and a["first_request_s"] < 5, a
+    for x in ms["removed"]:
+        assert x["last_sent_after_s"] is None or x["last_sent_after_s"] < 5, x
+    p1, p2, _ = ms["phases"]
+    # Only the pool's workers served: the first four in phase 1, all eight in phase 2.
+    assert p1["worker_requests"][4:] == [0, 0, 0, 0], p1
+    assert all(n > 0 for n in p2["worker_requests"]), p2
+    assert ms["envoy"].get("membership.answers", 0) >= 20 and ms["envoy"].get("membership.rebuilds", 0) >= 2
