@@ -74,7 +74,10 @@ impl Polls {
         let lp = &r.cfg().load_poll;
         let lost = self.poller.expire(now_ms, lp.timeout_ms);
         m.add(Counter::PollFailures, lost as i64);
-        if lp.interval_ms == 0 || r.cfg().peer_listener || !h.can_call() {
+        // The lease holder also reads pool memberships, which go on with load polls off.
+        let cfg = r.cfg();
+        let members = cfg.membership.interval_ms > 0 && cfg.models.iter().any(|m| m.pool.is_some());
+        if (lp.interval_ms == 0 && !members) || cfg.peer_listener || !h.can_call() {
             return;
         }
         let (interval_ms, no_traffic_ms) = (lp.interval_ms, lp.no_traffic_interval_ms);
@@ -82,6 +85,10 @@ impl Polls {
         let mut buf = Vec::new();
         if !PollLease::hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
+        }
+        if interval_ms == 0 {
+            self.read_members(h, r, m, now_ms);
+            return; // no load polls, and the self-check's reads go with them
         }
         let mut targets: Vec<Target> = Vec::new();
         for mi in 0..r.cfg().models.len() {

@@ -243,3 +243,17 @@ fn a_request_a_fallback_served_credits_the_fallback_with_its_load_and_records() 
     }
     assert_eq!(h.metric("prefix_router.served_by_fallback"), Some(1));
 }
+
+#[test]
+fn a_pool_learns_its_hosts_with_load_polls_off() {
+    let cfg = POOL.replace(
+        r#""metrics_interval_ms":0"#,
+        r#""metrics_interval_ms":0,"interval_ms":0"#,
+    );
+    let (h, mut root) = configured(&cfg);
+    let polls = tick(&h, &mut root, 2000, &[("10.0.0.1:30000", "healthy")]);
+    assert!(polls.is_empty(), "no load polls: {polls:?}");
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("off"));
+    assert_eq!(request_header(&h, DEST).as_deref(), Some("10.0.0.1:30000"));
+    s.on_done(&h);
+}
