@@ -587,20 +587,24 @@ impl Stream {
             return;
         }
         let mi = usize::from(d.model);
-        {
+        let served = {
             let r = self.state.router.borrow();
-            let addressed = r
+            let chosen = r
                 .cfg()
                 .models
                 .get(mi)
                 .and_then(|m| m.workers.get(usize::from(d.worker)))
-                .is_some_and(|w| w.address.is_some());
-            if !addressed {
+                .and_then(|w| w.address.as_deref());
+            let Some(chosen) = chosen else {
                 return;
+            };
+            let Some(served) = h.upstream_address() else {
+                return;
+            };
+            if served == chosen.as_bytes() {
+                return; // the chosen worker served (also when workers share an address)
             }
-        }
-        let Some(served) = h.upstream_address() else {
-            return;
+            served
         };
         let Ok(mut r) = self.state.router.try_borrow_mut() else {
             return;

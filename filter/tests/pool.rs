@@ -257,3 +257,37 @@ fn a_pool_learns_its_hosts_with_load_polls_off() {
     assert_eq!(request_header(&h, DEST).as_deref(), Some("10.0.0.1:30000"));
     s.on_done(&h);
 }
+
+/// Two workers at one address (a test or bench fleet): the worker that answered from it is the
+/// chosen one, never moved to the other.
+#[test]
+fn workers_sharing_an_address_keep_their_requests() {
+    let cfg = r#"{"models":{"m":{"workers":[
+        {"cluster":"w0","address":"10.0.0.1:30000"},
+        {"cluster":"w1","address":"10.0.0.1:30000"}]}},
+        "debug_header":"x-debug","load_poll":{"interval_ms":0,"metrics_interval_ms":0}}"#;
+    let (h, root) = configured(cfg);
+    for i in 0..8 {
+        let (mut s, _) = request(
+            &h,
+            &root,
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            &chat(&i.to_string()),
+        );
+        let chosen = request_header(&h, "x-prefix-router-cluster").unwrap();
+        {
+            let mut st = h.state.borrow_mut();
+            st.response_headers = vec![(":status".into(), "200".into())];
+            st.upstream_address = Some("10.0.0.1:30000".into());
+        }
+        s.on_response_headers(&h);
+        let debug = response_header(&h, "x-debug").unwrap();
+        assert!(
+            debug.starts_with(&format!("worker={chosen};")) && !debug.contains("chosen="),
+            "{debug}"
+        );
+        s.on_done(&h);
+    }
+}
