@@ -16,9 +16,9 @@
 //! own-load read and the publish (a read and a CAS); at a round's last answer two gauge
 //! writes. Nothing here runs on a request's path.
 
-use crate::config::Config;
+use crate::config::{Config, Worker};
 use crate::hits;
-use crate::host::{now_ticks, Buffer, Host};
+use crate::host::{now_ticks, Buffer, CallRefused, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
 use crate::poll::{self, PollLease, Polled, Poller, Target};
@@ -118,14 +118,7 @@ impl Polls {
                 .models
                 .get(usize::from(t.model))
                 .is_some_and(|m| m.pool.is_some());
-            let headers = [
-                (":method", "GET"),
-                (":path", path),
-                (":authority", w.cluster.as_str()),
-                (r.cfg().destination_header.as_str(), w.cluster.as_str()),
-            ];
-            let headers = if pooled { &headers[..] } else { &headers[..3] };
-            match h.http_call(upstream, headers, None, lp.timeout_ms) {
+            match get_from(h, r.cfg(), upstream, w, pooled, path) {
                 Ok(token) => self.poller.sent(token, t, now_ms),
                 Err(_) => {
                     // Unknown cluster, or Envoy refused the call: a failed poll like any other.
@@ -241,14 +234,7 @@ impl Polls {
                 if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
                     continue;
                 }
-                let headers = [
-                    (":method", "GET"),
-                    (":path", lp.metrics_path.as_str()),
-                    (":authority", w.cluster.as_str()),
-                    (r.cfg().destination_header.as_str(), w.cluster.as_str()),
-                ];
-                let headers = if pooled { &headers[..] } else { &headers[..3] };
-                match h.http_call(upstream, headers, None, lp.timeout_ms) {
+                match get_from(h, r.cfg(), upstream, w, pooled, &lp.metrics_path) {
                     Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
                     Err(_) => m.add(Counter::HitFailures, 1),
                 }
@@ -356,6 +342,26 @@ impl Polls {
         m.set(h, Gauge::PollAgeMs, u64::from(oldest) * 100);
         m.set(h, Gauge::PollUnknown, unknown as u64);
     }
+}
+
+/// `GET path` from worker `w` through `upstream` (its poll cluster): a pool worker is named in
+/// the destination header, since its poll cluster is the whole pool.
+fn get_from(
+    h: &impl Host,
+    cfg: &Config,
+    upstream: &str,
+    w: &Worker,
+    pooled: bool,
+    path: &str,
+) -> Result<u32, CallRefused> {
+    let headers = [
+        (":method", "GET"),
+        (":path", path),
+        (":authority", w.cluster.as_str()),
+        (cfg.destination_header.as_str(), w.cluster.as_str()),
+    ];
+    let headers = if pooled { &headers[..] } else { &headers[..3] };
+    h.http_call(upstream, headers, None, cfg.load_poll.timeout_ms)
 }
 
 /// A model's published loads at clock `now` (100 ms units): the oldest good answer's age, and
