@@ -153,6 +153,16 @@ def _int_opt(opt: str, v: str | None):
         raise ConfigError(opt, f"expected an integer, got {v!r}") from None
 
 
+def _secret_file(path: str, option: str, what: str) -> str:
+    """A secret read from `path` (whitespace around it dropped), checked as check_secret does."""
+    opt = f"{option} {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            return check_secret(f.read().strip(), opt)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(opt, f"cannot read the {what}: {e}") from None
+
+
 def options_from_args(argv: list[str]) -> Options:
     a = arg_parser().parse_args(argv)
     over: dict = {}
@@ -206,21 +216,11 @@ def options_from_args(argv: list[str]) -> Options:
     if a.peer_secret is not None and a.peer_secret_file is not None:
         raise ConfigError("--peer-secret and --peer-secret-file", "give only one of them")
     if a.peer_secret_file is not None:
-        opt = f"--peer-secret-file {a.peer_secret_file}"
-        try:
-            with open(a.peer_secret_file, encoding="utf-8") as f:
-                over["peer_secret"] = check_secret(f.read().strip(), opt)
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(opt, f"cannot read the secret: {e}") from None
+        over["peer_secret"] = _secret_file(a.peer_secret_file, "--peer-secret-file", "secret")
     elif a.peer_secret is not None:
         over["peer_secret"] = check_secret(a.peer_secret, "--peer-secret")
     if a.hash_key_file is not None:
-        opt = f"--hash-key-file {a.hash_key_file}"
-        try:
-            with open(a.hash_key_file, encoding="utf-8") as f:
-                over["hash_key"] = check_secret(f.read().strip(), opt)
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(opt, f"cannot read the key: {e}") from None
+        over["hash_key"] = _secret_file(a.hash_key_file, "--hash-key-file", "key")
     elif a.hash_key is not None:
         over["hash_key"] = check_secret(a.hash_key, "--hash-key")
     elif a.hash_key_placeholder:
