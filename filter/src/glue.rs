@@ -148,7 +148,7 @@ impl Root {
         self.members.reset();
         self.install(h, cfg, None);
         h.set_tick_period_ms(TICK_MS);
-        self.look_at_members(h, true);
+        self.look_at_members(h, h.now_nanos() / 1_000_000, true);
         true
     }
 
@@ -188,11 +188,10 @@ impl Root {
 
     /// Applies pool models' published memberships when they changed (`membership.rs`): every
     /// `membership.interval_ms / 2`, or now (`force`).
-    fn look_at_members(&mut self, h: &impl Host, force: bool) {
+    fn look_at_members(&mut self, h: &impl Host, now_ms: u64, force: bool) {
         let Some(s) = &self.state else {
             return;
         };
-        let now_ms = h.now_nanos() / 1_000_000;
         let change = {
             let Ok(r) = s.router.try_borrow() else {
                 return;
@@ -210,23 +209,25 @@ impl Root {
     /// `proxy_on_tick`.
     pub fn on_tick(&mut self, h: &impl Host) {
         self.ticks = self.ticks.wrapping_add(1);
-        if let Some(s) = &self.state {
-            // Metrics every METRICS_EVERY ticks (200 ms): a busy thread also flushes them at a
-            // decision every 100 ms, so flushing on each 50 ms tick would only add host calls.
-            if self.ticks.is_multiple_of(METRICS_EVERY) {
-                s.metrics.flush(h);
-            }
-            if let Ok(mut r) = s.router.try_borrow_mut() {
-                r.tick(h, TICK_MS, now_ticks(h).0);
-                let sample = self.ticks.is_multiple_of(METRICS_EVERY);
-                s.metrics.after_tick(h, &mut r, sample);
-            }
+        let Some(s) = &self.state else {
+            return;
+        };
+        // One clock read serves the whole tick.
+        let (now, nanos) = now_ticks(h);
+        let now_ms = nanos / 1_000_000;
+        // Metrics every METRICS_EVERY ticks (200 ms): a busy thread also flushes them at a
+        // decision every 100 ms, so flushing on each 50 ms tick would only add host calls.
+        if self.ticks.is_multiple_of(METRICS_EVERY) {
+            s.metrics.flush(h);
         }
-        self.look_at_members(h, false);
+        if let Ok(mut r) = s.router.try_borrow_mut() {
+            r.tick(h, TICK_MS, now);
+            let sample = self.ticks.is_multiple_of(METRICS_EVERY);
+            s.metrics.after_tick(h, &mut r, sample);
+        }
+        self.look_at_members(h, now_ms, false);
         if let Some(s) = &self.state {
             let s = s.clone();
-            let (_, nanos) = now_ticks(h);
-            let now_ms = nanos / 1_000_000;
             self.polls.tick(h, &s.router, &s.metrics, now_ms, TICK_MS);
             self.peers.tick(h, &s.router, &s.metrics, now_ms);
         }
