@@ -64,7 +64,10 @@ pub fn scan(body: &[u8], cluster: &str, max: usize) -> Option<Scan> {
     // (address, weight, healthy) per host in answer order; Envoy writes a host's lines together.
     let mut hosts: Vec<(&[u8], u32, bool)> = Vec::new();
     for line in body.split(|&b| b == b'\n') {
-        let Some(rest) = strip(line, cluster.as_bytes()).and_then(|r| strip(r, b"::")) else {
+        let Some(rest) = line
+            .strip_prefix(cluster.as_bytes())
+            .and_then(|r| r.strip_prefix(b"::"))
+        else {
             continue;
         };
         seen_cluster = true;
@@ -73,7 +76,12 @@ pub fn scan(body: &[u8], cluster: &str, max: usize) -> Option<Scan> {
         let Some((address, field, value)) = split_host_line(rest) else {
             continue;
         };
-        let slot = match hosts.iter().position(|h| h.0 == address) {
+        // Envoy writes a host's lines together: the last host is almost always the one.
+        let last = hosts
+            .last()
+            .filter(|h| h.0 == address)
+            .map(|_| hosts.len() - 1);
+        let slot = match last.or_else(|| hosts.iter().position(|h| h.0 == address)) {
             Some(i) => i,
             None => {
                 if !valid_address(address) {
@@ -124,10 +132,6 @@ pub fn scan(body: &[u8], cluster: &str, max: usize) -> Option<Scan> {
         out.members.truncate(max);
     }
     Some(out)
-}
-
-fn strip<'a>(line: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> {
-    line.strip_prefix(prefix)
 }
 
 /// `<address>::<field>::<value>` → its three parts (the field and value are the last two

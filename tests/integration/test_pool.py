@@ -58,9 +58,8 @@ class EdsPool:
         write_eds(self.path, MODEL, hosts, self.version)
 
     def known(self) -> set[str]:
-        """Workers the filter routes to now: the hosts named first in a few fresh decisions'
-        destination headers would be a guess; the published membership is exact but internal, so
-        this asks Envoy's admin which hosts are healthy members (what the filter reads)."""
+        """The pool's healthy hosts as Envoy's admin lists them: what the filter's membership read
+        sees."""
         _, body = self.envoy.admin_get("/clusters")
         out = set()
         for line in body.splitlines():
