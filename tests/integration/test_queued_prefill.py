@@ -1,7 +1,8 @@
 """A conversation stays on its worker while that worker is busy decoding (many running requests,
-no prefill queue), and leaves it only when the worker is at capacity: the cost model of
-docs/design.md ("Queued prefill"), through the real Envoy with the compiled filter, on a fresh
-Envoy whose fake workers report SGLang's `/v1/loads` fields."""
+no prefill queue) and while it has other prompts' prefill queued, and leaves it only when the
+worker is at capacity; a prompt sharing only a system prompt with it leaves the queue: the cost
+model of docs/design.md ("Queued prefill", "Policy" 3), through the real Envoy with the compiled
+filter, on a fresh Envoy whose fake workers report SGLang's `/v1/loads` fields."""
 
 from __future__ import annotations
 
@@ -58,6 +59,46 @@ def test_a_conversation_keeps_its_worker_while_it_is_busy_decoding(fresh):
         assert rep.worker != holder and rep.decision["reason"] == "load_spill", rep.decision
     finally:
         busy = fresh.pool.workers.get(locals().get("holder", ""), None)
+        if busy is not None:
+            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
+        c.close()
+
+
+def test_a_conversation_waits_out_its_workers_prefill_queue_a_shared_prompt_does_not(fresh):
+    r = wl.rng("queued-prefill-history")
+    c = Client(fresh.envoy.listener_port)
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 16000)}
+
+    def post(msgs):
+        rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+        assert rep.status == 200, rep.body
+        return rep
+
+    def more(msgs):
+        return msgs + [{"role": "assistant", "content": wl.text(r, 200)},
+                       {"role": "user", "content": wl.text(r, 300)}]
+
+    holder = None
+    try:
+        msgs = [system, {"role": "user", "content": wl.text(r, 400)}]
+        holder = post(msgs).worker
+        msgs = more(msgs)
+        assert post(msgs).worker == holder
+        busy = fresh.pool.workers[holder]
+        # Other prompts' prefill queued on the holder: 50k tokens, far more than the ~4k-token
+        # conversation costs to recompute on an idle worker, with a running slot free.
+        busy.capacity, busy.extra_load, busy.waiting_tokens = 64, 2, 50_000
+        fresh_load(fresh)
+        for _ in range(3):
+            msgs = more(msgs)
+            rep = post(msgs)
+            assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), rep.decision
+        # A new conversation on the same system prompt (two messages: nothing of it is this
+        # conversation's own history) does not wait behind the queue for a shared prefix.
+        rep = post([system, {"role": "user", "content": wl.text(r, 400)}])
+        assert rep.worker != holder and rep.decision["reason"] == "load_spill", rep.decision
+    finally:
+        busy = fresh.pool.workers.get(holder or "", None)
         if busy is not None:
             busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
         c.close()

@@ -22,7 +22,10 @@
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
-//!   uncached prompt tokens and a per-request decode charge). Ties go to the rendezvous order.
+//!   uncached prompt tokens and a per-request decode charge). A worker holding this
+//!   conversation's own history ([`history_depth`]) is charged no queued tokens: its queue
+//!   delays one turn, leaving moves the conversation for good ([`queued_tokens_cost`]), so it is
+//!   left only when saturated or beyond the load bound. Ties go to the rendezvous order.
 //!   Workers holding as much of the prompt as the cheapest one, and costing at most the tokens it
 //!   holds more, share the prompt by rendezvous on its opening blocks ([`stick`]): a prompt group
 //!   that was copied to a second worker keeps using one copy instead of alternating with the load.
@@ -37,7 +40,9 @@
 //!   those within `busy_tolerance` of the least busy so that threads and replicas reading the
 //!   same averages spread rather than herd. Prompts whose opening is held by fewer workers (a
 //!   document or a per-tenant prompt) keep the cost rule above, and a conversation's later
-//!   turns, whose history some worker holds, are cost-ranked as before.
+//!   turns, whose history some worker holds, are cost-ranked as before. A prompt without
+//!   message structure has no opening message: the longest prefix held of it stands in, counted
+//!   over the workers holding exactly that much ([`is_fleet_prefix`]).
 
 use super::{least_loaded, mix, sibling_held_tokens, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::{Model, PolicyConfig};
@@ -73,20 +78,62 @@ fn hrw(model: &Model, i: usize, key: u64) -> f64 {
 /// requests more is worth it to reuse a 32k-token document, not to reuse a 3k-token system prompt
 /// that every worker can cache once (holders of a shared head then spill new conversations to
 /// the rest of the fleet instead of stacking them).
-fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
+fn holder_slack(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: usize) -> f64 {
     if inp.matched.get(i).copied().unwrap_or(0) == 0 {
         return 1.0;
     }
-    // A worker holding this conversation's own history (beyond its opening messages) keeps it
-    // through the full slack: the next turn of a tool loop arrives while other replicas may still
-    // count the previous turn as in flight (until their next poll).
-    let own_history = inp.conversation_blocks > 0
-        && inp.matched.get(i).copied().unwrap_or(0) > inp.conversation_blocks;
-    if own_history {
+    // A worker holding this conversation's own history keeps it through the full slack: the
+    // next turn of a tool loop arrives while other replicas may still count the previous turn as
+    // in flight (until their next poll).
+    if owns_history(inp, history, i) {
         return p.load_slack;
     }
     let held = inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i));
     slack_for(p, inp, held)
+}
+
+/// The depth (blocks) past which a worker holds this conversation's own history, not a prefix
+/// other prompts share: for a chat prompt of three or more messages, its opening two
+/// (`Inputs::conversation_blocks`); for a prompt without message structure, the deepest match
+/// of the workers holding less, when at most two workers hold the deepest match and the fleet
+/// holds a shorter prefix widely ([`fleet_need`] holders in all: a system prompt every worker
+/// caches, and one worker holding the turns that followed it). `None`: no such split is known.
+fn history_depth(p: &PolicyConfig, inp: &Inputs) -> Option<u32> {
+    if inp.conversation_blocks > 0 {
+        return Some(inp.conversation_blocks);
+    }
+    if inp.head_blocks > 0 || inp.model.pd.is_some() || inp.deepest == 0 {
+        return None;
+    }
+    let (mut deepest, mut shorter, mut shared) = (0usize, 0usize, 0u32);
+    for &m in inp.matched {
+        if m == inp.deepest {
+            deepest += 1;
+        } else if m > 0 {
+            shorter += 1;
+            shared = shared.max(m);
+        }
+    }
+    let widely = shorter > 0 && (deepest + shorter) as f64 >= fleet_need(p, inp);
+    (deepest <= 2 && widely).then_some(shared)
+}
+
+/// Whether worker `i` holds this conversation's own history ([`history_depth`]).
+fn owns_history(inp: &Inputs, history: Option<u32>, i: usize) -> bool {
+    history.is_some_and(|d| inp.matched.get(i).copied().unwrap_or(0) > d)
+}
+
+/// The queued prefill worker `i` is charged for: `load_weight` per queued token, none for a
+/// worker holding this conversation's own history. A queue delays this turn once and drains at
+/// the worker's prefill rate, while leaving moves the conversation: its history is recomputed
+/// (prefill added to the fleet, a second copy in its KV) and its next turns follow the new
+/// copy. Such a holder is left only when it cannot start the request (at the
+/// `max_running_requests` it reports), or, capacity unknown, beyond the load bound.
+fn queued_tokens_cost(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: usize) -> f64 {
+    if owns_history(inp, history, i) {
+        return 0.0;
+    }
+    p.load_weight * f64::from(inp.tokens.get(i).copied().unwrap_or(0))
 }
 
 /// The load bound's slack for a worker holding `held` tokens of the prompt (see
@@ -136,8 +183,9 @@ fn by_capacity(inp: &Inputs, i: usize) -> Option<bool> {
 }
 
 /// Eligibility: [`by_capacity`], else the load bound with [`holder_slack`].
-fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
-    by_capacity(inp, i).unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, i)))
+fn cap_ok(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, total: f64, i: usize) -> bool {
+    by_capacity(inp, i)
+        .unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, history, i)))
 }
 
 /// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
@@ -233,22 +281,40 @@ const MIN_FLEET_HOLDERS: usize = 3;
 
 /// A new conversation on a fleet prefix (module docs).
 fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
-    if p.fleet_prefix_share <= 0.0
-        || inp.head_blocks == 0
-        || inp.deepest == 0
-        || inp.deepest > inp.head_blocks
-    {
+    // The opening: the first message when the prompt has two or more; a prompt without message
+    // structure (a completions text, one chat message) has none to go by, so what the fleet holds
+    // of it is the candidate, provided the prompt goes on past it (a repeated prompt is a hit).
+    // PD prefill workers keep the message rule only (their siblings follow the opening message).
+    let unstructured = inp.head_blocks == 0 && inp.model.pd.is_none();
+    let opening = if unstructured {
+        inp.deepest.min(inp.total_blocks.saturating_sub(1))
+    } else {
+        inp.head_blocks
+    };
+    if p.fleet_prefix_share <= 0.0 || opening == 0 || inp.deepest == 0 || inp.deepest > opening {
         return false;
     }
     // The index keeps at most `HOLDERS` holders per checkpoint: in a larger fleet a prefix
-    // whose holder slots are all taken counts as held widely enough.
-    let holders = inp.matched.iter().filter(|&&m| m > 0).count();
+    // whose holder slots are all taken counts as held widely enough. Without an opening message
+    // only the holders of the whole match count: one worker holding a conversation's history
+    // and three holding its first block are no fleet prefix.
+    let holders = inp
+        .matched
+        .iter()
+        .filter(|&&m| m > 0 && (!unstructured || m == inp.deepest))
+        .count();
+    holders as f64 >= fleet_need(p, inp)
+}
+
+/// How many holders make a prefix fleet-wide: `fleet_prefix_share` of the workers, at most the
+/// index's `HOLDERS` slots, at least [`MIN_FLEET_HOLDERS`].
+fn fleet_need(p: &PolicyConfig, inp: &Inputs) -> f64 {
     // At least three, whatever the fleet's size: one holder has never spilled, and two may be a
     // prompt group plus one spill (a sibling routed before the first answer was indexed); with
     // two workers that made every spilled group "fleet-wide" and spread it over both caches
     // for good (`load/pd_compare --sizes 2`: 72-75% prefill hit rate, 78-79% with three).
     let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
-    holders >= MIN_FLEET_HOLDERS && holders as f64 >= need.min(HOLDERS as f64)
+    need.min(HOLDERS as f64).max(MIN_FLEET_HOLDERS as f64)
 }
 
 /// The least busy worker under the load bound with slack 1, rendezvous among those within
@@ -342,11 +408,12 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
     // Someone holds a prefix: lowest cost; rendezvous scores only to break exact ties.
     let prompt = f64::from(inp.prompt_tokens);
+    let history = history_depth(p, inp);
     let cost_of = |i: usize| -> Option<f64> {
-        let (r, t, m) = (inp.reqs[i], inp.tokens[i], inp.matched[i]);
+        let (r, m) = (inp.reqs[i], inp.matched[i]);
         let eligible = by_capacity(inp, i).unwrap_or_else(|| {
             let cap = if m > 0 {
-                cap(holder_slack(p, inp, i))
+                cap(holder_slack(p, inp, history, i))
             } else {
                 cap_other
             };
@@ -360,7 +427,11 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         } else {
             f64::from(uncached_tokens(inp, i))
         };
-        Some(uncached + p.load_weight * f64::from(t) + p.request_cost_tokens * f64::from(r))
+        Some(
+            uncached
+                + queued_tokens_cost(p, inp, history, i)
+                + p.request_cost_tokens * f64::from(r),
+        )
     };
     let mut best: Option<(usize, f64, u32)> = None;
     for (i, ((w, _), _)) in rows {
@@ -463,15 +534,17 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
     let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
                                                  // Worker `i`'s cost per unit weight, `None` over the load bound.
+    let history = history_depth(p, inp);
     let cost_of = |i: usize| -> Option<f64> {
-        if !cap_ok(p, inp, total, i) {
+        if !cap_ok(p, inp, history, total, i) {
             return None;
         }
         let w = model.workers[i].weight;
         let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-        let t = f64::from(inp.tokens.get(i).copied().unwrap_or(0));
         Some(
-            (f64::from(uncached_tokens(inp, i)) + p.load_weight * t + p.request_cost_tokens * r)
+            (f64::from(uncached_tokens(inp, i))
+                + queued_tokens_cost(p, inp, history, i)
+                + p.request_cost_tokens * r)
                 / w,
         )
     };
@@ -482,7 +555,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             top = i;
         }
         let cost = if inp.deepest == 0 {
-            if !cap_ok(p, inp, total, i) {
+            if !cap_ok(p, inp, None, total, i) {
                 continue;
             }
             0.0 // pure rendezvous among eligible workers
@@ -696,9 +769,43 @@ mod tests {
         turn.head_blocks = 10;
         turn.busy = &busy;
         assert_eq!(choose(&p, &turn), (0, Reason::PrefixHit));
-        // No opening message (a single-message prompt): the cost rule.
-        inp.head_blocks = 0;
-        assert!(choose(&p, &inp).0 < 3);
+        // No opening message (a single-message prompt): what the fleet holds of it is the
+        // opening; held at two depths (a conversation's history on worker 0), the cost rule.
+        let deeper = [40u32, 10, 10, 0];
+        let mut single = inputs(&m, &reqs, &z, &deeper, 1);
+        single.busy = &busy;
+        assert_eq!(choose(&p, &single), (0, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn a_prefix_every_index_slot_holds_spreads_prompts_without_message_structure() {
+        // A completions text (no messages) whose first 2 blocks (a system prompt) are held by the
+        // four workers the index lists (all of its slots) in an 8-worker fleet; nobody holds more.
+        // Ranked by the prefix, every new prompt would go to those four while the rest idle.
+        let m = model(8);
+        let p = PolicyConfig::default();
+        let (reqs, z) = ([2u32, 2, 2, 2, 0, 0, 0, 0], [0u32; 8]);
+        let matched = [2u32, 2, 2, 2, 0, 0, 0, 0];
+        let mut seen = [0usize; 8];
+        for key in 0..64 {
+            let inp = inputs(&m, &reqs, &z, &matched, key);
+            assert_eq!(inp.head_blocks, 0);
+            let (w, _) = choose(&p, &inp);
+            seen[w] += 1;
+        }
+        assert_eq!(seen[..4].iter().sum::<usize>(), 0, "{seen:?}");
+        assert!(seen[4..].iter().all(|&n| n > 4), "{seen:?}");
+        // Three of eight slots: not known to be fleet-wide, the cost rule keeps its holders.
+        let three = [2u32, 2, 2, 0, 0, 0, 0, 0];
+        let inp = inputs(&m, &reqs, &z, &three, 5);
+        assert!(!is_fleet_prefix(&p, &inp));
+        // The whole prompt held (a repeated prompt), or a PD model: never.
+        let mut whole = inputs(&m, &reqs, &z, &matched, 5);
+        whole.total_blocks = 2;
+        assert!(!is_fleet_prefix(&p, &whole));
+        let pd = pd_model(8);
+        let inp = inputs(&pd, &reqs, &z, &matched, 5);
+        assert!(!is_fleet_prefix(&p, &inp));
     }
 
     #[test]
@@ -782,6 +889,53 @@ mod tests {
         matched[0] = 99;
         let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
         inp.prompt_tokens = 40_000;
+        inp.capacity = &cap;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn a_conversation_waits_out_its_holders_prefill_queue_and_leaves_only_a_full_holder() {
+        let m = model(8);
+        let p = PolicyConfig::default();
+        // A follow-up of 4000 tokens (100 blocks): its first 10 blocks a system prompt that the
+        // index lists four workers for (all of its slots), the next 50 this conversation's own
+        // turns, held by worker 0 alone, which has 6000 tokens of other prompts queued.
+        let tokens = [6000u32, 0, 0, 0, 0, 0, 0, 0];
+        let reqs = [4u32, 1, 1, 1, 1, 1, 1, 1];
+        let cap = [32u32; 8];
+        let matched = [60u32, 10, 10, 10, 0, 0, 0, 0];
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 4000;
+        inp.capacity = &cap;
+        // Without message structure: the history is what worker 0 holds past the fleet's prefix.
+        assert_eq!(history_depth(&p, &inp), Some(10));
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // The same blocks as a prompt group's shared document (two messages: nothing is this
+        // conversation's own): the queue costs more than recomputing 2000 tokens elsewhere.
+        inp.head_blocks = 60;
+        assert_eq!(history_depth(&p, &inp), None);
+        assert_ne!(choose(&p, &inp).0, 0);
+        // A chat conversation of three or more messages: the same as the unstructured one.
+        inp.head_blocks = 10;
+        inp.conversation_blocks = 20;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // Held past the system prompt by three workers: a shared prompt, not one conversation.
+        let three = [60u32, 60, 60, 10, 10, 0, 0, 0];
+        let mut shared = inputs(&m, &reqs, &tokens, &three, 7);
+        shared.prompt_tokens = 4000;
+        shared.capacity = &cap;
+        assert_eq!(history_depth(&p, &shared), None);
+        // A holder at the capacity it reports cannot start the turn: it is left.
+        let full = [4u32, 32, 32, 32, 32, 32, 32, 32];
+        inp.capacity = &full;
+        inp.conversation_blocks = 0;
+        inp.head_blocks = 0;
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+        // The general (weighted) path agrees.
+        let mut w = model(8);
+        w.uniform_weights = false;
+        let mut inp = inputs(&w, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 4000;
         inp.capacity = &cap;
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
     }
