@@ -24,8 +24,8 @@
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
 //!   uncached prompt tokens and a per-request decode charge). A worker holding this
 //!   conversation's own history ([`history_depth`]) is charged no queued tokens: its queue
-//!   delays one turn, leaving moves the conversation for good ([`queued_tokens_cost`]), so it is
-//!   left only when saturated or beyond the load bound. Ties go to the rendezvous order.
+//!   delays one turn, leaving moves the conversation for good ([`queued_tokens_cost`]).
+//!   Ties go to the rendezvous order.
 //!   Workers holding as much of the prompt as the cheapest one, and costing at most the tokens it
 //!   holds more, share the prompt by rendezvous on its opening blocks ([`stick`]): a prompt group
 //!   that was copied to a second worker keeps using one copy instead of alternating with the load.
@@ -93,30 +93,44 @@ fn holder_slack(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: usize) 
 }
 
 /// The depth (blocks) past which a worker holds this conversation's own history, not a prefix
-/// other prompts share: for a chat prompt of three or more messages, its opening two
-/// (`Inputs::conversation_blocks`); for a prompt without message structure, the deepest match
-/// of the workers holding less, when at most two workers hold the deepest match and the fleet
-/// holds a shorter prefix widely ([`fleet_need`] holders in all: a system prompt every worker
-/// caches, and one worker holding the turns that followed it). `None`: no such split is known.
-fn history_depth(p: &PolicyConfig, inp: &Inputs) -> Option<u32> {
+/// other prompts share. A chat prompt of three or more messages: past its opening two
+/// (`Inputs::conversation_blocks`); of two, none (its opening message is shared by design). A
+/// prompt without message structure (a completions text, one chat message) says nothing of what
+/// is shared, so its holders and its shape say it: a follow-up turn carries the conversation so
+/// far, most of its prompt, and only its holder (or a second copy, made when a turn found the
+/// holder saturated) has it. So when at most two workers hold the deepest match, that match is
+/// at least half the prompt and the prompt goes on past it, the history is what those workers
+/// hold past the deepest match of the others (a system prompt the fleet caches). A new prompt
+/// sharing an opening with an earlier one, and a prefix three workers hold, are shared.
+/// `None`: no history known.
+fn history_depth(inp: &Inputs) -> Option<u32> {
     if inp.conversation_blocks > 0 {
         return Some(inp.conversation_blocks);
     }
-    if inp.head_blocks > 0 || inp.model.pd.is_some() || inp.deepest == 0 {
+    if inp.head_blocks > 0
+        || inp.model.pd.is_some()
+        || inp.deepest == 0
+        || inp.deepest >= inp.total_blocks
+    {
         return None;
     }
-    let (mut deepest, mut shorter, mut shared) = (0usize, 0usize, 0u32);
+    let (mut deepest, mut shared) = (0usize, 0u32);
     for &m in inp.matched {
         if m == inp.deepest {
             deepest += 1;
-        } else if m > 0 {
-            shorter += 1;
+        } else {
             shared = shared.max(m);
         }
     }
-    let widely = shorter > 0 && (deepest + shorter) as f64 >= fleet_need(p, inp);
-    (deepest <= 2 && widely).then_some(shared)
+    // A follow-up turn carries the conversation so far: most of its prompt.
+    let most = 2 * u64::from(inp.deepest) >= u64::from(inp.total_blocks);
+    (deepest <= MAX_HISTORY_HOLDERS && most).then_some(shared)
 }
+
+/// Most holders of a conversation's own history without message structure: its holder and one
+/// copy (a turn that once found its holder saturated). Three is a shared prefix, as for a fleet
+/// prefix ([`MIN_FLEET_HOLDERS`]).
+const MAX_HISTORY_HOLDERS: usize = MIN_FLEET_HOLDERS - 1;
 
 /// Whether worker `i` holds this conversation's own history ([`history_depth`]).
 fn owns_history(inp: &Inputs, history: Option<u32>, i: usize) -> bool {
@@ -127,10 +141,12 @@ fn owns_history(inp: &Inputs, history: Option<u32>, i: usize) -> bool {
 /// worker holding this conversation's own history. A queue delays this turn once and drains at
 /// the worker's prefill rate, while leaving moves the conversation: its history is recomputed
 /// (prefill added to the fleet, a second copy in its KV) and its next turns follow the new
-/// copy. Such a holder is left only when it cannot start the request (at the
-/// `max_running_requests` it reports), or, capacity unknown, beyond the load bound.
+/// copy. Such a holder is left for its running requests (the per-request term), when it cannot
+/// start the request (at the `max_running_requests` it reports), or, capacity unknown, beyond the
+/// load bound; never for other prompts' prefill. PD prefill workers keep the charge.
 fn queued_tokens_cost(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: usize) -> f64 {
-    if owns_history(inp, history, i) {
+    // A PD prefill worker does nothing but prefill: its queue is the whole of its load.
+    if inp.model.pd.is_none() && owns_history(inp, history, i) {
         return 0.0;
     }
     p.load_weight * f64::from(inp.tokens.get(i).copied().unwrap_or(0))
@@ -408,7 +424,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
     // Someone holds a prefix: lowest cost; rendezvous scores only to break exact ties.
     let prompt = f64::from(inp.prompt_tokens);
-    let history = history_depth(p, inp);
+    let history = history_depth(inp);
     let cost_of = |i: usize| -> Option<f64> {
         let (r, m) = (inp.reqs[i], inp.matched[i]);
         let eligible = by_capacity(inp, i).unwrap_or_else(|| {
@@ -534,7 +550,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
     let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
                                                  // Worker `i`'s cost per unit weight, `None` over the load bound.
-    let history = history_depth(p, inp);
+    let history = history_depth(inp);
     let cost_of = |i: usize| -> Option<f64> {
         if !cap_ok(p, inp, history, total, i) {
             return None;
@@ -653,6 +669,8 @@ mod tests {
         let reqs = [3, 0, 0, 0];
         let (z, matched) = ([0u32; 4], [90u32, 0, 0, 0]);
         let mut inp = inputs(&m, &reqs, &z, &matched, 1);
+        // A chat prompt whose opening message (40 blocks) the holder holds, and more: shared.
+        inp.head_blocks = 40;
         // 90% of a 1600-token prompt held: slack 1 + 2 * 1440/8192 = 1.35: cap floor(3.85) = 3,
         // 3 in flight + 1 > 3: the holder of a short shared head spills.
         assert_ne!(choose(&p, &inp).0, 0);
@@ -689,6 +707,7 @@ mod tests {
         let (z, matched) = ([0u32; 4], [94u32, 0, 0, 0]);
         for (m, stays) in [(&plain, false), (&pd, true)] {
             let mut inp = inputs(m, &reqs, &z, &matched, 1);
+            inp.head_blocks = 94; // the system prompt
             inp.prompt_tokens = 2176; // 2048 held: slack 1.5 (cap 4) or 3 (cap 5)
             assert_eq!(choose(&p, &inp).0 == 0, stays, "pd {}", m.pd.is_some());
             // A sibling placed there moments ago (nothing indexed yet) follows it alike.
@@ -907,24 +926,43 @@ mod tests {
         let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
         inp.prompt_tokens = 4000;
         inp.capacity = &cap;
-        // Without message structure: the history is what worker 0 holds past the fleet's prefix.
-        assert_eq!(history_depth(&p, &inp), Some(10));
+        // Without message structure: the history is what worker 0 holds past the others.
+        assert_eq!(history_depth(&inp), Some(10));
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
         // The same blocks as a prompt group's shared document (two messages: nothing is this
         // conversation's own): the queue costs more than recomputing 2000 tokens elsewhere.
         inp.head_blocks = 60;
-        assert_eq!(history_depth(&p, &inp), None);
+        assert_eq!(history_depth(&inp), None);
         assert_ne!(choose(&p, &inp).0, 0);
         // A chat conversation of three or more messages: the same as the unstructured one.
         inp.head_blocks = 10;
         inp.conversation_blocks = 20;
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
-        // Held past the system prompt by three workers: a shared prompt, not one conversation.
+        // Less than half of the prompt held: a new prompt sharing an opening, not a follow-up.
+        let short = [30u32, 10, 10, 10, 0, 0, 0, 0];
+        let mut new = inputs(&m, &reqs, &tokens, &short, 7);
+        new.prompt_tokens = 4000;
+        new.capacity = &cap;
+        assert_eq!(history_depth(&new), None);
+        assert_ne!(choose(&p, &new).0, 0);
+        // No system prompt, worker 0 alone holds the first 60 blocks: its history.
+        let alone = [60u32, 0, 0, 0, 0, 0, 0, 0];
+        let mut first = inputs(&m, &reqs, &tokens, &alone, 7);
+        first.prompt_tokens = 4000;
+        first.capacity = &cap;
+        assert_eq!(history_depth(&first), Some(0));
+        assert_eq!(choose(&p, &first), (0, Reason::PrefixHit));
+        // Held by three workers: a shared prompt, not one conversation; it leaves the queue.
         let three = [60u32, 60, 60, 10, 10, 0, 0, 0];
         let mut shared = inputs(&m, &reqs, &tokens, &three, 7);
         shared.prompt_tokens = 4000;
         shared.capacity = &cap;
-        assert_eq!(history_depth(&p, &shared), None);
+        assert_eq!(history_depth(&shared), None);
+        assert_ne!(choose(&p, &shared).0, 0);
+        // The whole prompt held (a repeated prompt): shared too.
+        let mut again = inputs(&m, &reqs, &tokens, &alone, 7);
+        again.total_blocks = 60;
+        assert_eq!(history_depth(&again), None);
         // A holder at the capacity it reports cannot start the turn: it is left.
         let full = [4u32, 32, 32, 32, 32, 32, 32, 32];
         inp.capacity = &full;
@@ -1061,7 +1099,12 @@ mod tests {
                 tokens: &tokens,
                 ..inputs(&m, &z, &z, &matched, 7)
             };
-            let inp = Inputs { group, ..inp };
+            // The group's opening message: a shared prompt, not one conversation's history.
+            let inp = Inputs {
+                group,
+                head_blocks: 80,
+                ..inp
+            };
             assert_eq!(choose(&p, &inp), (fav, Reason::PrefixHit), "group {group}");
             // Queued work above what it holds (+2628 > 1280): the other copy.
             let mut tokens2 = tokens;
