@@ -553,7 +553,8 @@ fn default_load_weight() -> f64 {
     // fleet: the requests that queue behind it on that worker, and the prefixes its copy evicts.
     // Waiting is therefore worth up to two tokens per token recomputed (docs/design.md,
     // "Queued prefill"; docs/results.md: at 1.0 the 32k-token documents of long_context were
-    // copied to idle workers, 55.8% hit rate, against 72.3% at 0.5).
+    // copied to idle workers, 55.8% hit rate, against 72.3% at 0.5). A holder of the
+    // conversation's own history is not charged at all (`policy/cache_aware.rs`).
     0.5
 }
 fn default_request_cost_tokens() -> f64 {
