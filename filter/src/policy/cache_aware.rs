@@ -297,17 +297,18 @@ const MIN_FLEET_HOLDERS: usize = 3;
 
 /// A new conversation on a fleet prefix (module docs).
 fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
-    // The opening: the first message when the prompt has two or more; a prompt without message
-    // structure (a completions text, one chat message) has none to go by, so what the fleet holds
-    // of it is the candidate, provided the prompt goes on past it (a repeated prompt is a hit).
-    // PD prefill workers keep the message rule only (their siblings follow the opening message).
+    // The opening: the first message when the prompt has two or more, and nobody holds past it;
+    // a prompt without message structure (a completions text, one chat message) has none to go
+    // by, so what the fleet holds of it is the candidate, provided the prompt goes on past it (a
+    // repeated prompt is a hit). PD prefill workers keep the message rule only (their siblings
+    // follow the opening message).
     let unstructured = inp.head_blocks == 0 && inp.model.pd.is_none();
-    let opening = if unstructured {
-        inp.deepest.min(inp.total_blocks.saturating_sub(1))
+    let opened = if unstructured {
+        inp.deepest < inp.total_blocks
     } else {
-        inp.head_blocks
+        inp.head_blocks > 0 && inp.deepest <= inp.head_blocks
     };
-    if p.fleet_prefix_share <= 0.0 || opening == 0 || inp.deepest == 0 || inp.deepest > opening {
+    if p.fleet_prefix_share <= 0.0 || inp.deepest == 0 || !opened {
         return false;
     }
     // The index keeps at most `HOLDERS` holders per checkpoint: in a larger fleet a prefix
@@ -319,18 +320,12 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
         .iter()
         .filter(|&&m| m > 0 && (!unstructured || m == inp.deepest))
         .count();
-    holders as f64 >= fleet_need(p, inp)
-}
-
-/// How many holders make a prefix fleet-wide: `fleet_prefix_share` of the workers, at most the
-/// index's `HOLDERS` slots, at least [`MIN_FLEET_HOLDERS`].
-fn fleet_need(p: &PolicyConfig, inp: &Inputs) -> f64 {
     // At least three, whatever the fleet's size: one holder has never spilled, and two may be a
     // prompt group plus one spill (a sibling routed before the first answer was indexed); with
     // two workers that made every spilled group "fleet-wide" and spread it over both caches
     // for good (`load/pd_compare --sizes 2`: 72-75% prefill hit rate, 78-79% with three).
     let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
-    need.min(HOLDERS as f64).max(MIN_FLEET_HOLDERS as f64)
+    holders >= MIN_FLEET_HOLDERS && holders as f64 >= need.min(HOLDERS as f64)
 }
 
 /// The least busy worker under the load bound with slack 1, rendezvous among those within
@@ -790,8 +785,7 @@ mod tests {
         assert_eq!(choose(&p, &turn), (0, Reason::PrefixHit));
         // No opening message (a single-message prompt): what the fleet holds of it is the
         // opening; held at two depths (a conversation's history on worker 0), the cost rule.
-        let deeper = [40u32, 10, 10, 0];
-        let mut single = inputs(&m, &reqs, &z, &deeper, 1);
+        let mut single = inputs(&m, &reqs, &z, &own, 1);
         single.busy = &busy;
         assert_eq!(choose(&p, &single), (0, Reason::PrefixHit));
     }
@@ -922,10 +916,14 @@ mod tests {
         let tokens = [6000u32, 0, 0, 0, 0, 0, 0, 0];
         let reqs = [4u32, 1, 1, 1, 1, 1, 1, 1];
         let cap = [32u32; 8];
+        // The fleet above asked for a 4000-token prompt with these matches.
+        let ask = |matched| Inputs {
+            prompt_tokens: 4000,
+            capacity: &cap,
+            ..inputs(&m, &reqs, &tokens, matched, 7)
+        };
         let matched = [60u32, 10, 10, 10, 0, 0, 0, 0];
-        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
-        inp.prompt_tokens = 4000;
-        inp.capacity = &cap;
+        let mut inp = ask(&matched);
         // Without message structure: the history is what worker 0 holds past the others.
         assert_eq!(history_depth(&inp), Some(10));
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
@@ -940,23 +938,17 @@ mod tests {
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
         // Less than half of the prompt held: a new prompt sharing an opening, not a follow-up.
         let short = [30u32, 10, 10, 10, 0, 0, 0, 0];
-        let mut new = inputs(&m, &reqs, &tokens, &short, 7);
-        new.prompt_tokens = 4000;
-        new.capacity = &cap;
+        let new = ask(&short);
         assert_eq!(history_depth(&new), None);
         assert_ne!(choose(&p, &new).0, 0);
         // No system prompt, worker 0 alone holds the first 60 blocks: its history.
         let alone = [60u32, 0, 0, 0, 0, 0, 0, 0];
-        let mut first = inputs(&m, &reqs, &tokens, &alone, 7);
-        first.prompt_tokens = 4000;
-        first.capacity = &cap;
+        let first = ask(&alone);
         assert_eq!(history_depth(&first), Some(0));
         assert_eq!(choose(&p, &first), (0, Reason::PrefixHit));
         // Held by three workers: a shared prompt, not one conversation; it leaves the queue.
         let three = [60u32, 60, 60, 10, 10, 0, 0, 0];
-        let mut shared = inputs(&m, &reqs, &tokens, &three, 7);
-        shared.prompt_tokens = 4000;
-        shared.capacity = &cap;
+        let shared = ask(&three);
         assert_eq!(history_depth(&shared), None);
         assert_ne!(choose(&p, &shared).0, 0);
         // The whole prompt held (a repeated prompt): shared too.
@@ -972,9 +964,10 @@ mod tests {
         // The general (weighted) path agrees.
         let mut w = model(8);
         w.uniform_weights = false;
-        let mut inp = inputs(&w, &reqs, &tokens, &matched, 7);
-        inp.prompt_tokens = 4000;
-        inp.capacity = &cap;
+        let inp = Inputs {
+            model: &w,
+            ..ask(&matched)
+        };
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
     }
 
