@@ -86,6 +86,7 @@ from load.runner import log, run_k6
 from prkit import envoy_config as ec
 from prkit import trace as tr
 from prkit.build import ensure_smg, smg_healthy_workers, wasm_path
+from prkit.eds import write_local_eds
 from prkit.envoy import METRICS_FLUSH_S, Envoy
 from prkit.fleet import SimFleet
 from prkit.paths import REPO_ROOT as REPO
@@ -592,19 +593,6 @@ def membership_label(label: str, phases: list[int]) -> str:
     return f"{label}, pool {':'.join(map(str, phases))}"
 
 
-def write_eds(path: Path, cluster: str, ports: list[int], version: int) -> None:
-    """The pool's EDS file (a DiscoveryResponse of one ClusterLoadAssignment, hosts on 127.0.0.1),
-    replaced by a rename: Envoy re-reads a file moved into its watched directory."""
-    doc = {"version_info": str(version), "resources": [{
-        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-        "cluster_name": cluster,
-        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-            "address": "127.0.0.1", "port_value": p}}}} for p in ports]}]}]}
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(doc))
-    os.rename(tmp, path)
-
-
 class MembershipSchedule:
     """The pool's membership over a run: the EDS file lists the fleet's first phases[0] workers
     from the start; `start()` (when k6 starts) begins phase 0, and phase k begins k/len(phases) of
@@ -620,7 +608,7 @@ class MembershipSchedule:
         self.snapshots: list[tuple[float, dict]] = []  # (Unix ms, fleet.metrics())
         self.members = fleet.names[:phases[0]]
         self.version = 1
-        write_eds(eds, cluster, [fleet.ports[n] for n in self.members], self.version)
+        write_local_eds(eds, cluster, [fleet.ports[n] for n in self.members], self.version)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -651,7 +639,7 @@ class MembershipSchedule:
         if new == self.members:
             return
         self.version += 1
-        write_eds(self.eds, self.cluster, [self.fleet.ports[n] for n in new], self.version)
+        write_local_eds(self.eds, self.cluster, [self.fleet.ports[n] for n in new], self.version)
         at = time.time() * 1000
         self.changes.append({"at": at, "phase": k, "added": [n for n in new if n not in self.members],
                              "removed": [n for n in self.members if n not in new]})

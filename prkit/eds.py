@@ -21,3 +21,8 @@ def write_eds(path: Path, service: str, hosts: list[tuple[str, int]], version: i
     tmp = path.parent / f".{path.name}.tmp"
     tmp.write_text(json.dumps(doc))
     os.rename(tmp, path)
+
+
+def write_local_eds(path: Path, service: str, ports: list[int], version: int) -> None:
+    """`service`'s endpoints are `ports` on 127.0.0.1 (local fleets) from now on."""
+    write_eds(path, service, [("127.0.0.1", p) for p in ports], version)

@@ -18,6 +18,7 @@ from time import time_ns
 
 from prkit import envoy_config as ec
 from prkit.build import ensure_smg, envoy_executable
+from prkit.eds import write_eds
 from prkit.paths import REPO_ROOT
 from prkit.ports import free_port
 from prkit.procfs import cpu_seconds, rss_kib
@@ -183,20 +184,6 @@ POOL_HOSTS = 64
 POOL_KINDS = {"prefix_router_pool64": 1000, "prefix_router_pool64_nomembership": 0}
 
 
-def write_eds(path: Path, cluster: str, hosts: list[tuple[str, int]]) -> None:
-    """An EDS DiscoveryResponse of `hosts` for `cluster`, replaced by a rename (Envoy re-reads a
-    file moved into its watched directory, not one edited in place)."""
-    import json
-    doc = {"version_info": str(time_ns()), "resources": [{
-        "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-        "cluster_name": cluster,
-        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-            "address": h, "port_value": p}}}} for h, p in hosts]}]}]}
-    tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(json.dumps(doc))
-    os.rename(tmp, path)
-
-
 def pool_yaml(mode: str, listen, admin_addr, tmp: Path | None) -> str:
     if tmp is None:
         raise ValueError(f"{mode}: needs a directory for its EDS file")
@@ -204,7 +191,7 @@ def pool_yaml(mode: str, listen, admin_addr, tmp: Path | None) -> str:
     d.mkdir(exist_ok=True)
     eds = d / "llama.json"
     # 127.0.1.x: no listener there (and none of the sims' ports on 127.0.0.1)
-    write_eds(eds, "llama", [(f"127.0.1.{i + 1}", 30000) for i in range(POOL_HOSTS)])
+    write_eds(eds, "llama", [(f"127.0.1.{i + 1}", 30000) for i in range(POOL_HOSTS)], time_ns())
     o = ec.profile("bench", models={}, pools={"llama": ec.Pool("llama", "eds", path=str(eds))}, listen=listen,
                    admin=admin_addr, wasm=str(WASM), membership_ms=POOL_KINDS[mode], pool_max_workers=POOL_HOSTS,
                    default_model="llama", load_poll_ms=60000, hit_check_ms=0,

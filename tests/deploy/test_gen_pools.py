@@ -16,19 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from prkit import eds
 from prkit import envoy_config as ec
 from prkit.build import wasm_path
+from prkit.eds import write_local_eds
 from prkit.envoy import Envoy
 from prkit.ports import free_port
 from prkit.wait import wait_until
 
 from .conftest import Worker, check_pool_config, gen_fail, plugin_config
-
-
-def write_eds(path: Path, service: str, ports: list[int], version: int) -> None:
-    """An EDS DiscoveryResponse of `ports` on 127.0.0.1 (prkit.eds)."""
-    eds.write_eds(path, service, [("127.0.0.1", p) for p in ports], version)
 
 
 def clusters_of(cfg: dict) -> dict:
@@ -68,7 +63,7 @@ def membership(cluster: dict):
 def eds_file(tmp_path) -> Path:
     path = tmp_path / "eds" / "m.yaml"
     path.parent.mkdir()
-    write_eds(path, "m", [30000, 30001], 1)
+    write_local_eds(path, "m", [30000, 30001], 1)
     return path
 
 
@@ -235,7 +230,7 @@ def test_eds_pool_routes_by_header_follows_the_file_and_retries_on_the_next_host
     addr = {w.name: f"127.0.0.1:{w.port}" for w in ws}
     eds = tmp_path / "eds" / "m.yaml"
     eds.parent.mkdir()
-    write_eds(eds, "m", [ws[0].port, ws[1].port], 1)
+    write_local_eds(eds, "m", [ws[0].port, ws[1].port], 1)
     lv = LivePool(tmp_path, f"m=eds:{eds}", health_interval="1s")
     try:
         assert lv.members() == lv.members("m_load") == {addr["w0"], addr["w1"]}
@@ -250,7 +245,7 @@ def test_eds_pool_routes_by_header_follows_the_file_and_retries_on_the_next_host
             assert status == 503 and b"no worker was chosen" in body, (cluster, status, body)
 
         # membership follows the file: w2 joins, w0 leaves
-        write_eds(eds, "m", [ws[1].port, ws[2].port], 2)
+        write_local_eds(eds, "m", [ws[1].port, ws[2].port], 2)
         wait_until(lambda: lv.members() == {addr["w1"], addr["w2"]}, "the EDS update in /clusters", 10, 0.1)
         assert lv.members("m_load") == {addr["w1"], addr["w2"]}
         assert lv.post(addr["w2"])[:2] == (200, "w2")  # named: used at once
