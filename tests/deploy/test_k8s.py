@@ -213,9 +213,10 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     assert placeholder == "__PREFIX_ROUTER_PEER_SECRET__"
     (init,) = pod["initContainers"]
     script = init["command"][-1]
-    assert f"gsub(/{placeholder}/, s)" in script
+    # every placeholder filled by docker/fill-secrets.awk from the Secrets' files (never argv)
+    assert "-v hash_key_file=/hash-key/key -v peer_secret_file=/secret/secret" in script
+    assert f"-f {FILL_IN_IMAGE} /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
     assert plugin["hash_key"] == "__HASH_KEY__"  # replaced from the Secret prefix-router-hash-key
-    assert "/secret/secret /hash-key/key /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
     assert "cp /wasm/prefix_router.wasm /etc/prefix-router/prefix_router.wasm" in script
     wasm = [f for li in cfg["static_resources"]["listeners"] for f in li["filter_chains"][0]["filters"][0]
             ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
@@ -247,6 +248,21 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     assert peer_rule == [{"from": [{"podSelector": {"matchLabels": labels}}], "ports": [{"port": 15100}]}]
 
 
+# Where the export image (docker/filter.Dockerfile) holds docker/fill-secrets.awk.
+FILL_IN_IMAGE = "/usr/local/lib/prefix-router/fill-secrets.awk"
+
+
+def _local_paths(script: str, tmp_path, dirs) -> str:
+    """An init script's container paths mapped to tmp_path/<dir>/ (the /etc/prefix-router mount
+    to run/) and the image's fill-secrets.awk to docker/'s."""
+    script = script.replace(FILL_IN_IMAGE, str(REPO / "docker" / "fill-secrets.awk"))
+    for d in dirs:
+        path = "/etc/prefix-router/" if d == "run" else f"/{d}/"
+        for sep in (" ", "="):
+            script = script.replace(sep + path, f"{sep}{tmp_path}/{d}/")
+    return script
+
+
 def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
     """The StatefulSet's init container script, run here with its absolute paths mapped into
     tmp_path (the ConfigMap = envoy/scale-out.yaml with the local .wasm path, the two Secrets)."""
@@ -261,9 +277,7 @@ def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
         with_local_wasm((REPO / "envoy" / "scale-out.yaml").read_text(), "/etc/prefix-router/prefix_router.wasm"))
     (tmp_path / "secret" / "secret").write_text(peer_secret + "\n")
     (tmp_path / "hash-key" / "key").write_text(hash_key + "\n")
-    for path, local in (("/etc/prefix-router/", "run/"), ("/wasm/", "wasm/"), ("/config/", "config/"),
-                        ("/secret/", "secret/"), ("/hash-key/", "hash-key/")):
-        script = script.replace(" " + path, f" {tmp_path}/{local}")
+    script = _local_paths(script, tmp_path, ("run", "wasm", "config", "secret", "hash-key"))
     r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
     out = tmp_path / "run" / "envoy.yaml"
     return r, (out.read_text() if out.exists() else "")
@@ -283,6 +297,20 @@ def test_statefulset_init_writes_both_secrets_into_the_config(docs, tmp_path):
 def test_statefulset_init_refuses_a_short_hash_key(docs, tmp_path):
     r, _ = _init_script_here(docs, tmp_path, "p" * 32, "short")
     assert r.returncode != 0 and "prefix-router-hash-key" in r.stderr
+
+
+@pytest.mark.parametrize("peer_secret,hash_key,needle", [
+    ("__PREFIX_ROUTER_PEER_SECRET__", "k" * 32, "the peer secret in"),
+    ("p" * 32, "__SOME_OTHER_KEY_NAME__", "the hash key in"),
+    ('p' * 20 + '"x', "k" * 32, "printable ASCII"),
+])
+def test_statefulset_init_refuses_a_placeholder_or_unsafe_secret(docs, tmp_path, peer_secret, hash_key, needle):
+    """A Secret that holds a placeholder (or a character that would break the JSON) stops the pod
+    in its init container, naming the file, never echoing the value."""
+    r, _ = _init_script_here(docs, tmp_path, peer_secret, hash_key)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr
+    for v in (peer_secret, hash_key):
+        assert v not in r.stderr
 
 
 def _pool_parts(docs):
@@ -353,9 +381,7 @@ def test_pool_init_writes_the_key_and_the_config_validates(docs, composecheck, t
     (tmp_path / "config" / "envoy.yaml").write_text(
         with_local_wasm((REPO / "envoy" / "pool.yaml").read_text(), "/etc/prefix-router/prefix_router.wasm"))
     (tmp_path / "hash-key" / "key").write_text("0123456789abcdef0123456789abcdef\n")
-    for path, local in (("/etc/prefix-router/", "run/"), ("/wasm/", "wasm/"), ("/config/", "config/"),
-                        ("/hash-key/", "hash-key/")):
-        script = script.replace(" " + path, f" {tmp_path}/{local}")
+    script = _local_paths(script, tmp_path, ("run", "wasm", "config", "hash-key"))
     r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "run" / "envoy.yaml").read_text()
