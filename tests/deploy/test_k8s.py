@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from prkit import envoy_config as ec
 from prkit.envoy import check_config
 from prkit.paths import REPO_ROOT as REPO
 
@@ -63,11 +64,15 @@ def test_files_and_kinds(docs):
     assert [(d["apiVersion"], d["kind"]) for d in docs["istio-wasmplugin.yaml"]] == [
         ("extensions.istio.io/v1alpha1", "WasmPlugin"),
         ("networking.istio.io/v1alpha3", "EnvoyFilter"),
+        ("networking.istio.io/v1", "VirtualService"),
+        ("v1", "ConfigMap"),
     ]
     assert [(d["apiVersion"], d["kind"]) for d in docs["envoy-gateway.yaml"]] == [
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
         ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"),
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"),
     ]
     assert [(d["apiVersion"], d["kind"]) for d in docs["statefulset.yaml"]] == [
         ("v1", "Service"),
@@ -114,13 +119,30 @@ def test_istio_wasmplugin(docs):
         "envoy.filters.network.http_connection_manager"
     assert (hcm["normalize_path"], hcm["merge_slashes"], hcm["path_with_escaped_slashes_action"]) == \
         (True, True, "UNESCAPE_AND_FORWARD")
+    # the route patch applies to the public route only, by name (never another route of the vhost)
+    assert patches["HTTP_ROUTE"]["match"]["routeConfiguration"]["vhost"]["route"] == {"name": "prefix-router"}
+    vs = by_kind(docs, "istio-wasmplugin.yaml", "VirtualService")["spec"]
+    (public,) = [r for r in vs["http"] if r.get("name") == "prefix-router"]
+    assert len(vs["http"]) == 1
+    allowed = set()
+    for m in public["match"]:
+        methods = m["method"].get("exact") or m["method"]["regex"]
+        allowed |= {(x, m["uri"]["exact"]) for x in methods.split("|")}
+    assert allowed == set(ec.PUBLIC_PATHS)
+    # the slow-client limits of envoy/gen's configs
+    defaults = ec.Options()
+    assert (hcm["request_timeout"], hcm["request_headers_timeout"]) == (defaults.request_timeout,
+                                                                        defaults.request_headers_timeout)
+    assert hcm["http2_protocol_options"]["max_concurrent_streams"] == defaults.max_concurrent_streams
+    cm = by_kind(docs, "istio-wasmplugin.yaml", "ConfigMap")
+    assert_heap_overload(json.loads(cm["data"]["custom_bootstrap.json"])["overload_manager"])
     ext = patches["EXTENSION_CONFIG"]["patch"]["value"]
     # Istio names the WasmPlugin's extension config <namespace>.<name>
     assert ext["name"] == "istio-system.prefix-router"
     assert ext["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
 
 
-def test_envoy_gateway(docs):
+def test_envoy_gateway(docs, composecheck, tmp_path):
     pol = by_kind(docs, "envoy-gateway.yaml", "EnvoyExtensionPolicy")["spec"]
     assert pol["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm"}]
     (wasm,) = pol["wasm"]
@@ -158,10 +180,39 @@ def test_envoy_gateway(docs):
         i = c["name"].rsplit("_", 1)[1]
         assert ep["endpoint"]["address"]["socket_address"] == {
             "address": f"sglang-llama-{i}.sglang-llama.llm.svc.cluster.local", "port_value": 30000}
-    routes = {p["operation"]["path"]: p["operation"]["value"] for p in patch["jsonPatches"]
-              if p["type"].endswith("RouteConfiguration")}
-    assert routes["/virtual_hosts/0/routes/0/route/cluster_header"] == wasm["config"]["cluster_header"]
-    assert routes["/virtual_hosts/0/routes/0/request_body_buffer_limit"] == 16 * 1024 * 1024
+    # the route patches select the rules of HTTPRoute llm/llm by name, never a position such as
+    # /virtual_hosts/0/routes/0 (which may be another HTTPRoute's route)
+    route_ops = [p["operation"] for p in patch["jsonPatches"] if p["type"].endswith("RouteConfiguration")]
+    assert route_ops and all(op["jsonPath"] == "..routes[?match(@.name, 'httproute/llm/llm/rule/.*')]"
+                             and "virtual_hosts" not in op["path"] for op in route_ops)
+    routes = {(op["op"], op["path"]): op.get("value") for op in route_ops}
+    assert routes == {("remove", "/route/cluster"): None,
+                      ("add", "/route/cluster_header"): wasm["config"]["cluster_header"],
+                      ("add", "/request_body_buffer_limit"): 16 * 1024 * 1024, ("add", "/route/timeout"): "0s"}
+    httproute = by_kind(docs, "envoy-gateway.yaml", "HTTPRoute")
+    assert (httproute["metadata"]["namespace"], httproute["metadata"]["name"]) == ("llm", "llm")
+    (rule,) = httproute["spec"]["rules"]
+    assert {(m["method"], m["path"]["value"]) for m in rule["matches"]} == set(ec.PUBLIC_PATHS)
+    assert all(m["path"]["type"] == "Exact" for m in rule["matches"])
+    # the slow-client limits of envoy/gen's configs
+    defaults = ec.Options()
+    assert ctp["timeout"]["http"]["requestReceivedTimeout"] == defaults.request_timeout
+    assert ctp["http2"]["maxConcurrentStreams"] == defaults.max_concurrent_streams
+    (hdr,) = [p["operation"] for p in patch["jsonPatches"]
+              if p["operation"].get("path") == "/request_headers_timeout"]
+    assert hdr["value"] == defaults.request_headers_timeout and "http_connection_manager" in hdr["jsonPath"]
+    proxy = by_kind(docs, "envoy-gateway.yaml", "EnvoyProxy")["spec"]["bootstrap"]
+    assert proxy["type"] == "Merge"
+    assert_heap_overload(yaml_doc(composecheck, proxy["value"], tmp_path)["overload_manager"])
+
+
+def assert_heap_overload(om: dict) -> None:
+    """An example's overload manager has envoy/gen's heap monitor, actions and load shed point."""
+    gen = ec.strip_comments(ec.overload_manager(ec.Options()))
+    heap = [m for m in gen["resource_monitors"] if m["name"] == "envoy.resource_monitors.fixed_heap"]
+    assert om["resource_monitors"] == heap
+    assert om["actions"] == gen["actions"] and om["loadshed_points"] == gen["loadshed_points"]
+    assert om["buffer_factory_config"] == gen["buffer_factory_config"]
 
 
 def test_load_poll_in_gateway_examples(docs):
