@@ -29,4 +29,6 @@ COPY --from=build /artifact/prefix_router.wasm /plugin.wasm
 # One-shot exporter for docker compose: copy the filter into the shared volume and exit 0.
 FROM busybox:1.37 AS export
 COPY --from=build /artifact/prefix_router.wasm /wasm/prefix_router.wasm
+# The Kubernetes init containers fill a config's secret placeholders with it (envoy/k8s).
+COPY docker/fill-secrets.awk /usr/local/lib/prefix-router/fill-secrets.awk
 CMD ["sh", "-c", "cp /wasm/prefix_router.wasm /out/prefix_router.wasm && chmod 0644 /out/prefix_router.wasm && sha256sum /out/prefix_router.wasm"]

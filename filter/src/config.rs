@@ -970,7 +970,10 @@ pub(crate) fn check_distinct(wf: &str, workers: &[Worker], w: &Worker) -> Result
     Ok(())
 }
 
-/// `cluster_header`, `debug_header` and `prefill_cluster_header`: lower-case and distinct.
+/// Every header the filter reads or sets (`cluster_header`, `prefill_cluster_header`,
+/// `destination_header`, `debug_header`, `tenant_header`): lower-case and pairwise distinct. The
+/// filter removes a client's value of each header it sets; a name shared with another (e.g. the
+/// tenant header Envoy sets after authentication) would keep a client's value or drop a trusted one.
 fn check_headers(raw: &RawConfig) -> Result<(), ConfigError> {
     if !valid_header_name(&raw.cluster_header) {
         return Err(err(
@@ -991,18 +994,67 @@ fn check_headers(raw: &RawConfig) -> Result<(), ConfigError> {
         &raw.cluster_header,
         raw.debug_header.as_deref(),
     )?;
+    let named = [
+        ("cluster_header", Some(raw.cluster_header.as_str())),
+        (
+            "prefill_cluster_header",
+            Some(raw.prefill_cluster_header.as_str()),
+        ),
+        ("destination_header", Some(raw.destination_header.as_str())),
+        ("debug_header", raw.debug_header.as_deref()),
+        ("tenant_header", raw.tenant_header.as_deref()),
+    ];
+    for (i, (field, name)) in named.iter().enumerate() {
+        let Some(name) = name else { continue };
+        if let Some((first, _)) = named[..i].iter().find(|(_, n)| *n == Some(*name)) {
+            return Err(err(
+                *field,
+                format!(
+                    "names the same header as `{first}` ({name}): every header the filter reads \
+                     or sets must be distinct"
+                ),
+            ));
+        }
+    }
     Ok(())
 }
 
-/// `hash_key`: a secret of at least [`MIN_SECRET_LEN`] printable characters.
+/// A deploy-time placeholder (`__NAME__`, e.g. `__HASH_KEY__`, `__PREFIX_ROUTER_PEER_SECRET__`)
+/// left in a secret field: the shipped configs are public, so a placeholder is a secret everyone
+/// knows, refused by name whatever its length.
+fn is_placeholder(v: &str) -> bool {
+    v.len() > 4
+        && v.starts_with("__")
+        && v.ends_with("__")
+        && v.bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// A secret field (`hash_key`, `peers.secret`): not a placeholder, at least [`MIN_SECRET_LEN`]
+/// printable characters. Errors never contain the value (only a placeholder's, which is public).
+fn check_secret(field: &str, v: &str) -> Result<(), ConfigError> {
+    if is_placeholder(v) {
+        return Err(err(
+            field,
+            format!(
+                "is the placeholder {v} of a shipped config: replace it with the secret at deploy \
+                 time (docker/envoy-start.sh, the Kubernetes init containers)"
+            ),
+        ));
+    }
+    if v.len() < MIN_SECRET_LEN || v.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
+        return Err(err(
+            field,
+            format!("must be at least {MIN_SECRET_LEN} printable characters"),
+        ));
+    }
+    Ok(())
+}
+
+/// `hash_key`: a secret (`check_secret`).
 fn check_hash_key(raw: &RawConfig) -> Result<(), ConfigError> {
     if let Some(k) = &raw.hash_key {
-        if k.len() < MIN_SECRET_LEN || k.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
-            return Err(err(
-                "hash_key",
-                format!("must be at least {MIN_SECRET_LEN} printable characters"),
-            ));
-        }
+        check_secret("hash_key", k)?;
     }
     Ok(())
 }
@@ -1153,12 +1205,7 @@ fn check_load_poll(lp: &LoadPollConfig) -> Result<(), ConfigError> {
 /// `peers.*`, and `peer_listener` (which needs `peers.secret`).
 fn check_peers(raw: &RawConfig) -> Result<(), ConfigError> {
     if let Some(p) = &raw.peers {
-        if p.secret.len() < MIN_SECRET_LEN || p.secret.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
-            return Err(err(
-                "peers.secret",
-                format!("must be at least {MIN_SECRET_LEN} printable characters"),
-            ));
-        }
+        check_secret("peers.secret", &p.secret)?;
         for (i, c) in p.clusters.iter().enumerate() {
             if c.is_empty() || c.bytes().any(|b| b.is_ascii_control()) {
                 return Err(err(
@@ -1497,5 +1544,91 @@ mod tests {
         assert_eq!(worker_id("w0"), worker_id("w0"));
         assert_ne!(worker_id("w0"), worker_id("w1"));
         assert_ne!(worker_id(""), 0);
+    }
+
+    #[test]
+    fn placeholders_left_in_secret_fields_are_refused_by_name() {
+        const M: &str = r#""models":{"m":{"workers":["a"]}}"#;
+        for (json, field, placeholder) in [
+            (
+                format!(r#"{{{M},"hash_key":"__HASH_KEY__"}}"#),
+                "hash_key",
+                "__HASH_KEY__",
+            ),
+            (
+                format!(r#"{{{M},"peers":{{"secret":"__PREFIX_ROUTER_PEER_SECRET__"}}}}"#),
+                "peers.secret",
+                "__PREFIX_ROUTER_PEER_SECRET__",
+            ),
+            // any __NAME__, of any length (a long one would pass the length check)
+            (
+                format!(r#"{{{M},"hash_key":"__SOME_OTHER_SECRET_2__"}}"#),
+                "hash_key",
+                "__SOME_OTHER_SECRET_2__",
+            ),
+        ] {
+            let e = Config::from_json(json.as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}");
+            assert!(
+                e.message.contains(placeholder) && e.message.contains("placeholder"),
+                "{e}"
+            );
+        }
+        // a real secret that merely contains underscores passes, and is never echoed on error
+        let ok = format!(
+            r#"{{{M},"hash_key":"__k3y_with_lower__","peers":{{"secret":"_0123456789abcdef_"}}}}"#
+        );
+        assert!(Config::from_json(ok.as_bytes()).is_ok());
+        let bad = format!(r#"{{{M},"peers":{{"secret":"s3cr3t with space"}}}}"#);
+        let e = Config::from_json(bad.as_bytes()).unwrap_err();
+        assert_eq!(e.field, "peers.secret");
+        assert!(!e.to_string().contains("s3cr3t"), "{e}");
+    }
+
+    #[test]
+    fn every_header_name_is_distinct_and_errors_name_both_fields() {
+        const M: &str = r#""models":{"m":{"workers":["a"]}}"#;
+        let cases = [
+            (
+                r#""tenant_header":"x-prefix-router-prefill-cluster""#,
+                "tenant_header",
+                "prefill_cluster_header",
+            ),
+            (
+                r#""tenant_header":"x-t","prefill_cluster_header":"x-t""#,
+                "tenant_header",
+                "prefill_cluster_header",
+            ),
+            (
+                r#""tenant_header":"x-gateway-destination-endpoint""#,
+                "tenant_header",
+                "destination_header",
+            ),
+            (
+                r#""debug_header":"x-d","destination_header":"x-d""#,
+                "debug_header",
+                "destination_header",
+            ),
+            (
+                r#""destination_header":"x-prefix-router-prefill-cluster""#,
+                "destination_header",
+                "prefill_cluster_header",
+            ),
+            (
+                r#""tenant_header":"x-prefix-router-decision","debug_header":"x-prefix-router-decision""#,
+                "tenant_header",
+                "debug_header",
+            ),
+        ];
+        for (fields, field, other) in cases {
+            let json = format!("{{{M},{fields}}}");
+            let e = Config::from_json(json.as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+            assert!(e.message.contains(other), "{json}: {e}");
+        }
+        let json = format!(
+            r#"{{{M},"tenant_header":"x-tenant","debug_header":"x-prefix-router-decision"}}"#
+        );
+        assert!(Config::from_json(json.as_bytes()).is_ok());
     }
 }

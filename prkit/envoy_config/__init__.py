@@ -73,7 +73,8 @@ from .options import (
     ADMIN_CLUSTER, CLUSTER_HEADER, CLUSTER_RE, CONTAINER_WASM, ConfigError, DEBUG_HEADER, DESTINATION_HEADER,
     DURATION_RE, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED, HEAP_SHRINK, HOST_RE, HostPort, LOCAL_WASM,
     MAX_POOL_WORKERS, MEMBERSHIP_PATH, MEMBERSHIP_TIMEOUT_MS, MIB16, MIB4, MIN_SECRET_LEN, NAME_RE,
-    NATIVE_MODULE, NO_WORKER_BODY, Options, PEER_PATH, PEER_PREFIX, PEER_URL_RE, POLL_SUFFIX,
+    NATIVE_MODULE, NO_WORKER_BODY, NOT_FOUND_BODY, Options, PEER_PATH, PEER_PREFIX, PEER_SECRET_PLACEHOLDER,
+    PEER_URL_RE, PLACEHOLDER_RE, POLL_SUFFIX, PUBLIC_PATHS, parse_allow_path, public_routes,
     POOL_MAX_FALLBACKS, PREFILL_HEADER, PROFILES, PdModel, Pool, Worker, check_secret, cluster_id, fleet,
     generate_hash_key, is_ip, is_pool_spec, parse_hostport, parse_model, parse_pd, parse_peers, parse_pool,
     pool_fallbacks, profile, validate,
@@ -84,17 +85,19 @@ from .sections import (
     ACCESS_LOG_FIELDS, PEER_LOG_FIELDS, access_log, admin, admin_cluster, clusters, config,
     dynamic_module_filter, endpoints, header, http_connection_manager, ingress_listener,
     local_reply_413, overload_manager, pd_clusters, pd_route, peer_access_log, peer_cluster,
-    override_host_policy, peers_listener, poll_cluster, pool_cluster, pool_load_cluster, rate_limit_filter,
+    override_host_policy, peers_listener, public_match, poll_cluster, pool_cluster, pool_load_cluster, rate_limit_filter,
     render, retry_policy, route_config,
     router_filter, simple_cluster, socket_address, stats_listener, wasm_filter, worker_cluster,
 )
-from .cli import GEN, arg_parser, gen_result, main, options_from_args, run_gen
+from .cli import GEN, REDACTED, arg_parser, command_line, gen_result, main, options_from_args, run_gen
 from .local import buffer_filter, local_demo, plain_proxy
 
 __all__ = [
     "ADMIN_CLUSTER", "DESTINATION_HEADER", "MAX_POOL_WORKERS", "MEMBERSHIP_PATH", "MEMBERSHIP_TIMEOUT_MS",
     "POOL_MAX_FALLBACKS", "Pool", "is_pool_spec", "parse_pool", "pool_fallbacks", "worker_entry",
     "override_host_policy", "pool_cluster", "pool_load_cluster",
+    "NOT_FOUND_BODY", "PEER_SECRET_PLACEHOLDER", "PLACEHOLDER_RE", "PUBLIC_PATHS", "parse_allow_path",
+    "public_routes", "public_match", "command_line", "REDACTED",
     "CLUSTER_HEADER", "CLUSTER_RE", "CONTAINER_WASM", "ConfigError", "DEBUG_HEADER", "DURATION_RE",
     "HASH_KEY_PLACEHOLDER", "HEAP_RESET_FROM", "HEAP_SHED", "HEAP_SHRINK", "HOST_RE", "HostPort",
     "LOCAL_WASM", "MIB16", "MIB4", "MIN_SECRET_LEN", "NAME_RE", "NATIVE_MODULE", "NO_WORKER_BODY",

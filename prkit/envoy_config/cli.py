@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..paths import REPO_ROOT
 from .options import (
-    ConfigError, HASH_KEY_PLACEHOLDER, NATIVE_MODULE, Options, PROFILES, Worker, _PROFILE_DEFAULTS,
+    ConfigError, HASH_KEY_PLACEHOLDER, NATIVE_MODULE, PEER_SECRET_PLACEHOLDER, PUBLIC_PATHS, parse_allow_path, Options, PROFILES, Worker, _PROFILE_DEFAULTS,
     _worker_names, check_secret, is_pool_spec, parse_hostport, parse_model, parse_pd, parse_peers, parse_pool,
     profile,
 )
@@ -40,6 +40,9 @@ def _json_value(opt: str, text: str):
 def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="envoy/gen",
+        # options are spelled out: an abbreviation of a secret's option could escape the header's
+        # redaction (command_line)
+        allow_abbrev=False,
         description="Generate an Envoy config for prefix-router (profiles and options: "
                     "prkit/envoy_config/, docs/configuration.md). Listeners are on loopback unless "
                     "an address is given.",
@@ -66,6 +69,10 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="route timeout of PD requests, which the prefill mirror inherits (600s)")
     ap.add_argument("--default-model", help="model for requests without one (default: the first)")
     ap.add_argument("--listen", metavar="HOST:PORT", help="client listener (default 127.0.0.1:10000)")
+    ap.add_argument("--allow-path", action="append", default=[], metavar="[METHOD[,METHOD]:]PATH",
+                    help="forward this exact path too (methods default to GET), e.g. /get_model_info or "
+                    "POST:/flush_cache (repeatable). Without it the client listener forwards only "
+                    + ", ".join(f"{m} {p}" for m, p in PUBLIC_PATHS) + "; anything else gets a local 404")
     ap.add_argument("--admin", metavar="HOST:PORT", help="admin interface (default 127.0.0.1:9901; keep it on loopback)")
     ap.add_argument("--stats-listen", metavar="HOST:PORT|none",
                     help="listener exposing only /stats/prometheus and /ready (default 127.0.0.1:9902 in "
@@ -117,14 +124,20 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peers", metavar="URL[,URL...]",
                     help="peer replicas' peer listeners (http://HOST:PORT); a replica may list itself")
     ap.add_argument("--peer-listen", metavar="HOST:PORT", help="listener for peers' index records")
-    ap.add_argument("--peer-secret", metavar="SECRET", help="shared peer secret (>= 16 characters; prefer --peer-secret-file)")
     ap.add_argument("--peer-secret-file", metavar="PATH", help="file holding the shared peer secret (whitespace stripped)")
+    ap.add_argument("--peer-secret", metavar="SECRET",
+                    help="shared peer secret (>= 16 characters; prefer --peer-secret-file: a command line is "
+                    "visible to every process on the host; the header comment never repeats it)")
+    ap.add_argument("--peer-secret-placeholder", action="store_true",
+                    help=f"write {PEER_SECRET_PLACEHOLDER} as the peer secret, to be replaced at deploy time "
+                    "(the filter refuses the placeholder itself)")
     hk = ap.add_mutually_exclusive_group()
     hk.add_argument("--hash-key-file", metavar="PATH",
                     help="file holding the plugin's hash_key (>= 16 printable characters, whitespace stripped; "
                     "the same on every replica). Production profiles without --peers generate a random key "
                     "when no key is given")
-    hk.add_argument("--hash-key", metavar="KEY", help="the hash_key itself (prefer --hash-key-file)")
+    hk.add_argument("--hash-key", metavar="KEY",
+                    help="the hash_key itself (prefer --hash-key-file; the header comment never repeats it)")
     hk.add_argument("--hash-key-placeholder", action="store_true",
                     help=f"write {HASH_KEY_PLACEHOLDER} as hash_key, to be replaced at deploy time (the filter "
                     "refuses the placeholder itself)")
@@ -161,6 +174,34 @@ def _secret_file(path: str, option: str, what: str) -> str:
             return check_secret(f.read().strip(), opt)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(opt, f"cannot read the {what}: {e}") from None
+
+
+# Options whose value is a secret: the header comment shows REDACTED instead (a config is read by
+# more people than hold its secrets, and the values stay in the plugin configuration only).
+SECRET_OPTIONS = ("--peer-secret", "--hash-key")
+REDACTED = "REDACTED"
+
+
+def command_line(argv: list[str]) -> str:
+    """The envoy/gen command line for a config's header, secret values replaced by REDACTED
+    (as `--opt VALUE` or `--opt=VALUE`; the parser takes no abbreviations)."""
+    out = ["envoy/gen"]
+    redact_next = False
+    for x in argv:
+        if redact_next:
+            out.append(REDACTED)
+            redact_next = False
+            continue
+        name, eq, _ = x.partition("=")
+        if name in SECRET_OPTIONS:
+            if eq:
+                out.append(f"{name}={REDACTED}")
+            else:
+                out.append(x)
+                redact_next = True
+            continue
+        out.append(x if re.match(r"^[A-Za-z0-9_./:=,@%+-]+$", x) else repr(x))
+    return " ".join(out)
 
 
 def options_from_args(argv: list[str]) -> Options:
@@ -213,9 +254,15 @@ def options_from_args(argv: list[str]) -> Options:
             over[key] = v
     if a.peers is not None:
         over["peers"] = parse_peers(a.peers)
-    if a.peer_secret is not None and a.peer_secret_file is not None:
-        raise ConfigError("--peer-secret and --peer-secret-file", "give only one of them")
-    if a.peer_secret_file is not None:
+    if a.allow_path:
+        over["allow_paths"] = [pair for spec in a.allow_path for pair in parse_allow_path(spec)]
+    given = [o for o, v in (("--peer-secret", a.peer_secret), ("--peer-secret-file", a.peer_secret_file),
+                            ("--peer-secret-placeholder", a.peer_secret_placeholder or None)) if v is not None]
+    if len(given) > 1:
+        raise ConfigError(" and ".join(given), "give only one of them")
+    if a.peer_secret_placeholder:
+        over["peer_secret"] = PEER_SECRET_PLACEHOLDER
+    elif a.peer_secret_file is not None:
         over["peer_secret"] = _secret_file(a.peer_secret_file, "--peer-secret-file", "secret")
     elif a.peer_secret is not None:
         over["peer_secret"] = check_secret(a.peer_secret, "--peer-secret")
@@ -266,8 +313,7 @@ def options_from_args(argv: list[str]) -> Options:
         if a.wasm is not None:
             raise ConfigError("--native", "the native build loads no .wasm: drop --wasm")
         over["dynamic_module"] = NATIVE_MODULE
-    over["command"] = " ".join(["envoy/gen"] + [x if re.match(r"^[A-Za-z0-9_./:=,@%+-]+$", x) else repr(x)
-                                                for x in argv])
+    over["command"] = command_line(argv)
     opts = profile(a.profile, **over)
     pc = plugin.get("passthrough_cluster")
     if pc is not None and pc not in _worker_names(opts):

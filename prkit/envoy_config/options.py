@@ -19,6 +19,11 @@ MIN_SECRET_LEN = 16  # the filter's peers.secret and hash_key minimum (filter/sr
 # script): shorter than MIN_SECRET_LEN, so the filter refuses a config where it was never replaced
 # rather than run with a key everyone can read in this repository.
 HASH_KEY_PLACEHOLDER = "__HASH_KEY__"
+# peers.secret of configs whose secret is written in at deploy time (envoy/gen
+# --peer-secret-placeholder; the StatefulSet's init container). The filter refuses every
+# __NAME__ placeholder (filter/src/config.rs), so a config where it was never replaced never runs.
+PEER_SECRET_PLACEHOLDER = "__PREFIX_ROUTER_PEER_SECRET__"
+PLACEHOLDER_RE = re.compile(r"^__[A-Z0-9_]+__$")
 # Heap pressure (fixed_heap: tcmalloc's reserved heap / --max-heap-mib) at which the overload
 # manager acts: HTTP/2 streams buffering >= 1 MiB are reset from HEAP_RESET_FROM (largest first,
 # all of them at HEAP_SHED); at HEAP_SHED new requests get 503 and HTTP/1 connections that send
@@ -50,6 +55,23 @@ LOCAL_WASM = "target/wasm32-wasip1/release/prefix_router.wasm"
 NATIVE_MODULE = "prefix_router"
 NO_WORKER_BODY = ('{"object":"error","message":"no worker was chosen for this request",'
                   '"type":"ServiceUnavailableError","param":null,"code":503}')
+NOT_FOUND_BODY = ('{"object":"error","message":"not found: this path is not served here",'
+                  '"type":"NotFoundError","param":null,"code":404}')
+# The client API the public listener forwards (METHOD, PATH; docs/configuration.md "Public route"):
+# the inference endpoints and the read-only paths an OpenAI or SGLang client needs. Every other
+# request gets Envoy's own 404 (no route matches: http.<stat_prefix>.no_route counts it), so a
+# client never reaches a worker's admin API (/flush_cache, /update_weights_from_disk, ...).
+# Options.allow_paths (envoy/gen --allow-path) adds to it.
+PUBLIC_PATHS = (
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/generate"),
+    ("PUT", "/generate"),
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+)
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+ALLOW_PATH_RE = re.compile(r"^/[A-Za-z0-9._~/-]*$")
 PROFILES = ("demo", "test", "bench", "ingress", "compose")
 
 NAME_RE = re.compile(r"^[^=,@\s\"'\\]+$")  # model names may hold / . - (e.g. org/model)
@@ -188,6 +210,8 @@ class Options:
     # pools: how often the filter reads the admin's /clusters for their hosts; 0 = never (a pool
     # is then used only through its cluster's fallback load balancer)
     membership_ms: int = 1000
+    # (METHOD, PATH) pairs the public route forwards besides PUBLIC_PATHS (envoy/gen --allow-path)
+    allow_paths: list[tuple[str, str]] = field(default_factory=list)
 
 
 def fleet(model: str, ports: dict[str, int], host: str = "127.0.0.1") -> dict[str, list[Worker]]:
@@ -268,6 +292,8 @@ def validate(o: Options) -> None:
                           f"({', '.join([*o.models, *o.pools, *o.pd_models])})")
     _check_hostport(o.listen, "--listen", allow_zero=True)
     _check_hostport(o.admin, "--admin", allow_zero=True)
+    for m, path in o.allow_paths:
+        _check_allow_path(m, path)
     if o.stats_listen is not None:
         _check_hostport(o.stats_listen, "--stats-listen", allow_zero=True)
     for opt, v in (("--health-interval", o.health_interval), ("--health-timeout", o.health_timeout), ("--stream-idle-timeout", o.stream_idle_timeout),
@@ -305,6 +331,8 @@ def validate(o: Options) -> None:
             "--peers" if o.peers else "--peer-listen",
             "a shared peer secret is required: give --peer-secret SECRET or --peer-secret-file PATH "
             "(at least 16 characters, the same on every replica)")
+    if o.peer_secret is not None and o.peer_secret != PEER_SECRET_PLACEHOLDER:
+        check_secret(o.peer_secret, "--peer-secret")
     if o.peer_secret is not None and not (o.peers or o.peer_listen):
         raise ConfigError("--peer-secret / --peer-secret-file", "only used with --peers or --peer-listen")
     if o.peer_listen is not None:
@@ -328,6 +356,42 @@ def validate(o: Options) -> None:
         raise ConfigError(f"--model {pools[bad]}" if bad in pools else "--model",
                           f"cluster name {bad!r} collides with the peer clusters (prefix_router_peer_<i>), the "
                           "load-poll clusters (<worker>_load, <pool>_load) or admin: rename it")
+
+
+def _check_allow_path(method, path) -> None:
+    if method not in HTTP_METHODS:
+        raise ConfigError("--allow-path", f"unknown method {method!r} (one of {', '.join(HTTP_METHODS)})")
+    if not isinstance(path, str) or not ALLOW_PATH_RE.match(path) or "//" in path or "/./" in path + "/" \
+            or "/../" in path + "/":
+        raise ConfigError("--allow-path", f"expected an exact, normalized path like /get_model_info (letters, digits, "
+                          f"._~-/; no query, no dot segments), got {path!r}")
+
+
+def public_routes(o: Options) -> list[tuple[tuple[str, ...], list[str]]]:
+    """PUBLIC_PATHS and o.allow_paths grouped for route matches: [(methods, paths)], each path
+    once, the paths that take the same set of methods together, in first-listed order."""
+    by_path: dict[str, list[str]] = {}
+    for m, path in [*PUBLIC_PATHS, *o.allow_paths]:
+        ms = by_path.setdefault(path, [])
+        if m not in ms:
+            ms.append(m)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for path, ms in by_path.items():
+        groups.setdefault(tuple(sorted(ms)), []).append(path)
+    return list(groups.items())
+
+
+def parse_allow_path(spec: str) -> list[tuple[str, str]]:
+    """--allow-path [METHOD[,METHOD...]:]PATH (methods default to GET): the pairs it allows."""
+    methods, sep, path = spec.partition(":") if not spec.startswith("/") else ("", "", spec)
+    if not spec.startswith("/") and not sep:
+        raise ConfigError("--allow-path", f"expected [METHOD[,METHOD]:]/PATH, e.g. /get_model_info or "
+                          f"POST:/flush_cache, got {spec!r}")
+    ms = [m.strip().upper() for m in methods.split(",") if m.strip()] or ["GET"]
+    out = [(m, path) for m in ms]
+    for m, p in out:
+        _check_allow_path(m, p)
+    return out
 
 
 def _validate_pools(o: Options, seen_clusters: set) -> None:
@@ -560,6 +624,9 @@ def parse_peers(spec: str) -> list[HostPort]:
 
 
 def check_secret(secret: str, opt: str) -> str:
+    if PLACEHOLDER_RE.match(secret):
+        raise ConfigError(opt, "is a placeholder (__NAME__), not a secret: give the real value, or use "
+                          "--hash-key-placeholder / --peer-secret-placeholder to write one on purpose")
     if len(secret) < MIN_SECRET_LEN:
         raise ConfigError(opt, f"the secret is too short ({len(secret)} characters; at least {MIN_SECRET_LEN} are required)")
     if any(not 0x21 <= ord(c) < 0x7F for c in secret):

@@ -9,9 +9,10 @@ import re
 
 from .options import (
     ADMIN_CLUSTER, CLUSTER_HEADER, DESTINATION_HEADER, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED,
-    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, MIB4, NO_WORKER_BODY, Options, PEER_PATH,
+    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, MIB4, NO_WORKER_BODY, NOT_FOUND_BODY, Options, PEER_PATH,
+    PEER_SECRET_PLACEHOLDER,
     PEER_PREFIX, POLL_SUFFIX, PREFILL_HEADER, Pool, Worker, _pd_workers, _poll_clusters, _worker_names,
-    is_ip, validate,
+    is_ip, public_routes, validate,
 )
 from .plugin import plugin_config
 from .yaml import dump, strip_comments
@@ -342,7 +343,18 @@ def pd_clusters(o: Options) -> list:
     return out
 
 
-def pd_route(o: Options, route: dict) -> dict:
+def public_match(methods: tuple[str, ...], paths: list[str]) -> dict:
+    """A route match for exactly `paths` (no query string, after path normalization) requested
+    with one of `methods`."""
+    m: dict = ({"path": paths[0]} if len(paths) == 1
+               else {"safe_regex": {"regex": "^(" + "|".join(re.escape(p) for p in paths) + ")$"}})
+    method = ({"exact": methods[0]} if len(methods) == 1
+              else {"safe_regex": {"regex": "^(" + "|".join(methods) + ")$"}})
+    m["headers"] = [{"name": ":method", "string_match": method}]
+    return m
+
+
+def pd_route(o: Options, route: dict, match: dict | None = None, comment: bool = True) -> dict:
     """The route of PD requests (the filter set the prefill header): the usual route plus the mirror
     to the prefill worker and a finite timeout, which the mirror inherits."""
     r = {k: v for k, v in route.items() if k != "timeout"}
@@ -355,11 +367,15 @@ def pd_route(o: Options, route: dict) -> dict:
         return {"name": header, "string_match": {"safe_regex": {"regex": "^(" + "|".join(re.escape(n) for n in names) + ")$"}}}
 
     prefill = [w.cluster for pd in o.pd_models.values() for w, _ in pd.prefill]
+    match = match or {"prefix": "/"}
     # both headers must name workers (never admin: a mirror to it would POST the client's path there)
-    return {"match": {"prefix": "/", "headers": [only(PREFILL_HEADER, prefill),
-                                                 only(CLUSTER_HEADER, _worker_names(o))]},
-            "#": "Requests of PD models: the filter sets the prefill header (client values are removed).",
-            "request_body_buffer_limit": MIB16, "route": r}
+    out = {"match": {**match, "headers": [*match.get("headers", []), only(PREFILL_HEADER, prefill),
+                                          only(CLUSTER_HEADER, _worker_names(o))]},
+           "#": "Requests of PD models: the filter sets the prefill header (client values are removed).",
+           "request_body_buffer_limit": MIB16, "route": r}
+    if not comment:
+        del out["#"]
+    return out
 
 
 def wasm_filter(o: Options, plugin: dict, comment: str) -> dict:
@@ -509,12 +525,19 @@ def peer_access_log() -> list:
 
 
 def local_reply_413() -> dict:
+    """Envoy's own replies rewritten as OpenAI-style JSON errors: 413 (body over the buffer limit)
+    and 404 for a request no route matches (response flag NR: a path outside the public route).
+    Only these: the filter's own replies keep their body."""
+    not_found = json.loads(NOT_FOUND_BODY)
     return {"mappers": [{
         "filter": {"status_code_filter": {"comparison": {
             "op": "EQ", "value": {"default_value": 413, "runtime_key": "prefix_router.local_reply_413"}}}},
         "body_format_override": {"content_type": "application/json", "json_format": {
             "object": "error", "message": f"Request body too large: the limit is {MIB16 >> 20} MiB",
             "type": "BadRequestError", "param": None, "code": 413}},
+    }, {
+        "filter": {"response_flag_filter": {"flags": ["NR"]}},
+        "body_format_override": {"content_type": "application/json", "json_format": not_found},
     }]}
 
 
@@ -543,35 +566,47 @@ def route_config(o: Options) -> dict:
         "timeout": "0s",
         "idle_timeout": o.stream_idle_timeout,
     }
-    if o.shape == "production":
-        route["#r"] = (
-            "Retry on another worker when the chosen one cannot take the request: connect failure,\n"
-            "refused stream, reset before any response byte, or a 503 (SGLang starting/draining).\n"
-            "previous_priorities moves the retry to the cluster's fallbacks; previous_hosts never picks\n"
-            "a host that already failed this request.")
-        if o.pools:
-            route["#r"] += (f"\nA pool's retry goes to the next worker the filter named in {DESTINATION_HEADER}\n"
-                            "(override_host), past the last one to the least busy host that has not failed.")
-        route["retry_policy"] = retry_policy(o)
     vhost: dict = {"name": "llm", "domains": ["*"]}
     if o.shape == "production":
         vhost["#"] = "x-envoy-attempt-count on the upstream request and the response: retries are visible."
         vhost["include_request_attempt_count"] = True
         vhost["include_attempt_count_in_response"] = True
+        vhost["#r"] = (
+            "Every route below: retry on another worker when the chosen one cannot take the request: connect\n"
+            "failure, refused stream, reset before any response byte, or a 503 (SGLang starting/draining).\n"
+            "previous_priorities moves the retry to the cluster's fallbacks; previous_hosts never picks\n"
+            "a host that already failed this request.")
+        if o.pools:
+            vhost["#r"] += (f"\nA pool's retry goes to the next worker the filter named in {DESTINATION_HEADER}\n"
+                            "(override_host), past the last one to the least busy host that has not failed.")
+        vhost["retry_policy"] = retry_policy(o)
     names = "|".join(re.escape(c) for c in _worker_names(o))
-    vhost["routes"] = [
-        {"#": "Only a worker cluster: the header must name one of them (never admin, a peer or a\n"
-              "<worker>_load poll cluster), even if the filter were bypassed.",
-         "match": {"prefix": "/", "headers": [{"name": CLUSTER_HEADER,
-                                               "string_match": {"safe_regex": {"regex": f"^({names})$"}}}]},
-         "#b": "Route-level body buffer limit (16 MiB, as the listener's).",
-         "request_body_buffer_limit": MIB16, "route": route},
-        {"#": "No worker named (the filter did not run): refuse rather than guess.",
-         "match": {"prefix": "/"},
-         "direct_response": {"status": 503, "body": {"inline_string": NO_WORKER_BODY}}},
-    ]
-    if o.pd_models:
-        vhost["routes"].insert(0, pd_route(o, route))
+    only_workers = {"name": CLUSTER_HEADER, "string_match": {"safe_regex": {"regex": f"^({names})$"}}}
+    groups = public_routes(o)
+    vhost["#routes"] = (
+        "Public route: only these methods and paths reach a worker ("
+        + "; ".join(f"{'|'.join(ms)} {' '.join(paths)}" for ms, paths in groups) + ").\n"
+        "Anything else matches no route: Envoy answers 404 itself (http.ingress_http.no_route counts it),\n"
+        "so a client never reaches a worker's admin API (/flush_cache, /update_weights_from_disk, ...).\n"
+        "More paths: envoy/gen --allow-path [METHOD[,METHOD]:]PATH (docs/configuration.md).")
+    routes: list = []
+    for i, (methods, paths) in enumerate(groups):
+        match = public_match(methods, paths)
+        worker = {"match": {**match, "headers": [*match.get("headers", []), only_workers]},
+                  "request_body_buffer_limit": MIB16, "route": route if i == 0 else strip_comments(route)}
+        refuse = {"match": match,
+                  "direct_response": {"status": 503, "body": {"inline_string": NO_WORKER_BODY}}}
+        if i == 0:
+            worker = {"#": "Only a worker cluster: the header must name one of them (never admin, a peer or a\n"
+                           "<worker>_load poll cluster), even if the filter were bypassed.",
+                      **worker}
+            worker["#b"] = "Route-level body buffer limit (16 MiB, as the listener's)."
+            worker = {k: worker[k] for k in ("#", "match", "#b", "request_body_buffer_limit", "route")}
+            refuse = {"#": "No worker named (the filter did not run): refuse rather than guess.", **refuse}
+        if o.pd_models:
+            routes.append(pd_route(o, route, match, comment=i == 0))
+        routes += [worker, refuse]
+    vhost["routes"] = routes
     return {"name": "prefix_router",
             "#": "Every cluster named statically must exist (names set through cluster_header are not checked).",
             "validate_clusters": True, "virtual_hosts": [vhost]}
@@ -626,8 +661,9 @@ def http_connection_manager(o: Options, filters: list) -> dict:
         "common_http_protocol_options": {"idle_timeout": "3600s"},
         "#h": f"HTTP/2: at most {o.max_concurrent_streams} streams per connection (each may buffer a 16 MiB body).",
         "http2_protocol_options": {"max_concurrent_streams": o.max_concurrent_streams},
-        "#l": f"A body over the {MIB16 >> 20} MiB buffer limit is answered by Envoy itself (413, text); OpenAI\n"
-              "clients expect a JSON error body. Only 413: the filter's own replies keep their body.",
+        "#l": f"A body over the {MIB16 >> 20} MiB buffer limit (413) and a path outside the public route (404)\n"
+              "are answered by Envoy itself, as text; OpenAI clients expect a JSON error body. Only these:\n"
+              "the filter's own replies keep their body.",
         "local_reply_config": local_reply_413(),
     })
     if o.access_log:
@@ -774,7 +810,12 @@ def header(o: Options) -> str:
     if o.peer_secret is not None:
         lines.append(f"Scale-out: index records sent to {len(o.peers)} peer(s); "
                      + (f"peer listener on {o.peer_listen[0]}:{o.peer_listen[1]}" if o.peer_listen else "no peer listener")
-                     + ". The plugin configuration holds the shared peer secret: protect this file.")
+                     + ".")
+        if o.peer_secret == PEER_SECRET_PLACEHOLDER:
+            lines.append(f"peers.secret is the placeholder {PEER_SECRET_PLACEHOLDER}: replace it with the shared secret\n"
+                         "(16+ printable characters, the same on every replica) when deploying; the filter refuses the placeholder.")
+        else:
+            lines.append("The plugin configuration holds the shared peer secret: protect this file.")
     if o.hash_key == HASH_KEY_PLACEHOLDER:
         lines.append(f"hash_key is the placeholder {HASH_KEY_PLACEHOLDER}: replace it with the secret key (16+ printable\n"
                      "characters, the same on every replica) when deploying; the filter refuses the placeholder.")

@@ -31,9 +31,15 @@ def test_pd_route_mirrors_to_the_prefill_header_and_clusters_have_the_right_fall
     cfg = ec.config(opts)
     (listener,) = [li for li in cfg["static_resources"]["listeners"] if li["name"] == "ingress"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    pd_route, plain, default = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    routes = vhost["routes"]
+    # per public path group: the PD route, the worker route, the 503 (tests/deploy/test_public_route.py)
+    assert len(routes) == 3 * len(ec.public_routes(opts))
+    pd_route, plain, default = routes[:3]
+    assert pd_route["match"]["safe_regex"] == plain["match"]["safe_regex"] == default["match"]["safe_regex"]
     # both headers must name workers of the right role (a client's own header never reaches admin)
-    (prefill_h, cluster_h) = pd_route["match"]["headers"]
+    (method_h, prefill_h, cluster_h) = pd_route["match"]["headers"]
+    assert method_h == {"name": ":method", "string_match": {"exact": "POST"}}
     assert prefill_h["name"] == ec.PREFILL_HEADER and cluster_h["name"] == ec.CLUSTER_HEADER
     prefill_rx = re.compile(prefill_h["string_match"]["safe_regex"]["regex"])
     assert prefill_rx.search("m_prefill_0") and prefill_rx.search("m_prefill_1")
@@ -43,7 +49,7 @@ def test_pd_route_mirrors_to_the_prefill_header_and_clusters_have_the_right_fall
         {"cluster_header": ec.PREFILL_HEADER, "disable_shadow_host_suffix_append": True}]
     assert pd_route["route"]["timeout"] == "120s"
     assert pd_route["route"]["cluster_header"] == ec.CLUSTER_HEADER
-    assert pd_route["route"]["retry_policy"] == plain["route"]["retry_policy"]
+    assert "retry_policy" not in pd_route["route"] and vhost["retry_policy"]["num_retries"] == 2
     assert "request_mirror_policies" not in plain["route"] and plain["route"]["timeout"] == "0s"
 
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}

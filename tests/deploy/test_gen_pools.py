@@ -33,8 +33,10 @@ def clusters_of(cfg: dict) -> dict:
 def route_regex(cfg: dict) -> re.Pattern:
     (li,) = [x for x in cfg["static_resources"]["listeners"] if x["name"] == "ingress"]
     routes = li["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-    (r,) = [r for r in routes if "cluster_header" in r.get("route", {})]
-    (h,) = r["match"]["headers"]
+    dynamic = [r for r in routes if "cluster_header" in r.get("route", {})]
+    # one worker route per public path group, all with the same worker check after the method
+    assert len(dynamic) == len(ec.public_routes(ec.Options())) and len({repr(r["match"]["headers"][1:]) for r in dynamic}) == 1
+    _method, h = dynamic[0]["match"]["headers"]
     assert h["name"] == ec.CLUSTER_HEADER
     return re.compile(h["string_match"]["safe_regex"]["regex"])
 

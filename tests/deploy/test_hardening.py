@@ -122,13 +122,16 @@ def test_public_route_reaches_only_worker_clusters(composecheck, tmp_path):
         dynamic = [r for r in routes if "cluster_header" in r.get("route", {})]
         assert dynamic and all("cluster" not in r.get("route", {}) for r in routes), name
         for r in dynamic:
-            (h,) = r["match"]["headers"]
+            method, h = r["match"]["headers"]  # the public route's method, then the worker check
+            assert method["name"] == ":method"
             assert h["name"] == plugin["cluster_header"]
             rx = re.compile(h["string_match"]["safe_regex"]["regex"])
             assert all(rx.search(w) for w in workers), name
             assert not any(rx.search(c) for c in others | {"admin", "llama_0_load", "llama_load", "prefix_router_peer_0",
                                                            ""}), name
         assert routes[-1]["direct_response"]["status"] == 503, name
+        # no route matches every path: what the public route leaves out gets Envoy's 404
+        assert not any(r["match"].get("prefix") is not None for r in routes), name
         assert header_command(text)  # generated
 
 

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from prkit import envoy_config as ec
 from prkit.envoy import check_config
 from prkit.paths import REPO_ROOT as REPO
 
@@ -63,11 +64,15 @@ def test_files_and_kinds(docs):
     assert [(d["apiVersion"], d["kind"]) for d in docs["istio-wasmplugin.yaml"]] == [
         ("extensions.istio.io/v1alpha1", "WasmPlugin"),
         ("networking.istio.io/v1alpha3", "EnvoyFilter"),
+        ("networking.istio.io/v1", "VirtualService"),
+        ("v1", "ConfigMap"),
     ]
     assert [(d["apiVersion"], d["kind"]) for d in docs["envoy-gateway.yaml"]] == [
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
         ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"),
         ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+        ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"),
     ]
     assert [(d["apiVersion"], d["kind"]) for d in docs["statefulset.yaml"]] == [
         ("v1", "Service"),
@@ -114,13 +119,30 @@ def test_istio_wasmplugin(docs):
         "envoy.filters.network.http_connection_manager"
     assert (hcm["normalize_path"], hcm["merge_slashes"], hcm["path_with_escaped_slashes_action"]) == \
         (True, True, "UNESCAPE_AND_FORWARD")
+    # the route patch applies to the public route only, by name (never another route of the vhost)
+    assert patches["HTTP_ROUTE"]["match"]["routeConfiguration"]["vhost"]["route"] == {"name": "prefix-router"}
+    vs = by_kind(docs, "istio-wasmplugin.yaml", "VirtualService")["spec"]
+    (public,) = [r for r in vs["http"] if r.get("name") == "prefix-router"]
+    assert len(vs["http"]) == 1
+    allowed = set()
+    for m in public["match"]:
+        methods = m["method"].get("exact") or m["method"]["regex"]
+        allowed |= {(x, m["uri"]["exact"]) for x in methods.split("|")}
+    assert allowed == set(ec.PUBLIC_PATHS)
+    # the slow-client limits of envoy/gen's configs
+    defaults = ec.Options()
+    assert (hcm["request_timeout"], hcm["request_headers_timeout"]) == (defaults.request_timeout,
+                                                                        defaults.request_headers_timeout)
+    assert hcm["http2_protocol_options"]["max_concurrent_streams"] == defaults.max_concurrent_streams
+    cm = by_kind(docs, "istio-wasmplugin.yaml", "ConfigMap")
+    assert_heap_overload(json.loads(cm["data"]["custom_bootstrap.json"])["overload_manager"])
     ext = patches["EXTENSION_CONFIG"]["patch"]["value"]
     # Istio names the WasmPlugin's extension config <namespace>.<name>
     assert ext["name"] == "istio-system.prefix-router"
     assert ext["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
 
 
-def test_envoy_gateway(docs):
+def test_envoy_gateway(docs, composecheck, tmp_path):
     pol = by_kind(docs, "envoy-gateway.yaml", "EnvoyExtensionPolicy")["spec"]
     assert pol["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm"}]
     (wasm,) = pol["wasm"]
@@ -158,10 +180,39 @@ def test_envoy_gateway(docs):
         i = c["name"].rsplit("_", 1)[1]
         assert ep["endpoint"]["address"]["socket_address"] == {
             "address": f"sglang-llama-{i}.sglang-llama.llm.svc.cluster.local", "port_value": 30000}
-    routes = {p["operation"]["path"]: p["operation"]["value"] for p in patch["jsonPatches"]
-              if p["type"].endswith("RouteConfiguration")}
-    assert routes["/virtual_hosts/0/routes/0/route/cluster_header"] == wasm["config"]["cluster_header"]
-    assert routes["/virtual_hosts/0/routes/0/request_body_buffer_limit"] == 16 * 1024 * 1024
+    # the route patches select the rules of HTTPRoute llm/llm by name, never a position such as
+    # /virtual_hosts/0/routes/0 (which may be another HTTPRoute's route)
+    route_ops = [p["operation"] for p in patch["jsonPatches"] if p["type"].endswith("RouteConfiguration")]
+    assert route_ops and all(op["jsonPath"] == "..routes[?match(@.name, 'httproute/llm/llm/rule/.*')]"
+                             and "virtual_hosts" not in op["path"] for op in route_ops)
+    routes = {(op["op"], op["path"]): op.get("value") for op in route_ops}
+    assert routes == {("remove", "/route/cluster"): None,
+                      ("add", "/route/cluster_header"): wasm["config"]["cluster_header"],
+                      ("add", "/request_body_buffer_limit"): 16 * 1024 * 1024, ("add", "/route/timeout"): "0s"}
+    httproute = by_kind(docs, "envoy-gateway.yaml", "HTTPRoute")
+    assert (httproute["metadata"]["namespace"], httproute["metadata"]["name"]) == ("llm", "llm")
+    (rule,) = httproute["spec"]["rules"]
+    assert {(m["method"], m["path"]["value"]) for m in rule["matches"]} == set(ec.PUBLIC_PATHS)
+    assert all(m["path"]["type"] == "Exact" for m in rule["matches"])
+    # the slow-client limits of envoy/gen's configs
+    defaults = ec.Options()
+    assert ctp["timeout"]["http"]["requestReceivedTimeout"] == defaults.request_timeout
+    assert ctp["http2"]["maxConcurrentStreams"] == defaults.max_concurrent_streams
+    (hdr,) = [p["operation"] for p in patch["jsonPatches"]
+              if p["operation"].get("path") == "/request_headers_timeout"]
+    assert hdr["value"] == defaults.request_headers_timeout and "http_connection_manager" in hdr["jsonPath"]
+    proxy = by_kind(docs, "envoy-gateway.yaml", "EnvoyProxy")["spec"]["bootstrap"]
+    assert proxy["type"] == "Merge"
+    assert_heap_overload(yaml_doc(composecheck, proxy["value"], tmp_path)["overload_manager"])
+
+
+def assert_heap_overload(om: dict) -> None:
+    """An example's overload manager has envoy/gen's heap monitor, actions and load shed point."""
+    gen = ec.strip_comments(ec.overload_manager(ec.Options()))
+    heap = [m for m in gen["resource_monitors"] if m["name"] == "envoy.resource_monitors.fixed_heap"]
+    assert om["resource_monitors"] == heap
+    assert om["actions"] == gen["actions"] and om["loadshed_points"] == gen["loadshed_points"]
+    assert om["buffer_factory_config"] == gen["buffer_factory_config"]
 
 
 def test_load_poll_in_gateway_examples(docs):
@@ -213,9 +264,10 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     assert placeholder == "__PREFIX_ROUTER_PEER_SECRET__"
     (init,) = pod["initContainers"]
     script = init["command"][-1]
-    assert f"gsub(/{placeholder}/, s)" in script
+    # every placeholder filled by docker/fill-secrets.awk from the Secrets' files (never argv)
+    assert "-v hash_key_file=/hash-key/key -v peer_secret_file=/secret/secret" in script
+    assert f"-f {FILL_IN_IMAGE} /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
     assert plugin["hash_key"] == "__HASH_KEY__"  # replaced from the Secret prefix-router-hash-key
-    assert "/secret/secret /hash-key/key /config/envoy.yaml > /etc/prefix-router/envoy.yaml" in script
     assert "cp /wasm/prefix_router.wasm /etc/prefix-router/prefix_router.wasm" in script
     wasm = [f for li in cfg["static_resources"]["listeners"] for f in li["filter_chains"][0]["filters"][0]
             ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm"]
@@ -247,6 +299,21 @@ def test_statefulset_matches_scale_out_config(docs, scale_out):
     assert peer_rule == [{"from": [{"podSelector": {"matchLabels": labels}}], "ports": [{"port": 15100}]}]
 
 
+# Where the export image (docker/filter.Dockerfile) holds docker/fill-secrets.awk.
+FILL_IN_IMAGE = "/usr/local/lib/prefix-router/fill-secrets.awk"
+
+
+def _local_paths(script: str, tmp_path, dirs) -> str:
+    """An init script's container paths mapped to tmp_path/<dir>/ (the /etc/prefix-router mount
+    to run/) and the image's fill-secrets.awk to docker/'s."""
+    script = script.replace(FILL_IN_IMAGE, str(REPO / "docker" / "fill-secrets.awk"))
+    for d in dirs:
+        path = "/etc/prefix-router/" if d == "run" else f"/{d}/"
+        for sep in (" ", "="):
+            script = script.replace(sep + path, f"{sep}{tmp_path}/{d}/")
+    return script
+
+
 def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
     """The StatefulSet's init container script, run here with its absolute paths mapped into
     tmp_path (the ConfigMap = envoy/scale-out.yaml with the local .wasm path, the two Secrets)."""
@@ -261,9 +328,7 @@ def _init_script_here(docs, tmp_path, peer_secret: str, hash_key: str):
         with_local_wasm((REPO / "envoy" / "scale-out.yaml").read_text(), "/etc/prefix-router/prefix_router.wasm"))
     (tmp_path / "secret" / "secret").write_text(peer_secret + "\n")
     (tmp_path / "hash-key" / "key").write_text(hash_key + "\n")
-    for path, local in (("/etc/prefix-router/", "run/"), ("/wasm/", "wasm/"), ("/config/", "config/"),
-                        ("/secret/", "secret/"), ("/hash-key/", "hash-key/")):
-        script = script.replace(" " + path, f" {tmp_path}/{local}")
+    script = _local_paths(script, tmp_path, ("run", "wasm", "config", "secret", "hash-key"))
     r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
     out = tmp_path / "run" / "envoy.yaml"
     return r, (out.read_text() if out.exists() else "")
@@ -283,6 +348,20 @@ def test_statefulset_init_writes_both_secrets_into_the_config(docs, tmp_path):
 def test_statefulset_init_refuses_a_short_hash_key(docs, tmp_path):
     r, _ = _init_script_here(docs, tmp_path, "p" * 32, "short")
     assert r.returncode != 0 and "prefix-router-hash-key" in r.stderr
+
+
+@pytest.mark.parametrize("peer_secret,hash_key,needle", [
+    ("__PREFIX_ROUTER_PEER_SECRET__", "k" * 32, "the peer secret in"),
+    ("p" * 32, "__SOME_OTHER_KEY_NAME__", "the hash key in"),
+    ('p' * 20 + '"x', "k" * 32, "printable ASCII"),
+])
+def test_statefulset_init_refuses_a_placeholder_or_unsafe_secret(docs, tmp_path, peer_secret, hash_key, needle):
+    """A Secret that holds a placeholder (or a character that would break the JSON) stops the pod
+    in its init container, naming the file, never echoing the value."""
+    r, _ = _init_script_here(docs, tmp_path, peer_secret, hash_key)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr
+    for v in (peer_secret, hash_key):
+        assert v not in r.stderr
 
 
 def _pool_parts(docs):
@@ -353,9 +432,7 @@ def test_pool_init_writes_the_key_and_the_config_validates(docs, composecheck, t
     (tmp_path / "config" / "envoy.yaml").write_text(
         with_local_wasm((REPO / "envoy" / "pool.yaml").read_text(), "/etc/prefix-router/prefix_router.wasm"))
     (tmp_path / "hash-key" / "key").write_text("0123456789abcdef0123456789abcdef\n")
-    for path, local in (("/etc/prefix-router/", "run/"), ("/wasm/", "wasm/"), ("/config/", "config/"),
-                        ("/hash-key/", "hash-key/")):
-        script = script.replace(" " + path, f" {tmp_path}/{local}")
+    script = _local_paths(script, tmp_path, ("run", "wasm", "config", "hash-key"))
     r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "run" / "envoy.yaml").read_text()

@@ -34,9 +34,9 @@ _WASM_FILENAME = re.compile(r"(filename:\s*)(\S+\.wasm)")
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_envoy_validate(path, tmp_path):
     """Every config in envoy/ is valid for Envoy 1.40. Deployment configs name the module where a
-    container or host installs it (e.g. /etc/prefix-router/...) and carry the hash-key placeholder
-    a deployment replaces with its secret key (the filter refuses the placeholder itself,
-    tests/deploy/test_hash_key.py): validate with the local build and a key substituted, as a
+    container or host installs it (e.g. /etc/prefix-router/...) and carry the placeholders a
+    deployment replaces with its secrets (the filter refuses each one left in,
+    tests/deploy/test_secrets.py): validate with the local build and secrets substituted, as a
     deployment does, nothing else changed."""
     text = path.read_text()
     assert "envoy.filters.http.wasm" in text, f"{path.name}: not a prefix-router Envoy config?"
@@ -44,6 +44,7 @@ def test_envoy_validate(path, tmp_path):
     assert subs, f"{path.name}: no Wasm module filename"
     rendered = _WASM_FILENAME.sub(lambda m: m.group(1) + str(wasm_path()), text)
     rendered = rendered.replace(ec.HASH_KEY_PLACEHOLDER, secrets.token_hex(16))
+    rendered = rendered.replace(ec.PEER_SECRET_PLACEHOLDER, secrets.token_hex(16))
     check_config(rendered, tmp_path, path.name, cwd=REPO_ROOT)
 
 

@@ -88,7 +88,7 @@ def test_unknown_model_is_rejected_with_openai_error(multi):
 def test_passthrough_cluster_takes_all_non_inference(multi):
     multi.pool.reset()
     c = Client(multi.envoy.listener_port)
-    for path in ("/v1/models", "/health", "/get_server_info", "/metrics"):
+    for path in ("/v1/models", "/health", "/v1/models?x=1"):
         rep = c.get(path, headers=[("x-prefix-router-cluster", "w0")])
         assert rep.status == 200 and rep.worker == "w3", (path, rep.worker)
     c.close()

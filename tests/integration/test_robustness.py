@@ -49,11 +49,7 @@ def test_empty_prompt_falls_back_with_no_blocks(env, client):
     assert (rep.decision["matched"], rep.decision["total"]) == (0, 0), rep.decision
 
 
-@pytest.mark.parametrize(
-    "method,path",
-    [("GET", "/v1/models"), ("GET", "/health"), ("GET", "/get_load"), ("POST", "/flush_cache"),
-     ("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings")],
-)
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/health"), ("GET", "/v1/models?x=1")])
 def test_non_inference_requests_pass_through(env, client, method, path):
     _warm_up_blocks(client)
     rep = client.request(method, path, b"{}" if method == "POST" else None)
@@ -62,6 +58,20 @@ def test_non_inference_requests_pass_through(env, client, method, path):
     assert rep.decision["reason"] == "passthrough", rep.decision
     assert (rep.decision["matched"], rep.decision["total"]) == (0, 0), rep.decision
     assert rep.json()["path"] == path
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [("GET", "/get_load"), ("POST", "/flush_cache"), ("GET", "/v1/chat/completions"), ("POST", "/v1/embeddings")],
+)
+def test_requests_outside_the_public_route_get_a_local_404(env, client, method, path):
+    """Not inference and not a public read-only path: Envoy's own 404 (the public route;
+    tests/integration/test_public_route.py), no worker sees it."""
+    env.pool.reset()
+    rep = client.request(method, path, b"{}" if method == "POST" else None)
+    assert rep.status == 404 and rep.json()["code"] == 404, (rep.status, rep.body[:200])
+    assert rep.worker is None
+    assert not [r for _, r in env.pool.all_requests() if r["path"] == path]
 
 
 def test_unknown_model_falls_back_to_default_workers(env, client):

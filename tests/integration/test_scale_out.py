@@ -650,12 +650,10 @@ def test_peer_listener_accepts_only_authenticated_batches(fl):
     wait_until(lambda: refusals_logged(A, "prefix_router_peer_replay") >= 3, "replays in the access log")
     assert A.envoy.stats().get(RX, 0) == rx0 + 3, "a replayed batch was applied"
 
-    # On the client listener the records path is just a path: passed through to a worker, and
-    # nothing is applied.
+    # On the client listener the records path is outside the public route: Envoy's own 404, no
+    # worker sees it, and nothing is applied.
     r = A.client.post(RECORDS_PATH, body, {"content-type": "application/octet-stream"})
-    assert r.status == 200 and r.worker in fl.names, (r.status, r.headers)
-    assert r.decision.get("reason") == "passthrough", r.decision
-    assert r.json()["path"] == RECORDS_PATH
+    assert r.status == 404 and r.worker is None, (r.status, r.headers)
     assert A.envoy.stats().get(RX, 0) == rx0 + 3, "the client listener applied a record batch"
 
 

@@ -1,7 +1,7 @@
 """Abusive input at the edge, through the real Envoy + filter: oversize bodies get an OpenAI-style
 JSON 413 (Envoy's own buffer-limit reply, rewritten by local_reply_config) in both the demo config
-and envoy/gen's output; non-POST methods on inference paths pass through to a worker, which
-answers 405. (Spoofed routing headers: tests/integration/test_headers.py; unknown models, reject
+and envoy/gen's output; other methods on inference paths get Envoy's own 404 (outside the public
+route: tests/integration/test_public_route.py) and never reach a worker. (Spoofed routing headers: tests/integration/test_headers.py; unknown models, reject
 and default: tests/integration/test_config_variants.py and test_robustness.py.)
 """
 
@@ -103,10 +103,12 @@ def test_oversize_body_gets_json_413_demo_config():
     [("GET", "/v1/chat/completions"), ("PUT", "/v1/chat/completions"), ("DELETE", "/v1/completions"),
      ("PATCH", "/v1/completions"), ("GET", "/generate"), ("DELETE", "/generate")],
 )
-def test_non_post_methods_on_inference_paths_pass_through_to_a_worker(gen, method, path):
-    """Decision: not inference -> passthrough (round robin over the default model's workers, the
-    client's routing header ignored); the worker (SGLang, or the simulator) answers 405."""
+def test_non_post_methods_on_inference_paths_never_reach_a_worker(gen, method, path):
+    """Not in the public route (POST, and PUT for /generate, only): Envoy answers 404 itself, as
+    JSON, counted in http.ingress_http.no_route; the client's routing header changes nothing."""
     body = chat_body(2, 2, False) if method != "GET" else None
+    no_route = r"http\.ingress_http\.no_route"
+    before = sum(gen.envoy.counters(no_route).values())
 
     c = http.client.HTTPConnection("127.0.0.1", gen.envoy.listener_port, timeout=30)
     try:
@@ -116,8 +118,8 @@ def test_non_post_methods_on_inference_paths_pass_through_to_a_worker(gen, metho
         data = r.read()
     finally:
         c.close()
-    assert r.status == 405, (r.status, data[:200])
-    decision = r.getheader("x-prefix-router-decision") or ""
-    assert "reason=passthrough" in decision, decision
-    assert r.getheader("x-worker-id") in gen.fleet.names
+    assert r.status == 404, (r.status, data[:200])
+    assert json.loads(data)["code"] == 404, data[:200]
+    assert r.getheader("x-worker-id") is None  # no worker answered
+    assert sum(gen.envoy.counters(no_route).values()) == before + 1
     assert MODEL  # model name shared with the generated config
