@@ -21,7 +21,6 @@
 //! `policy.affinity_blocks` blocks.
 
 use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
-use crate::busy::Busy;
 use crate::config::{Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
@@ -155,7 +154,6 @@ pub struct Router {
     /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
     ids: Vec<ById>,
     ledger: Ledger,
-    busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
     /// Recent placements of prompts nobody held, shared by the VMs (`placements.rs`).
@@ -221,7 +219,6 @@ impl Router {
             dest: String::with_capacity(256),
             ids,
             ledger: Ledger::new(&cfg).seeded(seed),
-            busy: Busy::new(&cfg),
             footprint: Footprint::new(&cfg),
             placements: Placements::default(),
             verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
@@ -652,13 +649,7 @@ impl Router {
             }
         }
         let total_blocks = self.hashes.len() as u32;
-        let conversation_blocks = if self.ends.len() >= 3 {
-            self.ends.get(1).map_or(0, |&e| e as u32)
-        } else {
-            0
-        };
-        // The opening message's end, when another message follows it (a fleet prefix candidate).
-        let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
+        let (policy, matched) = (&mut self.policy, &self.matched);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
@@ -670,15 +661,10 @@ impl Router {
         } else {
             None
         };
-        let mut sampled = false;
         let mut holder = None;
         let (w, tok, reason) = self
             .ledger
             .decide(store, cfg, mi, now, |reqs, tokens, capacity| {
-                if !sampled {
-                    busy.observe(mi, now, cfg.policy.busy_window_ms, reqs);
-                    sampled = true;
-                }
                 let inp = Inputs {
                     model,
                     reqs,
@@ -690,9 +676,8 @@ impl Router {
                     prompt_tokens,
                     affinity,
                     group,
-                    conversation_blocks,
                     head_blocks,
-                    busy: busy.of(mi),
+                    rate: &[],
                     placed: footprint.of(mi),
                     recent,
                 };
