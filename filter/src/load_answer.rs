@@ -309,9 +309,78 @@ impl<'de> Visitor<'de> for Answer {
     scalars_are!(Sums::default(), integers);
 }
 
+/// What an older SGLang says of its capacity in `/get_server_info` (`/server_info`): the two
+/// settings a `/get_load` answer lacks. Read rarely (once per worker and after a failed poll,
+/// see `poll.rs`), so a `serde_json::Value` tree is fine here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// `max_running_requests`; 0: not reported.
+    pub max_running_requests: u32,
+    /// `max_total_num_tokens` (the KV cache's capacity in tokens); 0: not reported.
+    pub max_total_num_tokens: u32,
+}
+
+/// The capacity in a server-info answer: each field at the top level (the server arguments),
+/// else in the first `internal_states` entry (the scheduler's own value, which SGLang reports
+/// there when the argument was left unset). `None` for anything that is not a JSON object or
+/// reports neither field as a positive integer.
+pub fn parse_server_info(body: &[u8]) -> Option<ServerInfo> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let top = v.as_object()?;
+    let state = top
+        .get("internal_states")
+        .and_then(|s| s.as_array())
+        .and_then(|a| a.first())
+        .and_then(|s| s.as_object());
+    let field = |name: &str| -> u32 {
+        let of = |o: &serde_json::Map<String, serde_json::Value>| {
+            o.get(name).and_then(|x| x.as_u64()).filter(|&x| x > 0)
+        };
+        of(top).or_else(|| state.and_then(of)).map_or(0, sat)
+    };
+    let info = ServerInfo {
+        max_running_requests: field("max_running_requests"),
+        max_total_num_tokens: field("max_total_num_tokens"),
+    };
+    (info != ServerInfo::default()).then_some(info)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_info_capacity_from_arguments_or_scheduler_state() {
+        let sim = br#"{"model_path":"m","max_total_num_tokens":200000,"max_running_requests":16,"dp_size":1}"#;
+        let want = ServerInfo {
+            max_running_requests: 16,
+            max_total_num_tokens: 200_000,
+        };
+        assert_eq!(parse_server_info(sim), Some(want));
+        // Argument unset (null): the scheduler's value in internal_states.
+        let unset = br#"{"max_running_requests":null,"internal_states":[{"max_running_requests":16,"max_total_num_tokens":200000}]}"#;
+        assert_eq!(parse_server_info(unset), Some(want));
+        for bad in [
+            &b"not json"[..],
+            b"[1,2]",
+            b"{}",
+            br#"{"max_running_requests":-3,"max_total_num_tokens":"many"}"#,
+            br#"{"internal_states":"x"}"#,
+        ] {
+            assert_eq!(
+                parse_server_info(bad),
+                None,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Larger than u32: saturated.
+        let big = br#"{"max_total_num_tokens":99999999999}"#;
+        assert_eq!(
+            parse_server_info(big).map(|i| i.max_total_num_tokens),
+            Some(u32::MAX)
+        );
+    }
     use proptest::prelude::*;
 
     /// The model: the whole answer as a `serde_json::Value` tree, read by the rules in the

@@ -108,11 +108,7 @@ impl Polls {
             }) else {
                 continue;
             };
-            let path = if t.fallback {
-                lp.fallback_path.as_str()
-            } else {
-                lp.path.as_str()
-            };
+            let path = t.path(lp);
             let pooled = r
                 .cfg()
                 .models
