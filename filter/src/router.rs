@@ -20,7 +20,7 @@
 //! fleet instead of all landing on one worker. Other prompts use their first
 //! `policy.affinity_blocks` blocks.
 
-use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
+use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed, salted_seed};
 use crate::config::{Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
@@ -495,11 +495,14 @@ impl Router {
                 now,
             ));
         }
-        let seed = keyed_seed(
-            cfg.hash_key,
-            model.name.as_bytes(),
-            parsed.lora.as_deref().map(str::as_bytes),
-            tenant,
+        let seed = salted_seed(
+            keyed_seed(
+                cfg.hash_key,
+                model.name.as_bytes(),
+                parsed.lora.as_deref().map(str::as_bytes),
+                tenant,
+            ),
+            parsed.cache_salt.as_deref().map(str::as_bytes),
         );
         // A block: `block` bytes of text, or `block` token ids (`ids.rs`).
         let truncated = parsed.truncated
@@ -1430,6 +1433,59 @@ mod tests {
         for tenant in [&b"globex"[..], b""] {
             let d = routed(r.route_for(&s, Endpoint::Chat, &body, tenant, 3));
             assert_eq!((d.matched_blocks, d.probes > 0), (0, true), "{tenant:?}");
+            r.release(&s, &d);
+        }
+    }
+
+    #[test]
+    fn salted_prompts_never_match_each_other_and_no_salt_hashes_as_before() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 13);
+        r.init_store(&s);
+        let text = "salted document ".repeat(40);
+        let with = |salt: serde_json::Value, ep: Endpoint| {
+            let mut v = match ep {
+                Endpoint::Chat => serde_json::json!({"model": "llama", "messages": [
+                    {"role": "system", "content": text}, {"role": "user", "content": "u"}]}),
+                _ => serde_json::json!({"model": "llama", "prompt": text}),
+            };
+            if !salt.is_null() {
+                v["cache_salt"] = salt;
+            }
+            v.to_string().into_bytes()
+        };
+        for ep in [Endpoint::Chat, Endpoint::Completions] {
+            let a = with(serde_json::json!("tenant-a"), ep);
+            served(&mut r, &s, ep, &a, 1);
+            let d = routed(r.route(&s, ep, &a, 2));
+            assert!(d.matched_blocks > 0, "the same salt matches");
+            r.release(&s, &d);
+            // Another salt, or none: nothing matches.
+            for other in [serde_json::json!("tenant-b"), serde_json::Value::Null] {
+                let d = routed(r.route(&s, ep, &with(other.clone(), ep), 2));
+                assert_eq!(d.matched_blocks, 0, "{other}");
+                r.release(&s, &d);
+            }
+        }
+        // No salt, a null salt and an empty salt hash as a body without the field.
+        let plain = chat("llama", &text, "u");
+        served(&mut r, &s, Endpoint::Chat, &plain, 3);
+        for salt in [serde_json::Value::Null, serde_json::json!("")] {
+            let mut v: serde_json::Value = serde_json::from_slice(&plain).unwrap();
+            v["cache_salt"] = salt.clone();
+            let d = routed(r.route(&s, Endpoint::Chat, v.to_string().as_bytes(), 4));
+            assert!(d.matched_blocks > 0, "{salt}");
+            r.release(&s, &d);
+        }
+        // A salt that is not a string: a malformed body, routed (parse_error), never dropped.
+        for bad in [
+            serde_json::json!(5),
+            serde_json::json!(["x"]),
+            serde_json::json!({}),
+        ] {
+            let body = with(bad.clone(), Endpoint::Chat);
+            let d = routed(r.route(&s, Endpoint::Chat, &body, 5));
+            assert_eq!(d.reason, Reason::ParseError, "{bad}");
             r.release(&s, &d);
         }
     }
