@@ -28,6 +28,9 @@ pub struct Load {
     pub tokens: u32,
     /// Requests the worker runs at once (`max_running_requests`); 0: not reported.
     pub capacity: u32,
+    /// Requests waiting to start (`num_waiting_reqs`, both endpoints): a worker with some is
+    /// busy, which is when its counters show its prefill rate (`poll.rs`).
+    pub waiting: u32,
 }
 
 /// The load in the answer `body`.
@@ -39,6 +42,7 @@ pub fn parse(body: &[u8]) -> Option<Load> {
         reqs: sat(sums.reqs),
         tokens: sat(sums.tokens),
         capacity: sat(sums.capacity),
+        waiting: sat(sums.waiting),
     })
 }
 
@@ -52,6 +56,7 @@ struct Sums {
     reqs: u64,
     tokens: u64,
     capacity: u64,
+    waiting: u64,
     any: bool,
 }
 
@@ -76,11 +81,13 @@ impl Rank {
                 .saturating_add(running.saturating_add(self.waiting.unwrap_or(0)));
             s.tokens = s.tokens.saturating_add(self.uncached.unwrap_or(0));
             s.capacity = s.capacity.saturating_add(self.capacity.unwrap_or(0));
+            s.waiting = s.waiting.saturating_add(self.waiting.unwrap_or(0));
             s.any = true;
         } else if let Some(n) = self.reqs {
             // /get_load: num_reqs already includes the waiting ones.
             s.reqs = s.reqs.saturating_add(n);
             s.tokens = s.tokens.saturating_add(self.tokens.unwrap_or(0));
+            s.waiting = s.waiting.saturating_add(self.waiting.unwrap_or(0));
             s.any = true;
         }
     }
@@ -398,6 +405,7 @@ mod tests {
         };
         let num = |r: &Value, k: &str| r.get(k).and_then(Value::as_u64);
         let (mut reqs, mut tokens, mut capacity, mut any) = (0u64, 0u64, 0u64, false);
+        let mut waiting = 0u64;
         for r in ranks {
             if let Some(running) = num(r, "num_running_reqs") {
                 reqs = reqs.saturating_add(
@@ -405,10 +413,12 @@ mod tests {
                 );
                 tokens = tokens.saturating_add(num(r, "num_waiting_uncached_tokens").unwrap_or(0));
                 capacity = capacity.saturating_add(num(r, "max_running_requests").unwrap_or(0));
+                waiting = waiting.saturating_add(num(r, "num_waiting_reqs").unwrap_or(0));
                 any = true;
             } else if let Some(n) = num(r, "num_reqs") {
                 reqs = reqs.saturating_add(n);
                 tokens = tokens.saturating_add(num(r, "num_tokens").unwrap_or(0));
+                waiting = waiting.saturating_add(num(r, "num_waiting_reqs").unwrap_or(0));
                 any = true;
             }
         }
@@ -416,6 +426,7 @@ mod tests {
             reqs: sat(reqs),
             tokens: sat(tokens),
             capacity: sat(capacity),
+            waiting: sat(waiting),
         })
     }
 
@@ -426,6 +437,7 @@ mod tests {
             reqs: 5,
             tokens: 41,
             capacity: 256,
+            waiting: 2,
         };
         assert_eq!(parse(body), Some(load));
         assert_eq!(parse(body), model(body));

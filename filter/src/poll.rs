@@ -259,7 +259,22 @@ struct Endpoint {
     down: bool,
     /// `max_running_requests` from the server info; 0: unknown.
     capacity: u32,
+    /// Whether every load answer since the last counter sample showed requests waiting (`None`:
+    /// no answer since): the worker was busy throughout, so its counters show its rate.
+    backlogged: Option<bool>,
+    /// The last counter sample: prompt and cached token totals, when (ms).
+    counted: Option<(u64, u64, u64)>,
+    /// Learned prefill rate, uncached prompt tokens per busy second; 0: not yet.
+    rate: f64,
 }
+
+/// A busy window shorter than this (ms) says too little about a rate.
+const RATE_MIN_WINDOW_MS: u64 = 1000;
+/// ... and one that prefilled fewer uncached tokens than this.
+const RATE_MIN_TOKENS: u64 = 512;
+/// Weight of a new busy window in the learned rate (an exponential average: SGLang counts a
+/// request's tokens when it finishes, so single windows are noisy).
+const RATE_WEIGHT: f64 = 0.25;
 
 /// What a model's load value (`load.rs`) says about its traffic, read by the poller: its
 /// stamp (the CAS token, which every decision and every written release changes; `None` when
@@ -432,6 +447,7 @@ impl Poller {
         match parsed {
             Some(mut l) => {
                 self.answers += 1;
+                e.backlogged = Some(e.backlogged.unwrap_or(true) && l.waiting > 0);
                 if e.down {
                     // Back after a failure (maybe a restart): read its capacity again.
                     e.info_done = false;
@@ -447,9 +463,48 @@ impl Poller {
             None => {
                 self.failures += 1;
                 e.down = true;
+                e.backlogged = Some(false);
                 Some((t, None))
             }
         }
+    }
+
+    /// Worker `w` of model `mi` reported cumulative `prompt` and `cached` token counters at
+    /// `now_ms` (`hits.rs`): when every load answer since its previous sample showed requests
+    /// waiting, the uncached tokens it counted per second of that window are its prefill rate
+    /// while busy, averaged into the rate it returns (tokens/s; 0: not learned yet). Counters
+    /// that went backwards (a restart) forget the rate. A worker never busy keeps the
+    /// configured rate (`policy.cost.prefill_tokens_per_second`): a rate measured while idle
+    /// would be its traffic, not its speed.
+    pub fn rate_sample(
+        &mut self,
+        mi: usize,
+        w: usize,
+        prompt: u64,
+        cached: u64,
+        now_ms: u64,
+    ) -> u32 {
+        let Some(e) = self.endpoints.get_mut(mi).and_then(|m| m.get_mut(w)) else {
+            return 0;
+        };
+        let busy = e.backlogged.take() == Some(true);
+        if let Some((p0, c0, t0)) = e.counted.replace((prompt, cached, now_ms)) {
+            if prompt < p0 || cached < c0 {
+                e.rate = 0.0;
+            } else {
+                let done = (prompt - p0).saturating_sub(cached - c0);
+                let dt = now_ms.saturating_sub(t0);
+                if busy && dt >= RATE_MIN_WINDOW_MS && done >= RATE_MIN_TOKENS {
+                    let sample = done as f64 * 1000.0 / dt as f64;
+                    e.rate = if e.rate > 0.0 {
+                        e.rate + RATE_WEIGHT * (sample - e.rate)
+                    } else {
+                        sample
+                    };
+                }
+            }
+        }
+        e.rate.min(f64::from(u32::MAX)) as u32
     }
 }
 
@@ -489,18 +544,19 @@ mod tests {
         let v1 = br#"{"timestamp":1.0,"loads":[
             {"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":2,"num_waiting_uncached_tokens":700},
             {"dp_rank":1,"num_running_reqs":1,"num_waiting_reqs":0,"num_waiting_uncached_tokens":5}]}"#;
-        let load = |reqs, tokens, capacity| {
+        let load = |reqs, tokens, capacity, waiting| {
             Some(Load {
                 reqs,
                 tokens,
                 capacity,
+                waiting,
             })
         };
-        assert_eq!(parse_load(v1), load(6, 705, 0));
+        assert_eq!(parse_load(v1), load(6, 705, 0, 2));
         let bare = br#"[{"dp_rank":0,"num_running_reqs":4,"num_waiting_reqs":1,"max_running_requests":16}]"#;
-        assert_eq!(parse_load(bare), load(5, 0, 16));
+        assert_eq!(parse_load(bare), load(5, 0, 16, 1));
         let old = br#"[{"dp_rank":0,"num_reqs":7,"num_waiting_reqs":4,"num_tokens":900}]"#;
-        assert_eq!(parse_load(old), load(7, 900, 0));
+        assert_eq!(parse_load(old), load(7, 900, 0, 4));
         for bad in [
             &b"not json"[..],
             b"{}",
@@ -795,5 +851,46 @@ mod tests {
         assert!(ask(&mut p, t, 200, b"{}").is_none());
         let t = p.round(0).next().unwrap();
         assert_eq!(ask(&mut p, t, 200, old).unwrap().1.unwrap().capacity, 0);
+    }
+
+    #[test]
+    fn the_prefill_rate_is_learned_from_busy_windows_only() {
+        let mut p = Poller::new([1usize].into_iter());
+        let mut token = 0;
+        let mut answer = |p: &mut Poller, waiting: u32| {
+            let t = p.round(0).find(|t| !t.info).unwrap();
+            token += 1;
+            p.sent(token, t, 0);
+            let body = format!(
+                r#"[{{"num_running_reqs":4,"num_waiting_reqs":{waiting},"max_running_requests":8}}]"#
+            );
+            p.answer(token, Some(200), body.as_bytes()).unwrap();
+        };
+        // First sample: nothing to compare with.
+        assert_eq!(p.rate_sample(0, 0, 0, 0, 0), 0);
+        // An idle window (nothing waiting): throughput is traffic, not speed.
+        answer(&mut p, 0);
+        assert_eq!(p.rate_sample(0, 0, 10_000, 0, 2000), 0);
+        // A busy window: 30k prompt tokens, 6k of them cached, in 2 s: 12k tokens/s.
+        answer(&mut p, 3);
+        answer(&mut p, 1);
+        assert_eq!(p.rate_sample(0, 0, 40_000, 6_000, 4000), 12_000);
+        // One answer with nothing waiting makes the window idle.
+        answer(&mut p, 3);
+        answer(&mut p, 0);
+        assert_eq!(p.rate_sample(0, 0, 80_000, 6_000, 6000), 12_000);
+        // No answer at all since the last sample: not known to be busy.
+        assert_eq!(p.rate_sample(0, 0, 90_000, 6_000, 8000), 12_000);
+        // Busy again at 20k tokens/s: averaged in (weight 1/4).
+        answer(&mut p, 2);
+        assert_eq!(p.rate_sample(0, 0, 130_000, 6_000, 10_000), 14_000);
+        // Too short a window, or too few tokens: ignored.
+        answer(&mut p, 2);
+        assert_eq!(p.rate_sample(0, 0, 140_000, 6_000, 10_500), 14_000);
+        // Counters went backwards (a restart): forgotten.
+        answer(&mut p, 2);
+        assert_eq!(p.rate_sample(0, 0, 5, 0, 12_000), 0);
+        // Unknown workers: 0.
+        assert_eq!(p.rate_sample(3, 0, 5, 0, 12_000), 0);
     }
 }

@@ -653,6 +653,7 @@ impl Router {
         }
         let total_blocks = self.hashes.len() as u32;
         let (policy, matched) = (&mut self.policy, &self.matched);
+        let rate = self.verifier.rates(mi);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
@@ -680,7 +681,7 @@ impl Router {
                     affinity,
                     group,
                     head_blocks,
-                    rate: &[],
+                    rate,
                     placed: footprint.of(mi),
                     recent,
                 };
@@ -1094,6 +1095,7 @@ mod tests {
         let sample = crate::hits::Sample {
             counters: crate::hits::Counters { prompt, cached },
             at,
+            rate: 0,
         };
         assert!(crate::hits::publish(
             s,

@@ -739,6 +739,27 @@ mod tests {
     }
 
     #[test]
+    fn a_faster_worker_drains_the_same_queue_sooner() {
+        // Two workers hold the same prefix with the same prefill queued; worker 1 has been
+        // measured at twice the configured rate: its queue is half the seconds.
+        let m = model(2);
+        let p = PolicyConfig::default();
+        let (reqs, tokens, matched) = ([0u32; 2], [3000u32; 2], [50u32; 2]);
+        for (rate, want) in [([0.0f32, 60_000.0], 1), ([60_000.0, 0.0], 0)] {
+            let inp = Inputs {
+                rate: &rate,
+                ..inputs(&m, &reqs, &tokens, &matched, 7)
+            };
+            assert_eq!(choose(&p, &inp), (want, Reason::PrefixHit));
+        }
+        // Unknown rates: the configured one (× weight), so equal here: the rendezvous order.
+        let inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        let c = Cost::new(&p);
+        let h = deepest_held(&inp);
+        assert_eq!(seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
+    }
+
+    #[test]
     fn chat_and_completions_forms_of_a_follow_up_get_the_same_decision() {
         // The same conversation as a chat (opening message 10 blocks, its own rendezvous keys)
         // and as one completions text (no message structure, keys of its first blocks): only
@@ -1128,7 +1149,13 @@ mod tests {
                         None => Vec::new(),
                         Some(c) => (0..n as u32).map(|i| (c + i * 5) % 17).collect(),
                     };
+                    // Learned rates for some workers (0: the configured rate).
+                    let rates: Vec<f32> = tokens
+                        .iter()
+                        .map(|&t| if t % 3 == 0 { (t % 50_000) as f32 } else { 0.0 })
+                        .collect();
                     let mut inp = inputs(m, &reqs, &tokens, &matched, key);
+                    inp.rate = &rates;
                     inp.placed = &placed;
                     inp.capacity = &capacity;
                     inp.group = key.rotate_left(17);

@@ -10,7 +10,10 @@
 //! is relative; a worker's rate absorbs its GPU and model.
 //!
 //! **Rate.** Worker `i` prefills `r_i` zero-context tokens per second: its learned rate when
-//! known, else `policy.cost.prefill_tokens_per_second` × its weight.
+//! known, else `policy.cost.prefill_tokens_per_second` × its weight. Learned (`poll.rs`): the
+//! uncached prompt tokens its counters (`sglang:prompt_tokens_total` − `cached_tokens_total`)
+//! grew by per second over windows in which every load poll showed requests waiting (busy
+//! throughout), averaged; slightly low, since those tokens had context.
 //!
 //! **Cost.** Worker `i` holds `h_i` of the prompt's `P` tokens (the index's match), has `Q_i`
 //! tokens of prefill queued (polled `num_waiting_uncached_tokens` plus prompts sent since and not
@@ -103,11 +106,6 @@ impl Cost {
         let queued = self.load_weight * (w.queued + self.request_tokens * w.reqs);
         let copy = self.copy_weight * (deepest - held).max(0.0);
         (own + queued + copy) / w.rate
-    }
-
-    /// Seconds of `tokens` zero-context prefill on a worker of rate `rate`.
-    pub fn prefill_seconds(&self, tokens: f64, rate: f64) -> f64 {
-        tokens / rate
     }
 }
 
