@@ -226,13 +226,16 @@ def _int_opt(opt: str, v: str | None):
 
 
 def _secret_file(path: str, option: str, what: str) -> str:
-    """A secret read from `path` (whitespace around it dropped), checked as check_secret does."""
-    opt = f"{option} {path}"
+    """A secret read from `path` (whitespace around it dropped), checked as check_secret does.
+    Errors name the option, never the path: a secret pasted where the path belongs must not be
+    printed back."""
     try:
         with open(path, encoding="utf-8") as f:
-            return check_secret(f.read().strip(), opt)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(opt, f"cannot read the {what}: {e}") from None
+            return check_secret(f.read().strip(), option)
+    except OSError as e:
+        raise ConfigError(option, f"cannot read the {what} file: {e.strerror or type(e).__name__}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(option, f"cannot read the {what} file: not UTF-8 text") from None
 
 
 # Options whose value is a secret: the header comment shows REDACTED instead (a config is read by

@@ -207,3 +207,12 @@ def test_no_secret_in_a_running_envoys_stats_or_log(tmp_path):
         envoy.stop()
     log = Path(envoy.log_path).read_text(errors="replace")
     assert KEY not in log and PEER not in log
+
+
+def test_a_secret_given_where_its_file_belongs_is_not_echoed():
+    """`--hash-key-file KEY` / `--peer-secret-file SECRET` (the value pasted instead of a path):
+    the error names the option, never what was given."""
+    for opt, value in (("--hash-key-file", KEY), ("--peer-secret-file", PEER)):
+        err = gen_fail("--model", "m=10.0.0.1:8000", opt, value)
+        assert opt in err, err
+        assert KEY not in err and PEER not in err, err
