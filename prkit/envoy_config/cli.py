@@ -37,8 +37,67 @@ def _json_value(opt: str, text: str):
         return text  # a bare word is a string
 
 
+_OPTION_NAME = re.compile(r"--?[A-Za-z][A-Za-z0-9_-]*")
+
+
+def _unrecognized(extras: list[str]) -> ConfigError:
+    """The error for arguments the parser does not know, naming only what looks like an option
+    (without any `=VALUE`) and never the word after one: a mistyped secret option
+    (`--peer-secrt S`) or a value after a flag (`--hash-key-placeholder K`) must not print S or K."""
+    named: list[str] = []
+    hidden = 0
+    after_option = False
+    for x in extras:
+        name, eq, _ = x.partition("=")
+        if not after_option and _OPTION_NAME.fullmatch(name):
+            named.append(name)
+            after_option = not eq
+        else:
+            hidden += 1
+            after_option = False
+    if not named:
+        return ConfigError("<arguments>", f"{hidden} unexpected argument(s) (values are not shown; see --help)")
+    more = f", and {hidden} other argument(s) (values are not shown)" if hidden else " (values are not shown)"
+    also = f" (also {', '.join(named[1:])})" if len(named) > 1 else ""
+    return ConfigError(named[0], f"unrecognized option{also}{more}; see --help")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors never contain a value from the command line: its own messages quote
+    them (`unrecognized arguments: --peer-secrt S`, `invalid choice: 'S'`), and the value may be a
+    secret typed after a mistyped option. Errors are raised as ConfigError (one line, exit 2)."""
+
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(self._argv, namespace)
+        if extras:
+            raise _unrecognized(extras)
+        return ns
+
+    def error(self, message: str):
+        # argparse quotes every value it repeats ('...' or "..."): keep the text before the first
+        # quote. "argument --opt: ..." names a defined option, which is safe to repeat.
+        option, reason = "<arguments>", message
+        head, sep, rest = message.partition(": ")
+        if head.startswith("argument ") and sep:
+            option, reason = head[len("argument "):], rest
+        cut = min((i for i in (reason.find("'"), reason.find('"')) if i >= 0), default=-1)
+        if cut >= 0:
+            reason = reason[:cut].rstrip(" :") + " (the value is not shown)"
+            action = self._option_string_actions.get(option.split("/")[0])
+            if action is not None and action.choices:
+                reason += f"; choose from {', '.join(map(str, action.choices))}"
+        # A last guard for messages that repeat a word of the command line unquoted: any word
+        # that is not one of this parser's option names is blanked.
+        for x in sorted(getattr(self, "_argv", []), key=len, reverse=True):
+            for word in {x, x.partition("=")[2]}:
+                if len(word) >= 4 and word not in self._option_string_actions:
+                    option, reason = option.replace(word, "..."), reason.replace(word, "...")
+        raise ConfigError(option, reason)
+
+
 def arg_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="envoy/gen",
         # options are spelled out: an abbreviation of a secret's option could escape the header's
         # redaction (command_line)
@@ -167,13 +226,16 @@ def _int_opt(opt: str, v: str | None):
 
 
 def _secret_file(path: str, option: str, what: str) -> str:
-    """A secret read from `path` (whitespace around it dropped), checked as check_secret does."""
-    opt = f"{option} {path}"
+    """A secret read from `path` (whitespace around it dropped), checked as check_secret does.
+    Errors name the option, never the path: a secret pasted where the path belongs must not be
+    printed back."""
     try:
         with open(path, encoding="utf-8") as f:
-            return check_secret(f.read().strip(), opt)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(opt, f"cannot read the {what}: {e}") from None
+            return check_secret(f.read().strip(), option)
+    except OSError as e:
+        raise ConfigError(option, f"cannot read the {what} file: {e.strerror or type(e).__name__}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(option, f"cannot read the {what} file: not UTF-8 text") from None
 
 
 # Options whose value is a secret: the header comment shows REDACTED instead (a config is read by

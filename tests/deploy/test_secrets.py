@@ -166,6 +166,24 @@ def test_gen_errors_never_echo_a_secret():
     assert "placeholder" in err and "--peer-secret-placeholder" in err, err
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--peer-secrt", PEER], "--peer-secrt"),  # a mistyped secret option, then the secret
+    ([f"--hash-ky={KEY}"], "--hash-ky"),
+    (["--hash-key-file", "/dev/null", "--peer-secret-fil", f"-{PEER}"], "--peer-secret-fil"),
+    (["--hash-key-placeholder", KEY], None),  # a flag takes no value: the secret is left over
+    (["--profile", KEY], "--profile"),  # argparse quotes an invalid choice
+    (["--help=" + KEY], "--help"),
+])
+def test_gen_argument_errors_never_echo_a_value(args, named):
+    """A secret typed where the parser does not expect it (after a mistyped option, after a flag,
+    as an option's bad value) is refused in one line that names the option and never the value."""
+    err = gen_fail("--model", "m=10.0.0.1:8000", *args)
+    assert KEY not in err and PEER not in err and PEER[-12:] not in err, err
+    if named:
+        assert named in err, err
+    assert "not shown" in err, err
+
+
 def test_no_secret_in_a_running_envoys_stats_or_log(tmp_path):
     """A real Envoy with a hash key and a peer secret, after some requests: neither value in its
     stats (text and Prometheus) or its log."""
@@ -189,3 +207,12 @@ def test_no_secret_in_a_running_envoys_stats_or_log(tmp_path):
         envoy.stop()
     log = Path(envoy.log_path).read_text(errors="replace")
     assert KEY not in log and PEER not in log
+
+
+def test_a_secret_given_where_its_file_belongs_is_not_echoed():
+    """`--hash-key-file KEY` / `--peer-secret-file SECRET` (the value pasted instead of a path):
+    the error names the option, never what was given."""
+    for opt, value in (("--hash-key-file", KEY), ("--peer-secret-file", PEER)):
+        err = gen_fail("--model", "m=10.0.0.1:8000", opt, value)
+        assert opt in err, err
+        assert KEY not in err and PEER not in err, err
