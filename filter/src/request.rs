@@ -1,8 +1,9 @@
 //! Request understanding: which endpoint, which model, and the prompt's canonical bytes.
 //!
 //! The body is parsed once with serde visitors that write the prompt straight into a reusable
-//! buffer; no JSON tree is built and nothing but `model` / `lora_path` / `cache_salt` is kept. Fields we do not
-//! need are skipped with `IgnoredAny` (still validated, so malformed JSON is always detected).
+//! buffer; no JSON tree is built and nothing but `model` / `lora_path` / `cache_salt` is kept.
+//! Fields we do not need are skipped with `IgnoredAny` (still validated, so malformed JSON is
+//! always detected).
 //!
 //! Canonical form (chat): first a header of what chat templates render before the messages,
 //! `0x1C key raw-json` for `tools`, `tool_choice` and `chat_template_kwargs` in the body's order
