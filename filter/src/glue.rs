@@ -170,11 +170,12 @@ impl Root {
         };
         self.polls.configure(router.cfg(), me);
         // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
-        // replicas' VMs would need the same id and the same clock nanoseconds).
-        router.set_peer_sender(me);
+        // replicas' VMs would need the same id and the same clock nanoseconds). A membership
+        // change keeps it and its sequence (`peer_flush::PeerSender`).
+        self.peers.set_sender(me);
         if let Some(old) = &self.state {
-            if let (Some(joined), Ok(o)) = (change, old.router.try_borrow()) {
-                router.adopt(&o, joined);
+            if let (Some(joined), Ok(mut o)) = (change, old.router.try_borrow_mut()) {
+                router.adopt(&mut o, joined);
             }
             old.closing.set(true);
             old.flush_all(h);

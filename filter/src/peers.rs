@@ -15,8 +15,11 @@
 //! +1 per batch), the sender's wall clock in ms (u64), the records, then HMAC-SHA256 of all of
 //! that keyed by `peers.secret` (32 bytes); integers little-endian. The secret itself never
 //! travels: a captured batch proves nothing about it and cannot be altered. The sender is unique
-//! per VM (its lease id in this Envoy and its start time in nanoseconds) and its sequence starts
-//! at 1 with each configuration, so a restarted or reconfigured VM is a new sender.
+//! per VM and configuration (its lease id in this Envoy and the clock in nanoseconds when the
+//! configuration arrived), so a restarted or reconfigured VM is a new sender, never a replay of
+//! the old one. Its sequence starts at 1 and goes on across membership rebuilds of the pool
+//! models (`glue::Root::install` keeps the sender, `peer_flush::PeerSender` its sequence): a
+//! rebuild is not a new sender to the peers, and its batches are not replays.
 //!
 //! **Receiving.** Only the filter on the peer listener (`peer_listener: true`) accepts batches, at
 //! `POST /prefix-router/v1/records`. [`open`] checks the form and size (at most `max_batch`
@@ -103,10 +106,6 @@ pub struct Outbox {
     relay: Vec<u8>,
     /// The last sealed batch ([`Outbox::seal`]); its capacity is kept between flushes.
     wire: Vec<u8>,
-    /// This sender's identity in its batches: unique per VM (see `glue::Root::on_configure`).
-    sender: u64,
-    /// Sequence number of the last sealed batch (the next one is one more).
-    seq: u64,
 }
 
 impl Outbox {
@@ -117,15 +116,7 @@ impl Outbox {
             dropped: 0,
             relay: Vec::new(),
             wire: Vec::new(),
-            sender: 0,
-            seq: 0,
         }
-    }
-
-    /// Sets this outbox's sender identity; the sequence starts again (a new sender to peers).
-    pub fn set_sender(&mut self, sender: u64) {
-        self.sender = sender;
-        self.seq = 0;
     }
 
     pub fn push(&mut self, model_key: u32, worker: u32, hash: u64) {
@@ -151,18 +142,10 @@ impl Outbox {
         &self.buf
     }
 
-    /// The batch to send now: header (this sender, its next sequence number, `now_ms`), the
+    /// The batch to send now: header (`sender`, its sequence number `seq`, `now_ms`), the
     /// records and the MAC. One HMAC-SHA256 over the batch per flush, not per peer.
-    pub fn seal(&mut self, secret: &str, now_ms: u64) -> &[u8] {
-        self.seq += 1;
-        seal_into(
-            &mut self.wire,
-            secret,
-            self.sender,
-            self.seq,
-            now_ms,
-            &self.buf,
-        );
+    pub fn seal(&mut self, secret: &str, sender: u64, seq: u64, now_ms: u64) -> &[u8] {
+        seal_into(&mut self.wire, secret, sender, seq, now_ms, &self.buf);
         &self.wire
     }
 
@@ -602,14 +585,13 @@ mod tests {
         let c = cfg();
         let m = &c.models[0];
         let mut ob = Outbox::new(4);
-        ob.set_sender(42);
         ob.push(m.peer_key, m.workers[1].id, 0xABCD);
         ob.push(m.peer_key, 12345, 0xBEEF); // unknown worker
         ob.push(77, m.workers[0].id, 0xF00D); // unknown model
         assert_eq!(ob.len(), 3);
         let s = MemStore::new();
         let mut sc = IndexBuffers::default();
-        let batch = ob.seal(SECRET, NOW).to_vec();
+        let batch = ob.seal(SECRET, 42, 1, NOW).to_vec();
         assert_eq!(batch.len(), HEADER + 3 * REC + MAC_LEN);
         assert_eq!(batch, seal(SECRET, 42, 1, NOW, ob.records()));
         let a = receive(&s, &c, &batch, NOW, 10, &mut sc).unwrap();
@@ -622,9 +604,9 @@ mod tests {
         assert!(sc.written.is_empty(), "not forwarded again");
         ob.clear();
         assert!(ob.is_empty());
-        // The next batch has the next sequence number.
+        // The next batch carries the sequence number it is given.
         ob.push(m.peer_key, m.workers[1].id, 0xABCE);
-        let next = ob.seal(SECRET, NOW + 5).to_vec();
+        let next = ob.seal(SECRET, 42, 2, NOW + 5).to_vec();
         assert_eq!(open(peers(&c), &next, NOW).unwrap().seq, 2);
     }
 

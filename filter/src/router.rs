@@ -362,9 +362,13 @@ impl Router {
     }
 
     /// After a membership change rebuilt this router from `old`'s configuration: every worker
-    /// still present keeps its self-check window, and each pool worker's join time applies
-    /// (`membership.rs`).
-    pub fn adopt(&mut self, old: &Router, joined: &[(usize, Vec<crate::membership::Member>)]) {
+    /// still present keeps its self-check window, each pool worker's join time applies
+    /// (`membership.rs`), and the peer records not sent yet go out with this router's next batch
+    /// (they name workers by address, valid across the change).
+    pub fn adopt(&mut self, old: &mut Router, joined: &[(usize, Vec<crate::membership::Member>)]) {
+        if let (Some(_), Some(_)) = (&self.outbox, &old.outbox) {
+            std::mem::swap(&mut self.outbox, &mut old.outbox);
+        }
         for (mi, m) in self.cfg.models.iter().enumerate() {
             let (Some(old_m), Some(old_ids)) = (old.cfg.models.get(mi), old.ids.get(mi)) else {
                 continue;
@@ -991,13 +995,6 @@ impl Router {
     /// The peers' configuration and this VM's records for them (`None` without `peers`).
     pub fn outbox(&mut self) -> Option<(&PeersConfig, &mut Outbox)> {
         Some((self.cfg.peers.as_ref()?, self.outbox.as_mut()?))
-    }
-
-    /// Names this VM as the sender of its peer batches (`peers.rs`).
-    pub fn set_peer_sender(&mut self, me: u64) {
-        if let Some(ob) = self.outbox.as_mut() {
-            ob.set_sender(me);
-        }
     }
 
     /// Hands this VM's peer records to the root that sends them (a VM that cannot call,

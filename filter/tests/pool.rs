@@ -291,3 +291,68 @@ fn workers_sharing_an_address_keep_their_requests() {
         s.on_done(&h);
     }
 }
+
+/// Delivers a captured peer batch to `root`'s peer listener; returns the reply status and its
+/// details.
+fn deliver(h: &FakeHost, root: &Root, body: &[u8]) -> (u32, String) {
+    let n = h.state.borrow().replies.len();
+    {
+        let mut s = h.state.borrow_mut();
+        s.request_headers = vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/prefix-router/v1/records".into()),
+        ];
+        s.request_body = body.to_vec();
+    }
+    let mut st = root.new_stream().expect("configured");
+    st.on_request_headers(h, false);
+    st.on_request_body(h, body.len(), true);
+    st.on_done(h);
+    let s = h.state.borrow();
+    assert_eq!(s.replies.len(), n + 1, "the listener answers");
+    (
+        s.replies[n].0,
+        s.reply_details.last().cloned().unwrap_or_default(),
+    )
+}
+
+/// Index records reach the peers across membership changes: a rebuild keeps the VM's sender
+/// and its sequence, so the peers never take the batches after it for replays (issue 36 #3).
+#[test]
+fn peer_batches_are_accepted_across_membership_changes() {
+    let cfg = r#"{"models":{"m":{"pool":{"cluster":"m","load_cluster":"m_load","fallbacks":1}}},
+        "debug_header":"x-debug","load_poll":{"metrics_interval_ms":0},
+        "peers":{"clusters":["peer0"],"secret":"0123456789abcdef-peer","flush_ms":100}}"#;
+    let (h, mut root) = configured(cfg);
+    let listener = cfg.replacen('{', r#"{"peer_listener":true,"#, 1);
+    let (rh, rx) = configured(&listener);
+    let sets: [&[(&str, &str)]; 2] = [
+        &[("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")],
+        &[("10.0.0.1:30000", "healthy")],
+    ];
+    let rebuilds = |h: &FakeHost| h.metric("prefix_router.membership.rebuilds").unwrap_or(0);
+    for change in 0..10 {
+        let before = rebuilds(&h);
+        tick(&h, &mut root, 2000, sets[change % 2]);
+        assert!(rebuilds(&h) > before, "change {change}: membership rebuilt");
+        let seen = h.state.borrow().calls.len();
+        served(&h, &root, &long_chat(&format!("turn {change}")), None);
+        tick(&h, &mut root, 300, sets[change % 2]);
+        let batches: Vec<Vec<u8>> = h.state.borrow().calls[seen..]
+            .iter()
+            .filter(|c| c.upstream == "peer0")
+            .map(|c| c.body.clone().unwrap_or_default())
+            .collect();
+        assert!(!batches.is_empty(), "change {change}: a batch was sent");
+        rh.state.borrow_mut().now_nanos = h.state.borrow().now_nanos;
+        for b in batches {
+            assert_eq!(
+                deliver(&rh, &rx, &b),
+                (204, String::new()),
+                "change {change}"
+            );
+            // ... and the same batch again is still a replay.
+            assert_eq!(deliver(&rh, &rx, &b).1, "prefix_router_peer_replay");
+        }
+    }
+}

@@ -5,6 +5,7 @@ distrusts a host that left and came back, and credits the host that actually ser
 
 from __future__ import annotations
 
+import secrets
 import socket
 import struct
 import threading
@@ -39,7 +40,7 @@ class EdsPool:
     """Six fake workers, an EDS file listing some of them, and a real Envoy on `envoy/gen`'s
     production shape with the filter."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()):
         self.workers = [Worker(f"p{i}") for i in range(6)]
         self.addr = {f"127.0.0.1:{w.port}": w.name for w in self.workers}
         self.path = tmp / "eds" / "m.yaml"
@@ -47,7 +48,7 @@ class EdsPool:
         self.version = 0
         self.listen(["p0", "p1"])
         listen, admin = free_port(), free_port()
-        text = ec.run_gen(*gen_args(f"eds:{self.path}", listen, admin))
+        text = ec.run_gen(*gen_args(f"eds:{self.path}", listen, admin), *extra)
         self.envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp).start()
         self.client = Client(listen)
 
@@ -69,7 +70,12 @@ class EdsPool:
         return out
 
     def rebuilds(self) -> float:
-        return sum(v for k, v in self.envoy.stats_now().items() if k.startswith(REBUILDS))
+        return self.stat(REBUILDS)
+
+    def stat(self, prefix: str, flushed: bool = False) -> float:
+        """The filter's metric `prefix` (summed over its labels); `flushed`: after a metric flush."""
+        stats = self.envoy.stats() if flushed else self.envoy.stats_now()
+        return sum(v for k, v in stats.items() if k.startswith(prefix))
 
     def settle(self, names: list[str]):
         """Lists `names` and waits until every Envoy worker thread's filter has rebuilt its worker
@@ -198,6 +204,34 @@ def test_a_request_a_fallback_served_credits_the_fallback(pool):
     msgs = next_turn(msgs)
     worker, d = pool.chat(msgs)
     assert worker == other and d["reason"] == "prefix_hit", d
+
+
+def test_peer_records_are_accepted_across_ten_membership_changes(tmp_path):
+    """One replica that is its own peer (a config may list itself): every membership change
+    rebuilds each thread's router, and the batches after it must still be accepted, not taken
+    for replays of the batches before it (issue 36 #3)."""
+    peer = free_port()
+    extra = ("--peers", f"http://127.0.0.1:{peer}", "--peer-listen", f"127.0.0.1:{peer}",
+             "--peer-secret", secrets.token_hex(16))
+    pool = EdsPool(tmp_path, extra)
+    rx, replayed, rejected = ("prefix_router_peers_records_received", "prefix_router_peers_batches_replayed",
+                              "prefix_router_peers_requests_rejected")
+    try:
+        pool.settle(["p0", "p1"])
+        sets = (["p0", "p1", "p2"], ["p0", "p1"])
+        for change in range(10):
+            rebuilt = pool.rebuilds()
+            pool.settle(sets[change % 2])
+            wait_until(lambda: pool.rebuilds() > rebuilt, f"change {change}: a rebuild", 30, 0.1)
+            base = pool.stat(rx)
+            for _ in range(4):
+                pool.chat(pool.opening())
+            wait_until(lambda: pool.stat(rx) > base, f"change {change}: records received after the change", 30, 0.1)
+            assert pool.stat(replayed) == 0 and pool.stat(rejected) == 0, (change, pool.stat(replayed))
+        assert pool.stat(replayed, flushed=True) == 0
+        assert pool.stat(rejected) == 0
+    finally:
+        pool.close()
 
 
 class TinyDns:
