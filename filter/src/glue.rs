@@ -157,7 +157,7 @@ impl Root {
     /// membership change (`membership.rs`), whose router keeps what the old one knew of the
     /// workers that stay.
     fn install(&mut self, h: &impl Host, cfg: Config, change: Option<&[(usize, Vec<Member>)]>) {
-        let (_, nanos) = now_ticks(h);
+        let (now, nanos) = now_ticks(h);
         let metrics = Metrics::define(h, &cfg);
         let mut router = Router::new(cfg, nanos);
         router.init_store(h);
@@ -176,6 +176,8 @@ impl Root {
         if let Some(old) = &self.state {
             if let (Some(joined), Ok(mut o)) = (change, old.router.try_borrow_mut()) {
                 router.adopt(&mut o, joined);
+                // Requests served before membership named their host: recorded now it does.
+                metrics.index_writes(&router.write_early(h, now));
             }
             old.closing.set(true);
             old.flush_all(h);
@@ -637,8 +639,18 @@ impl Stream {
         let Ok(mut r) = self.state.router.try_borrow_mut() else {
             return;
         };
-        // Stamped with the decision's time: no clock read (a host call) for it.
-        let w = r.commit(h, plan, status, plan.at);
+        // Stamped with the decision's time: no clock read (a host call) for it. A request sent
+        // before membership named any host (worker 0) is recorded for the host that served, at
+        // the response's time (after the host's join time when membership arrived meanwhile).
+        let w = if plan.worker == 0 {
+            let Some(a) = h.upstream_address() else {
+                return;
+            };
+            let (now, _) = now_ticks(h);
+            r.commit_served(h, plan, &a, status, now, self.state.closing.get())
+        } else {
+            r.commit(h, plan, status, plan.at)
+        };
         self.state.metrics.index_writes(&w);
     }
 

@@ -22,7 +22,7 @@
 
 use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
 use crate::busy::Busy;
-use crate::config::{Config, PeersConfig, UnknownModel};
+use crate::config::{valid_address, worker_id, Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
 use crate::ids;
@@ -126,7 +126,8 @@ pub enum Outcome {
         body: String,
     },
     /// A pool model with no known worker yet (`membership.rs`): its cluster's own fallback
-    /// policy picks the host; nothing is charged or recorded.
+    /// policy picks the host; nothing is charged. The prompt's records are planned for the host
+    /// that serves ([`Router::commit_served`]), written once membership names it.
     Unplaced {
         model: u16,
     },
@@ -177,7 +178,17 @@ pub struct Router {
     pd_body: Rewriter,
     /// The seed this VM was created with (the clock at configure; see [`Router::init_store`]).
     seed: u64,
+    /// Records of requests served before membership named their host (`Outcome::Unplaced`),
+    /// waiting for it ([`Router::commit_served`]); at most [`EARLY_PLANS`], each at most
+    /// [`EARLY_MAX_AGE`] old.
+    early: Vec<Plan>,
 }
+
+/// Plans of unplaced requests a VM keeps until membership names their host.
+const EARLY_PLANS: usize = 64;
+/// How long such a plan waits for its host (100 ms units): the first membership reads, and
+/// the health checks a new host passes before it is a member.
+const EARLY_MAX_AGE: u32 = 300;
 
 impl Router {
     pub fn new(cfg: Config, seed: u64) -> Router {
@@ -232,6 +243,7 @@ impl Router {
             shrink: None,
             pd_body: Rewriter::new(seed ^ 0x7064),
             seed,
+            early: Vec::new(),
             cfg,
         }
     }
@@ -369,6 +381,7 @@ impl Router {
         if let (Some(_), Some(_)) = (&self.outbox, &old.outbox) {
             std::mem::swap(&mut self.outbox, &mut old.outbox);
         }
+        self.early = std::mem::take(&mut old.early);
         for (mi, m) in self.cfg.models.iter().enumerate() {
             let (Some(old_m), Some(old_ids)) = (old.cfg.models.get(mi), old.ids.get(mi)) else {
                 continue;
@@ -474,9 +487,9 @@ impl Router {
             },
         };
         let model = &cfg.models[mi];
-        if model.workers.is_empty() {
-            return Outcome::Unplaced { model: mi as u16 };
-        }
+        // A pool model before membership names a host: hashed and planned all the same, for
+        // the host that will serve it (`commit_served`).
+        let unplaced = model.workers.is_empty();
         // Charge what the engine prefills: rendered text, a fixed amount per media part, token
         // ids; never raw JSON sizes, and never more than `max_request_tokens` per request.
         let media = parsed
@@ -494,6 +507,9 @@ impl Router {
             .clamp(1, cfg.policy.max_request_tokens as usize)
             .min(u32::MAX as usize) as u32;
         if parsed.kind == PromptKind::None || self.canon.is_empty() {
+            if unplaced {
+                return Outcome::Unplaced { model: mi as u16 };
+            }
             return Outcome::Route(self.least_loaded(
                 store,
                 mi,
@@ -544,6 +560,10 @@ impl Router {
                     self.ends.push(c);
                 }
             }
+        }
+        if unplaced {
+            self.plan_unplaced(mi, now);
+            return Outcome::Unplaced { model: mi as u16 };
         }
         let affinity = self.affinity_key(seed, block, parsed.kind);
         // The opening message's end (full blocks), when another message follows it: a fleet
@@ -766,6 +786,92 @@ impl Router {
         if !plan.is_empty() {
             self.plan = Some(plan);
         }
+    }
+
+    /// Plans an unplaced pool request's records (as [`Router::plan_record`] for a worker that
+    /// holds nothing of it) for a host not known yet: worker id 0, set to the host that served
+    /// by [`Router::commit_served`].
+    fn plan_unplaced(&mut self, mi: usize, now: u32) {
+        let Some(model) = self.cfg.models.get(mi).filter(|m| m.pool.is_some()) else {
+            return;
+        };
+        let ix = Index::for_model(&self.cfg, model);
+        let mut plan = Plan::default();
+        plan.model = mi as u16;
+        plan.at = now;
+        let end = self.ends.last().copied();
+        ix.plan(&self.hashes, end, Default::default(), now, &mut plan);
+        if !plan.is_empty() {
+            self.plan = Some(plan);
+        }
+    }
+
+    /// An unplaced request's plan ([`Outcome::Unplaced`]) once its response came, from the
+    /// host at `address` (Envoy's `upstream.address`) with `status`, at `now`: written now when
+    /// membership already names that host or this router was replaced (`replaced`: a newer
+    /// membership may name it, and its join time is older than `now`), else kept until it does
+    /// ([`Router::write_early`]). A failed response, or an address that is no `host:port`,
+    /// writes nothing.
+    pub fn commit_served<S: Store>(
+        &mut self,
+        store: &S,
+        plan: &Plan,
+        address: &[u8],
+        status: u32,
+        now: u32,
+        replaced: bool,
+    ) -> WriteStats {
+        if plan.worker != 0 || !(200..300).contains(&status) || !valid_address(address) {
+            return WriteStats::default();
+        }
+        let Ok(address) = std::str::from_utf8(address) else {
+            return WriteStats::default();
+        };
+        let mut p = *plan;
+        p.worker = worker_id(address);
+        let mi = usize::from(p.model);
+        if replaced
+            || self
+                .ids
+                .get(mi)
+                .and_then(|ids| ids.position(p.worker))
+                .is_some()
+        {
+            return self.commit(store, &p, status, now);
+        }
+        if self.early.len() >= EARLY_PLANS {
+            self.early.remove(0);
+        }
+        self.early.push(p);
+        WriteStats::default()
+    }
+
+    /// Writes the kept plans of unplaced requests whose host membership now names, stamped
+    /// `now` (when its host is known to be a member: never older than its join time); drops
+    /// those older than [`EARLY_MAX_AGE`]. Called after a membership rebuild.
+    pub fn write_early<S: Store>(&mut self, store: &S, now: u32) -> WriteStats {
+        let mut total = WriteStats::default();
+        let early = std::mem::take(&mut self.early);
+        for p in early {
+            if now.wrapping_sub(p.at) > EARLY_MAX_AGE {
+                continue;
+            }
+            let mi = usize::from(p.model);
+            if self
+                .ids
+                .get(mi)
+                .and_then(|ids| ids.position(p.worker))
+                .is_none()
+            {
+                self.early.push(p);
+                continue;
+            }
+            let st = self.commit(store, &p, 200, now);
+            total.writes += st.writes;
+            total.conflicts += st.conflicts;
+            total.dropped += st.dropped;
+        }
+        total
     }
 
     /// The index writes planned by the last [`Router::route`] (none for a request that does not

@@ -356,3 +356,39 @@ fn peer_batches_are_accepted_across_membership_changes() {
         }
     }
 }
+
+/// Conversations started before the first membership read (Envoy just started: the pool's own
+/// load balancer picked their host) are recorded under the host that served, once membership
+/// names it, so their next turn goes back to it (issue 36 #6). Also when membership arrives
+/// while the first turn is still in flight.
+#[test]
+fn a_conversation_started_before_membership_keeps_its_host() {
+    let (h, mut root) = configured(POOL);
+    let both = [("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")];
+    let mut convs = Vec::new();
+    for i in 0..8 {
+        let host = both[i % 2].0;
+        let body = long_chat(&format!("early {i}"));
+        let (dest, _) = served(&h, &root, &body, Some(host));
+        assert_eq!(dest, "", "unplaced: no host named yet");
+        convs.push((body, host));
+    }
+    // One more whose answer comes after membership is known.
+    let late = long_chat("in flight across the first read");
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &late);
+    assert_eq!(request_header(&h, DEST), None);
+    tick(&h, &mut root, 2000, &both);
+    {
+        let mut st = h.state.borrow_mut();
+        st.response_headers = vec![(":status".into(), "200".into())];
+        st.upstream_address = Some(both[1].0.into());
+    }
+    s.on_response_headers(&h);
+    s.on_done(&h);
+    convs.push((late, both[1].0));
+    for (i, (body, host)) in convs.into_iter().enumerate() {
+        let (dest, debug) = served(&h, &root, &body, None);
+        assert!(dest.starts_with(host), "{i}: {dest} / {host}");
+        assert!(debug.contains("reason=prefix_hit"), "{i}: {debug}");
+    }
+}

@@ -234,6 +234,33 @@ def test_peer_records_are_accepted_across_ten_membership_changes(tmp_path):
         pool.close()
 
 
+def test_conversations_started_before_the_first_membership_read_keep_their_worker(tmp_path):
+    """Turns sent the moment Envoy is ready, before the filter has read the pool's membership
+    (its reads every 2 s here; the first one finds the hosts still in their first health check):
+    the pool's own load balancer places them, and the filter records each prompt under the host
+    that served it, so each conversation's next turn goes back there (issue 36 #6)."""
+    pool = EdsPool(tmp_path, ("--membership-ms", "2000"))
+    try:
+        convs = [pool.opening() for _ in range(24)]
+        first = []
+        for msgs in convs:
+            worker, d = pool.chat(msgs)
+            first.append((worker, d))
+        unplaced = sum(1 for _, d in first if not d.get("worker"))
+        assert unplaced >= 1, f"every turn was placed: the test saw no start-up window ({first[:3]})"
+        pool.settle(["p0", "p1"])
+        wait_until(lambda: all(pool.chat(pool.opening())[1].get("worker") for _ in range(5)),
+                   "decisions naming a host (membership read)", 30, 0.1)
+        lost = []
+        for msgs, (worker, d) in zip(convs, first):
+            again, d2 = pool.chat(next_turn(msgs))
+            if again != worker:
+                lost.append((worker, d, again, d2))
+        assert not lost, f"{len(lost)} of {len(convs)} conversations ({unplaced} unplaced) lost their worker: {lost[:3]}"
+    finally:
+        pool.close()
+
+
 class TinyDns:
     """A UDP DNS server on loopback answering every A query for `name` with `addresses` (and
     NXDOMAIN otherwise): a name resolving to several addresses, without touching /etc/hosts."""
