@@ -174,20 +174,29 @@ def poll_cluster(w: Worker) -> dict:
             "load_assignment": {"cluster_name": name, "endpoints": endpoints([(w.host, w.port)])}}
 
 
-def override_host_policy() -> dict:
+def override_host_policy(fallback: bool = True) -> dict:
     """Envoy's override_host load balancing policy: the request goes to the first host named in
     DESTINATION_HEADER (IP:PORT[,IP:PORT...]) that is in the cluster, a retry to the next one;
-    without the header, or past its last host, to the least busy host (least request)."""
+    without the header, or past its last host, to the least busy host (least request), or
+    nowhere (`fallback=False`: the request fails, no host answers for another)."""
+    oh = {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        "override_host_sources": [{"header": DESTINATION_HEADER}],
+    }
+    lb = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+    least_request = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.least_request",
+        "typed_config": {"@type": lb + "least_request.v3.LeastRequest"}}}]}
+    # Envoy requires a fallback policy; one that picks no host: a subset policy whose subsets
+    # need a metadata key no host has, with NO_FALLBACK (a request matching no subset fails).
+    nowhere = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.subset",
+        "typed_config": {"@type": lb + "subset.v3.Subset", "fallback_policy": "NO_FALLBACK",
+                         "subset_selectors": [{"keys": ["prefix-router-no-fallback"]}],
+                         "subset_lb_policy": least_request}}}]}
+    oh["fallback_policy"] = least_request if fallback else nowhere
     return {"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.override_host",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-            "override_host_sources": [{"header": DESTINATION_HEADER}],
-            "fallback_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.least_request",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
-                                          "least_request.v3.LeastRequest"}}}]},
-        }}}]}
+        "name": "envoy.load_balancing_policies.override_host", "typed_config": oh}}]}
 
 
 def _pool_membership(p: Pool) -> dict:
@@ -260,9 +269,11 @@ def pool_load_cluster(model: str, p: Pool) -> dict:
     out: dict = {
         "#": f"Load polls of pool {p.cluster}'s workers (model {model}): the filter's GET /v1/loads (else /get_load)\n"
              f"to the worker it names in {DESTINATION_HEADER}. Same membership, no health checks or outlier\n"
-             "detection: a failing load endpoint never ejects a worker.",
+             "detection: a failing load endpoint never ejects a worker. No fallback host: a worker this\n"
+             "cluster does not have yet (its own DNS answer lags the pool's) fails its poll instead of\n"
+             "another worker answering, whose load would be published as the named one's.",
         "name": name, **membership, "connect_timeout": "0.25s",
-        "load_balancing_policy": override_host_policy(),
+        "load_balancing_policy": override_host_policy(fallback=False),
     }
     if p.source == "dns":
         out["load_assignment"] = {"cluster_name": name, "endpoints": endpoints([(p.host, p.port)])}

@@ -261,6 +261,41 @@ def test_conversations_started_before_the_first_membership_read_keep_their_worke
         pool.close()
 
 
+def test_a_load_poll_is_answered_only_by_the_host_it_names(tmp_path):
+    """`<pool>_load` resolves its membership on its own (a DNS pool: two resolutions): a host the
+    pool has and the load cluster does not have yet. A poll naming it must fail (counted), never
+    be answered by another host whose load would then be published as its own (issue 36 #9a).
+    Here the pool lists p0 only and its load cluster p1 only."""
+    w0, w1 = Worker("p0"), Worker("p1")
+    pool_file, load_file = tmp_path / "eds" / "m.yaml", tmp_path / "eds-load" / "m.yaml"
+    pool_file.parent.mkdir()
+    load_file.parent.mkdir()
+    write_eds(pool_file, MODEL, [("127.0.0.1", w0.port)], 1)
+    write_eds(load_file, MODEL, [("127.0.0.1", w1.port)], 1)
+    listen, admin = free_port(), free_port()
+    cfg = ec.config(ec.options_from_args(gen_args(f"eds:{pool_file}", listen, admin) + ["--load-poll-ms", "100"]))
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == f"{MODEL}_load":
+            src = c["eds_cluster_config"]["eds_config"]["path_config_source"]
+            src["path"], src["watched_directory"]["path"] = str(load_file), str(load_file.parent)
+    envoy = Envoy(ec.dump(cfg), listener_port=listen, admin_port=admin, workdir=tmp_path).start()
+    try:
+        fail = "prefix_router_load_poll_failures"
+        wait_until(lambda: sum(v for k, v in envoy.stats_now().items() if k.startswith(fail)) >= 3,
+                   "polls of p0 failing (p0 is not in the load cluster)", 30, 0.1)
+        polls_at_p1 = [r for r in w1.stats.requests if r["path"].split("?")[0] in ("/v1/loads", "/get_load")]
+        assert not polls_at_p1, f"p1 answered {len(polls_at_p1)} polls naming p0"
+        # Once the load cluster has p0 too, its polls reach it (the named host, not a fallback).
+        write_eds(load_file, MODEL, [("127.0.0.1", w0.port), ("127.0.0.1", w1.port)], 2)
+        wait_until(lambda: any(r["path"].split("?")[0] in ("/v1/loads", "/get_load") for r in w0.stats.requests),
+                   "p0 polled once its load cluster has it", 30, 0.1)
+        assert not [r for r in w1.stats.requests if r["path"].split("?")[0] in ("/v1/loads", "/get_load")]
+    finally:
+        envoy.stop()
+        w0.close()
+        w1.close()
+
+
 class TinyDns:
     """A UDP DNS server on loopback answering every A query for `name` with `addresses` (and
     NXDOMAIN otherwise): a name resolving to several addresses, without touching /etc/hosts."""
