@@ -90,7 +90,14 @@ pub struct Root {
     peers: PeerSender,
     /// Pool models' published memberships as this VM last applied them (`membership.rs`).
     members: membership::View,
+    /// Replaced states whose streams still run (at most [`DRAINING`]): their load leases keep
+    /// beating from this root's tick until the last of those streams ends, or the in-flight
+    /// load of a long stream would drop out of every view 2 s after a membership change.
+    draining: Vec<Rc<Installed>>,
 }
+
+/// Replaced states a root keeps beating for (the oldest beyond are left to expire).
+const DRAINING: usize = 16;
 
 impl Root {
     pub fn new() -> Root {
@@ -181,6 +188,13 @@ impl Root {
             }
             old.closing.set(true);
             old.flush_all(h);
+            // Streams still hold it (each holds an `Rc`): their charges live in its lease.
+            if Rc::strong_count(old) > 1 {
+                if self.draining.len() >= DRAINING {
+                    self.draining.remove(0);
+                }
+                self.draining.push(old.clone());
+            }
         }
         self.state = Some(Rc::new(Installed {
             router: RefCell::new(router),
@@ -227,6 +241,13 @@ impl Root {
             r.tick(h, TICK_MS, now);
             let sample = self.ticks.is_multiple_of(METRICS_EVERY);
             s.metrics.after_tick(h, &mut r, sample);
+        }
+        // A replaced state's lease beats while its streams run (one ledger tick each).
+        self.draining.retain(|d| Rc::strong_count(d) > 1);
+        for d in &self.draining {
+            if let Ok(mut r) = d.router.try_borrow_mut() {
+                r.keep_load_alive(h, TICK_MS, now);
+            }
         }
         self.look_at_members(h, now_ms, false);
         if let Some(s) = &self.state {

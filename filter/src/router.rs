@@ -1009,6 +1009,12 @@ impl Router {
         }
     }
 
+    /// The load ledger's part of [`Router::tick`] only: the lease of a replaced router whose
+    /// streams still run keeps beating (`glue`), nothing else of it runs.
+    pub fn keep_load_alive<S: Store>(&mut self, store: &S, elapsed_ms: u32, now: u32) {
+        self.ledger.tick(store, &self.cfg, elapsed_ms, now);
+    }
+
     /// Writes every parked load delta (the VM's tick, and shutdown).
     pub fn flush_pending<S: Store>(&mut self, store: &S) {
         self.ledger.flush(store, &self.cfg);

@@ -392,3 +392,38 @@ fn a_conversation_started_before_membership_keeps_its_host() {
         assert!(debug.contains("reason=prefix_hit"), "{i}: {debug}");
     }
 }
+
+/// A stream in flight across membership changes keeps counting in the shared load (load polls
+/// off: nothing else would show it) until it ends: the replaced router's lease keeps beating
+/// while its streams run (issue 36 #9b).
+#[test]
+fn a_long_stream_keeps_its_load_across_membership_changes() {
+    let cfg = POOL.replace(
+        r#""metrics_interval_ms":0"#,
+        r#""metrics_interval_ms":0,"interval_ms":0"#,
+    );
+    let (h, mut root) = configured(&cfg);
+    let two = [("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")];
+    let three = [two[0], two[1], ("10.0.0.3:30000", "healthy")];
+    tick(&h, &mut root, 2000, &two);
+    let (mut s, _) = request(
+        &h,
+        &root,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        &chat("long"),
+    );
+    let load = |h: &FakeHost| h.metric("prefix_router.load.requests").unwrap_or(-1);
+    tick(&h, &mut root, 500, &two);
+    assert_eq!(load(&h), 1);
+    let rebuilds = h.metric("prefix_router.membership.rebuilds").unwrap_or(0);
+    for hosts in [&three[..], &two[..], &three[..]] {
+        tick(&h, &mut root, 3000, hosts);
+        assert_eq!(load(&h), 1, "the stream's load after a change");
+    }
+    assert!(h.metric("prefix_router.membership.rebuilds").unwrap_or(0) >= rebuilds + 3);
+    s.on_done(&h);
+    tick(&h, &mut root, 500, &three);
+    assert_eq!(load(&h), 0, "released at its end");
+}
