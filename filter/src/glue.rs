@@ -412,16 +412,17 @@ impl Stream {
                 Action::Continue
             }
             Outcome::Route(d) => {
-                if let Some(action) = self.pd_route(h, &d, body, now) {
-                    return action;
-                }
                 // Owned by the stream before any host call: whatever happens next (a panic the
-                // native guard catches included), its end releases the charge.
-                self.decision = Some(d);
+                // native guard catches included, also in a PD model's decode charge), its end
+                // releases the charge.
                 self.charge = Charge {
                     routed: Some(d),
                     decode: None,
                 };
+                if let Some(action) = self.pd_route(h, &d, body, now) {
+                    return action;
+                }
+                self.decision = Some(d);
                 let m = &self.state.metrics;
                 m.decision(&d);
                 m.maybe_flush(h, now);
@@ -440,7 +441,9 @@ impl Stream {
         let rewritten = r.rewrite_for_prefill(d, body)?;
         let m = &self.state.metrics;
         if rewritten.is_err() {
-            // not a JSON object: no worker could use it; undo the prefill charge
+            // not a JSON object: no worker could use it; undo the prefill charge (the stream's
+            // no more)
+            self.charge.routed = None;
             r.release(h, d);
             m.add(Counter::PdBadBody, 1);
             m.request(Reason::Rejected);
@@ -453,10 +456,7 @@ impl Stream {
         }
         let dec = r.decode_decision(h, d, body.len(), now)?;
         // Both charges are owned by the stream before any host call (see `decide`).
-        self.charge = Charge {
-            routed: Some(*d),
-            decode: Some(dec),
-        };
+        self.charge.decode = Some(dec);
         self.decision = Some(*d);
         self.decode = Some(dec);
         h.set_buffer(Buffer::RequestBody, body.len(), r.rewritten().body());
