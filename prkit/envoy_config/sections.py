@@ -9,7 +9,7 @@ import re
 
 from .options import (
     ADMIN_CLUSTER, CLUSTER_HEADER, DESTINATION_HEADER, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED,
-    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, MIB4, NO_WORKER_BODY, Options, PEER_PATH,
+    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, NO_WORKER_BODY, Options, PEER_PATH,
     PEER_PREFIX, POLL_SUFFIX, PREFILL_HEADER, Pool, Worker, _pd_workers, _poll_clusters, _worker_names,
     is_ip, validate,
 )
@@ -696,6 +696,12 @@ def stats_listener(o: Options) -> dict:
     }
 
 
+# The filter's peers.max_batch default (filter/src/config.rs), and the HTTP/2 streams a peer
+# may have open on one connection (a replica keeps at most 4 batches per peer in flight).
+PEER_MAX_BATCH = 4096
+PEER_MAX_STREAMS = 16
+
+
 def peers_listener(o: Options, plugin: dict) -> dict:
     assert o.peer_listen is not None
     peer_plugin = {**plugin, "peer_listener": True}
@@ -710,13 +716,18 @@ def peers_listener(o: Options, plugin: dict) -> dict:
                      f"peer_listener: it answers POST {PEER_PATH} batches (HMAC of the shared secret,\n"
                      f"fresh, not seen before, within budget) itself and refuses the rest.",
                 **wasm}
+    # The largest batch (filter/src/peers.rs): 28-byte header, 16 bytes per record, 32-byte MAC;
+    # the body buffer holds one and a little, so nothing bigger is buffered before the MAC check.
+    max_batch = int((plugin.get("peers") or {}).get("max_batch", PEER_MAX_BATCH))
+    batch_limit = max(64 * 1024, -(-(28 + 16 * max_batch + 32) // 4096) * 4096)
     return {
         "#": "Peer listener: other replicas POST the index records they make here (keep this port on a\n"
              "private network; batches without a valid HMAC of the shared secret are refused).",
         "name": "peers",
         "address": socket_address(o.peer_listen),
-        "#b": "A batch holds at most a few thousand records: 4 MiB is ample.",
-        "per_connection_buffer_limit_bytes": MIB4,
+        "#b": f"The body buffer holds the largest batch ({max_batch} records, peers.max_batch): a bigger body gets\n"
+              "413 from Envoy before anything of it reaches the filter's MAC check.",
+        "per_connection_buffer_limit_bytes": batch_limit,
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
@@ -726,9 +737,12 @@ def peers_listener(o: Options, plugin: dict) -> dict:
                 "#a": "One JSON line per refused request, with the filter's reason (details); accepted\n"
                       "batches are not logged.",
                 "access_log": peer_access_log(),
-                "#": "Batches are small and quick: slow or idle peers are cut off.",
+                "#": "Batches are small and quick: slow or idle peers are cut off, trickled headers too; a\n"
+                     "replica sends a few batches at a time (HTTP/2: at most 16 streams per connection).",
                 "request_timeout": "10s",
+                "request_headers_timeout": o.request_headers_timeout,
                 "stream_idle_timeout": "10s",
+                "http2_protocol_options": {"max_concurrent_streams": PEER_MAX_STREAMS},
                 "route_config": {"name": "prefix_router_peers", "virtual_hosts": [{
                     "name": "peers", "domains": ["*"],
                     "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},
