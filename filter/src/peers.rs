@@ -31,7 +31,12 @@
 //! deep). Both live in one shared-data sender table (all VMs of this Envoy, one read and one CAS
 //! per batch, at most [`MAX_SENDERS`] live senders; a sender whose newest batch left the window is
 //! forgotten, safely: its batches are stale from then on). A replayed batch is refused inside the
-//! window by the table and after it by its timestamp. Refusals answer 400 (not a batch), 403
+//! window by the table and after it by its timestamp. The table also holds when this receiver
+//! started (its process's first configuration, [`init_table`]), and a batch sent before then is
+//! refused as stale: a restarted receiver has lost the table, but every batch it had accepted
+//! was sent before it started, so none is taken twice (a sender whose clock runs ahead of the
+//! receiver's by `d` could replay what it sent in the last `d` before the restart; NTP keeps `d`
+//! to milliseconds). Refusals answer 400 (not a batch), 403
 //! (old protocol, wrong MAC, stale, replay), 429 (over budget: the records within it are applied;
 //! table full) or 503 (table contention), each counted and named in the response code details.
 //! Each accepted record is applied as a holder write with the receiver's own
@@ -224,8 +229,11 @@ pub const RELAY_KEY: &str = "pr/peer-relay";
 /// CAS attempts of a relay append or drain before giving up for this flush.
 const RELAY_TRIES: usize = 4;
 
-/// Shared-data key of the receiver's sender table ([`admit`]): what each sender sent lately.
+/// Shared-data key of the receiver's sender table ([`admit`]): when this receiver started
+/// (u64 LE ms, [`init_table`]), then what each sender sent lately.
 pub const SENDERS_KEY: &str = "pr/peer-senders";
+/// Bytes before the table's entries: the receiver's start (ms).
+const TABLE_HEAD: usize = 8;
 /// Senders the table remembers at once (48 bytes each). A sender is forgotten once its newest
 /// batch is older than the window (its batches are refused as stale from then on anyway).
 pub const MAX_SENDERS: usize = 256;
@@ -379,6 +387,18 @@ fn mark_seen(top: &mut u64, bits: &mut u64, seq: u64) -> bool {
     true
 }
 
+/// Creates the sender table of a receiver that starts at `now_ms` (its first configuration in
+/// this process: shared data lives as long as the process), unless it exists: batches sent
+/// before then are refused as stale ([`admit`]). A restarted receiver has lost the table of
+/// batches it accepted, but every one of them was sent before it started, so none is taken
+/// twice. A configuration update or membership rebuild keeps the table and its start.
+pub fn init_table<S: Store>(store: &S, now_ms: u64) {
+    let mut buf = Vec::new();
+    if store.get(SENDERS_KEY, &mut buf).is_none() {
+        let _ = store.set(SENDERS_KEY, &now_ms.to_le_bytes(), 0);
+    }
+}
+
 /// Admits an opened batch against the receiver's sender table (shared data, one read and one
 /// CAS write per batch, all VMs of this Envoy together): refused when this sender's sequence
 /// number was already accepted; otherwise returns how many of its records the sender's budget
@@ -400,14 +420,23 @@ pub fn admit<S: Store>(
         let cas = match store.get(SENDERS_KEY, buf) {
             Some(c) => c,
             None => {
-                let _ = store.set(SENDERS_KEY, &[], 0); // as the relay: create empty first
+                // Not made at configure (`init_table`): no start known. As the relay: create
+                // it first, then read-modify-write.
+                let _ = store.set(SENDERS_KEY, &[0u8; TABLE_HEAD], 0);
                 continue;
             }
         };
-        buf.truncate(buf.len() / ENTRY * ENTRY);
+        if buf.len() < TABLE_HEAD {
+            buf.resize(TABLE_HEAD, 0);
+        }
+        if o.sent_ms < u64_at(buf, 0) {
+            return Err(Refused::Stale); // sent before this receiver started
+        }
+        let whole = TABLE_HEAD + (buf.len() - TABLE_HEAD) / ENTRY * ENTRY;
+        buf.truncate(whole);
         // Forget the senders whose newest batch is out of the window (their batches are stale
         // from now on): the table holds live senders only, and its copy stays small.
-        let mut i = 0;
+        let mut i = TABLE_HEAD;
         while i + ENTRY <= buf.len() {
             let sender = u64_at(buf, i);
             if sender != o.sender && u64_at(buf, i + 24).saturating_add(window) < now_ms {
@@ -416,9 +445,10 @@ pub fn admit<S: Store>(
                 i += ENTRY;
             }
         }
-        let at = match (0..buf.len() / ENTRY).find(|k| u64_at(buf, k * ENTRY) == o.sender) {
-            Some(k) => k * ENTRY,
-            None if buf.len() / ENTRY >= MAX_SENDERS => return Err(Refused::TooManySenders),
+        let entries = (buf.len() - TABLE_HEAD) / ENTRY;
+        let at = match (0..entries).find(|k| u64_at(buf, TABLE_HEAD + k * ENTRY) == o.sender) {
+            Some(k) => TABLE_HEAD + k * ENTRY,
+            None if entries >= MAX_SENDERS => return Err(Refused::TooManySenders),
             None => {
                 let at = buf.len();
                 buf.resize(at + ENTRY, 0);
@@ -713,14 +743,14 @@ mod tests {
         assert_eq!(admit(&s, p, &o, NOW, &mut t), Ok(1));
         let mut v = Vec::new();
         s.get(SENDERS_KEY, &mut v);
-        assert_eq!(v.len(), 2 * ENTRY);
+        assert_eq!(v.len(), TABLE_HEAD + 2 * ENTRY);
         // Once sender 5's newest batch is out of the window, a batch of sender 6 forgets it.
         let later = NOW + 31_000;
         let o = seal(SECRET, 6, 11, later, &[0u8; REC]);
         let o = open(p, &o, later).unwrap();
         assert_eq!(admit(&s, p, &o, later, &mut t), Ok(1));
         s.get(SENDERS_KEY, &mut v);
-        assert_eq!(v.len(), ENTRY);
+        assert_eq!(v.len(), TABLE_HEAD + ENTRY);
     }
 
     #[test]

@@ -256,6 +256,11 @@ impl Router {
     /// worker, leaving one decode waiting for KV until its timeout.
     pub fn init_store<S: Store>(&mut self, store: &S) {
         self.ledger.init(store, &self.cfg);
+        if self.cfg.peers.is_some() {
+            // The seed is the wall clock at configure (ns): this receiver's start, unless an
+            // earlier configuration of this process set it (`peers::init_table`).
+            crate::peers::init_table(store, self.seed / 1_000_000);
+        }
         self.shrink = crate::index::resize(store, self.cfg.index_buckets);
         let seed = policy::mix(self.seed, self.ledger.lease_id());
         self.pd_body.reseed(seed ^ 0x7064);
