@@ -90,7 +90,14 @@ pub struct Root {
     peers: PeerSender,
     /// Pool models' published memberships as this VM last applied them (`membership.rs`).
     members: membership::View,
+    /// Replaced states whose streams still run (at most [`DRAINING`]): their load leases keep
+    /// beating from this root's tick until the last of those streams ends, or the in-flight
+    /// load of a long stream would drop out of every view 2 s after a membership change.
+    draining: Vec<Rc<Installed>>,
 }
+
+/// Replaced states a root keeps beating for (the oldest beyond are left to expire).
+const DRAINING: usize = 16;
 
 impl Root {
     pub fn new() -> Root {
@@ -157,7 +164,7 @@ impl Root {
     /// membership change (`membership.rs`), whose router keeps what the old one knew of the
     /// workers that stay.
     fn install(&mut self, h: &impl Host, cfg: Config, change: Option<&[(usize, Vec<Member>)]>) {
-        let (_, nanos) = now_ticks(h);
+        let (now, nanos) = now_ticks(h);
         let metrics = Metrics::define(h, &cfg);
         let mut router = Router::new(cfg, nanos);
         router.init_store(h);
@@ -170,14 +177,24 @@ impl Root {
         };
         self.polls.configure(router.cfg(), me);
         // The sender of this VM's peer batches: unique in the fleet as `me` is here (other
-        // replicas' VMs would need the same id and the same clock nanoseconds).
-        router.set_peer_sender(me);
+        // replicas' VMs would need the same id and the same clock nanoseconds). A membership
+        // change keeps it and its sequence (`peer_flush::PeerSender`).
+        self.peers.set_sender(me);
         if let Some(old) = &self.state {
-            if let (Some(joined), Ok(o)) = (change, old.router.try_borrow()) {
-                router.adopt(&o, joined);
+            if let (Some(joined), Ok(mut o)) = (change, old.router.try_borrow_mut()) {
+                router.adopt(&mut o, joined);
+                // Requests served before membership named their host: recorded now it does.
+                metrics.index_writes(&router.write_early(h, now));
             }
             old.closing.set(true);
             old.flush_all(h);
+            // Streams still hold it (each holds an `Rc`): their charges live in its lease.
+            if Rc::strong_count(old) > 1 {
+                if self.draining.len() >= DRAINING {
+                    self.draining.remove(0);
+                }
+                self.draining.push(old.clone());
+            }
         }
         self.state = Some(Rc::new(Installed {
             router: RefCell::new(router),
@@ -224,6 +241,13 @@ impl Root {
             r.tick(h, TICK_MS, now);
             let sample = self.ticks.is_multiple_of(METRICS_EVERY);
             s.metrics.after_tick(h, &mut r, sample);
+        }
+        // A replaced state's lease beats while its streams run (one ledger tick each).
+        self.draining.retain(|d| Rc::strong_count(d) > 1);
+        for d in &self.draining {
+            if let Ok(mut r) = d.router.try_borrow_mut() {
+                r.keep_load_alive(h, TICK_MS, now);
+            }
         }
         self.look_at_members(h, now_ms, false);
         if let Some(s) = &self.state {
@@ -388,16 +412,17 @@ impl Stream {
                 Action::Continue
             }
             Outcome::Route(d) => {
-                if let Some(action) = self.pd_route(h, &d, body, now) {
-                    return action;
-                }
                 // Owned by the stream before any host call: whatever happens next (a panic the
-                // native guard catches included), its end releases the charge.
-                self.decision = Some(d);
+                // native guard catches included, also in a PD model's decode charge), its end
+                // releases the charge.
                 self.charge = Charge {
                     routed: Some(d),
                     decode: None,
                 };
+                if let Some(action) = self.pd_route(h, &d, body, now) {
+                    return action;
+                }
+                self.decision = Some(d);
                 let m = &self.state.metrics;
                 m.decision(&d);
                 m.maybe_flush(h, now);
@@ -416,7 +441,9 @@ impl Stream {
         let rewritten = r.rewrite_for_prefill(d, body)?;
         let m = &self.state.metrics;
         if rewritten.is_err() {
-            // not a JSON object: no worker could use it; undo the prefill charge
+            // not a JSON object: no worker could use it; undo the prefill charge (the stream's
+            // no more)
+            self.charge.routed = None;
             r.release(h, d);
             m.add(Counter::PdBadBody, 1);
             m.request(Reason::Rejected);
@@ -429,10 +456,7 @@ impl Stream {
         }
         let dec = r.decode_decision(h, d, body.len(), now)?;
         // Both charges are owned by the stream before any host call (see `decide`).
-        self.charge = Charge {
-            routed: Some(*d),
-            decode: Some(dec),
-        };
+        self.charge.decode = Some(dec);
         self.decision = Some(*d);
         self.decode = Some(dec);
         h.set_buffer(Buffer::RequestBody, body.len(), r.rewritten().body());
@@ -636,8 +660,18 @@ impl Stream {
         let Ok(mut r) = self.state.router.try_borrow_mut() else {
             return;
         };
-        // Stamped with the decision's time: no clock read (a host call) for it.
-        let w = r.commit(h, plan, status, plan.at);
+        // Stamped with the decision's time: no clock read (a host call) for it. A request sent
+        // before membership named any host (worker 0) is recorded for the host that served, at
+        // the response's time (after the host's join time when membership arrived meanwhile).
+        let w = if plan.worker == 0 {
+            let Some(a) = h.upstream_address() else {
+                return;
+            };
+            let (now, _) = now_ticks(h);
+            r.commit_served(h, plan, &a, status, now, self.state.closing.get())
+        } else {
+            r.commit(h, plan, status, plan.at)
+        };
         self.state.metrics.index_writes(&w);
     }
 

@@ -29,9 +29,24 @@ pub struct PeerSender {
     /// Batches awaiting an answer (bounded, see the module docs; expiring, see `schedule`).
     calls: Calls<()>,
     last_flush_ms: u64,
+    /// This VM's identity in its batches (`glue::Root::install`).
+    sender: u64,
+    /// Sequence number of the last batch sealed. Kept here, in the root, not in the router's
+    /// outbox: a membership rebuild makes a new router but the same sender, and a sequence
+    /// that started again would be refused as replays by every peer for `window_s`.
+    seq: u64,
 }
 
 impl PeerSender {
+    /// Names this VM's batches' sender. A new sender's sequence starts at 1; the same sender
+    /// (a membership rebuild) goes on with its sequence.
+    pub fn set_sender(&mut self, sender: u64) {
+        if sender != self.sender {
+            self.sender = sender;
+            self.seq = 0;
+        }
+    }
+
     /// The root's tick: expires lost batches and, every `peers.flush_ms`, sends this VM's new
     /// index records (and those relayed to it) to every peer.
     pub fn tick(&mut self, h: &impl Host, router: &RefCell<Router>, m: &Metrics, now_ms: u64) {
@@ -64,7 +79,8 @@ impl PeerSender {
             return;
         }
         let n = ob.len() as i64;
-        let batch = ob.seal(&p.secret, now_ms);
+        self.seq += 1;
+        let batch = ob.seal(&p.secret, self.sender, self.seq, now_ms);
         for c in &p.clusters {
             if self.calls.len() >= 4 * p.clusters.len().max(1) {
                 // Answers are overdue (timeouts pending): skip rather than pile up calls.

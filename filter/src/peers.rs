@@ -15,8 +15,11 @@
 //! +1 per batch), the sender's wall clock in ms (u64), the records, then HMAC-SHA256 of all of
 //! that keyed by `peers.secret` (32 bytes); integers little-endian. The secret itself never
 //! travels: a captured batch proves nothing about it and cannot be altered. The sender is unique
-//! per VM (its lease id in this Envoy and its start time in nanoseconds) and its sequence starts
-//! at 1 with each configuration, so a restarted or reconfigured VM is a new sender.
+//! per VM and configuration (its lease id in this Envoy and the clock in nanoseconds when the
+//! configuration arrived), so a restarted or reconfigured VM is a new sender, never a replay of
+//! the old one. Its sequence starts at 1 and goes on across membership rebuilds of the pool
+//! models (`glue::Root::install` keeps the sender, `peer_flush::PeerSender` its sequence): a
+//! rebuild is not a new sender to the peers, and its batches are not replays.
 //!
 //! **Receiving.** Only the filter on the peer listener (`peer_listener: true`) accepts batches, at
 //! `POST /prefix-router/v1/records`. [`open`] checks the form and size (at most `max_batch`
@@ -28,7 +31,12 @@
 //! deep). Both live in one shared-data sender table (all VMs of this Envoy, one read and one CAS
 //! per batch, at most [`MAX_SENDERS`] live senders; a sender whose newest batch left the window is
 //! forgotten, safely: its batches are stale from then on). A replayed batch is refused inside the
-//! window by the table and after it by its timestamp. Refusals answer 400 (not a batch), 403
+//! window by the table and after it by its timestamp. The table also holds when this receiver
+//! started (its process's first configuration, [`init_table`]), and a batch sent before then is
+//! refused as stale: a restarted receiver has lost the table, but every batch it had accepted
+//! was sent before it started, so none is taken twice (a sender whose clock runs ahead of the
+//! receiver's by `d` could replay what it sent in the last `d` before the restart; NTP keeps `d`
+//! to milliseconds). Refusals answer 400 (not a batch), 403
 //! (old protocol, wrong MAC, stale, replay), 429 (over budget: the records within it are applied;
 //! table full) or 503 (table contention), each counted and named in the response code details.
 //! Each accepted record is applied as a holder write with the receiver's own
@@ -103,10 +111,6 @@ pub struct Outbox {
     relay: Vec<u8>,
     /// The last sealed batch ([`Outbox::seal`]); its capacity is kept between flushes.
     wire: Vec<u8>,
-    /// This sender's identity in its batches: unique per VM (see `glue::Root::on_configure`).
-    sender: u64,
-    /// Sequence number of the last sealed batch (the next one is one more).
-    seq: u64,
 }
 
 impl Outbox {
@@ -117,15 +121,7 @@ impl Outbox {
             dropped: 0,
             relay: Vec::new(),
             wire: Vec::new(),
-            sender: 0,
-            seq: 0,
         }
-    }
-
-    /// Sets this outbox's sender identity; the sequence starts again (a new sender to peers).
-    pub fn set_sender(&mut self, sender: u64) {
-        self.sender = sender;
-        self.seq = 0;
     }
 
     pub fn push(&mut self, model_key: u32, worker: u32, hash: u64) {
@@ -151,18 +147,10 @@ impl Outbox {
         &self.buf
     }
 
-    /// The batch to send now: header (this sender, its next sequence number, `now_ms`), the
+    /// The batch to send now: header (`sender`, its sequence number `seq`, `now_ms`), the
     /// records and the MAC. One HMAC-SHA256 over the batch per flush, not per peer.
-    pub fn seal(&mut self, secret: &str, now_ms: u64) -> &[u8] {
-        self.seq += 1;
-        seal_into(
-            &mut self.wire,
-            secret,
-            self.sender,
-            self.seq,
-            now_ms,
-            &self.buf,
-        );
+    pub fn seal(&mut self, secret: &str, sender: u64, seq: u64, now_ms: u64) -> &[u8] {
+        seal_into(&mut self.wire, secret, sender, seq, now_ms, &self.buf);
         &self.wire
     }
 
@@ -241,8 +229,11 @@ pub const RELAY_KEY: &str = "pr/peer-relay";
 /// CAS attempts of a relay append or drain before giving up for this flush.
 const RELAY_TRIES: usize = 4;
 
-/// Shared-data key of the receiver's sender table ([`admit`]): what each sender sent lately.
+/// Shared-data key of the receiver's sender table ([`admit`]): when this receiver started
+/// (u64 LE ms, [`init_table`]), then what each sender sent lately.
 pub const SENDERS_KEY: &str = "pr/peer-senders";
+/// Bytes before the table's entries: the receiver's start (ms).
+const TABLE_HEAD: usize = 8;
 /// Senders the table remembers at once (48 bytes each). A sender is forgotten once its newest
 /// batch is older than the window (its batches are refused as stale from then on anyway).
 pub const MAX_SENDERS: usize = 256;
@@ -396,6 +387,18 @@ fn mark_seen(top: &mut u64, bits: &mut u64, seq: u64) -> bool {
     true
 }
 
+/// Creates the sender table of a receiver that starts at `now_ms` (its first configuration in
+/// this process: shared data lives as long as the process), unless it exists: batches sent
+/// before then are refused as stale ([`admit`]). A restarted receiver has lost the table of
+/// batches it accepted, but every one of them was sent before it started, so none is taken
+/// twice. A configuration update or membership rebuild keeps the table and its start.
+pub fn init_table<S: Store>(store: &S, now_ms: u64) {
+    let mut buf = Vec::new();
+    if store.get(SENDERS_KEY, &mut buf).is_none() {
+        let _ = store.set(SENDERS_KEY, &now_ms.to_le_bytes(), 0);
+    }
+}
+
 /// Admits an opened batch against the receiver's sender table (shared data, one read and one
 /// CAS write per batch, all VMs of this Envoy together): refused when this sender's sequence
 /// number was already accepted; otherwise returns how many of its records the sender's budget
@@ -417,14 +420,23 @@ pub fn admit<S: Store>(
         let cas = match store.get(SENDERS_KEY, buf) {
             Some(c) => c,
             None => {
-                let _ = store.set(SENDERS_KEY, &[], 0); // as the relay: create empty first
+                // Not made at configure (`init_table`): no start known. As the relay: create
+                // it first, then read-modify-write.
+                let _ = store.set(SENDERS_KEY, &[0u8; TABLE_HEAD], 0);
                 continue;
             }
         };
-        buf.truncate(buf.len() / ENTRY * ENTRY);
+        if buf.len() < TABLE_HEAD {
+            buf.resize(TABLE_HEAD, 0);
+        }
+        if o.sent_ms < u64_at(buf, 0) {
+            return Err(Refused::Stale); // sent before this receiver started
+        }
+        let whole = TABLE_HEAD + (buf.len() - TABLE_HEAD) / ENTRY * ENTRY;
+        buf.truncate(whole);
         // Forget the senders whose newest batch is out of the window (their batches are stale
         // from now on): the table holds live senders only, and its copy stays small.
-        let mut i = 0;
+        let mut i = TABLE_HEAD;
         while i + ENTRY <= buf.len() {
             let sender = u64_at(buf, i);
             if sender != o.sender && u64_at(buf, i + 24).saturating_add(window) < now_ms {
@@ -433,9 +445,10 @@ pub fn admit<S: Store>(
                 i += ENTRY;
             }
         }
-        let at = match (0..buf.len() / ENTRY).find(|k| u64_at(buf, k * ENTRY) == o.sender) {
-            Some(k) => k * ENTRY,
-            None if buf.len() / ENTRY >= MAX_SENDERS => return Err(Refused::TooManySenders),
+        let entries = (buf.len() - TABLE_HEAD) / ENTRY;
+        let at = match (0..entries).find(|k| u64_at(buf, TABLE_HEAD + k * ENTRY) == o.sender) {
+            Some(k) => TABLE_HEAD + k * ENTRY,
+            None if entries >= MAX_SENDERS => return Err(Refused::TooManySenders),
             None => {
                 let at = buf.len();
                 buf.resize(at + ENTRY, 0);
@@ -602,14 +615,13 @@ mod tests {
         let c = cfg();
         let m = &c.models[0];
         let mut ob = Outbox::new(4);
-        ob.set_sender(42);
         ob.push(m.peer_key, m.workers[1].id, 0xABCD);
         ob.push(m.peer_key, 12345, 0xBEEF); // unknown worker
         ob.push(77, m.workers[0].id, 0xF00D); // unknown model
         assert_eq!(ob.len(), 3);
         let s = MemStore::new();
         let mut sc = IndexBuffers::default();
-        let batch = ob.seal(SECRET, NOW).to_vec();
+        let batch = ob.seal(SECRET, 42, 1, NOW).to_vec();
         assert_eq!(batch.len(), HEADER + 3 * REC + MAC_LEN);
         assert_eq!(batch, seal(SECRET, 42, 1, NOW, ob.records()));
         let a = receive(&s, &c, &batch, NOW, 10, &mut sc).unwrap();
@@ -622,9 +634,9 @@ mod tests {
         assert!(sc.written.is_empty(), "not forwarded again");
         ob.clear();
         assert!(ob.is_empty());
-        // The next batch has the next sequence number.
+        // The next batch carries the sequence number it is given.
         ob.push(m.peer_key, m.workers[1].id, 0xABCE);
-        let next = ob.seal(SECRET, NOW + 5).to_vec();
+        let next = ob.seal(SECRET, 42, 2, NOW + 5).to_vec();
         assert_eq!(open(peers(&c), &next, NOW).unwrap().seq, 2);
     }
 
@@ -731,14 +743,14 @@ mod tests {
         assert_eq!(admit(&s, p, &o, NOW, &mut t), Ok(1));
         let mut v = Vec::new();
         s.get(SENDERS_KEY, &mut v);
-        assert_eq!(v.len(), 2 * ENTRY);
+        assert_eq!(v.len(), TABLE_HEAD + 2 * ENTRY);
         // Once sender 5's newest batch is out of the window, a batch of sender 6 forgets it.
         let later = NOW + 31_000;
         let o = seal(SECRET, 6, 11, later, &[0u8; REC]);
         let o = open(p, &o, later).unwrap();
         assert_eq!(admit(&s, p, &o, later, &mut t), Ok(1));
         s.get(SENDERS_KEY, &mut v);
-        assert_eq!(v.len(), ENTRY);
+        assert_eq!(v.len(), TABLE_HEAD + ENTRY);
     }
 
     #[test]

@@ -42,6 +42,8 @@ struct MemInner {
     conditional_sets: u32,
     /// `leases_expire` answers false (a native process store).
     lasting_leases: bool,
+    /// The next set of this key panics (fault injection, [`MemStore::panic_on_set`]).
+    panic_on_set: Option<String>,
     pub gets: u64,
     pub sets: u64,
 }
@@ -75,6 +77,11 @@ impl MemStore {
     pub fn keys(&self) -> Vec<String> {
         self.inner.borrow().map.keys().cloned().collect()
     }
+    /// Makes the next set of `key` panic: a fault inside a host call, for tests that a panic
+    /// (caught by the native build's guard) leaks no charge.
+    pub fn panic_on_set(&self, key: &str) {
+        self.inner.borrow_mut().panic_on_set = Some(key.to_string());
+    }
     /// Writes unconditionally, bypassing contention simulation (test set-up).
     pub fn put(&self, key: &str, value: &[u8]) {
         let mut i = self.inner.borrow_mut();
@@ -96,6 +103,11 @@ impl Store for MemStore {
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), CasMismatch> {
         let mut i = self.inner.borrow_mut();
+        if i.panic_on_set.as_deref() == Some(key) {
+            i.panic_on_set = None;
+            drop(i);
+            panic!("injected fault: a set of {key}");
+        }
         i.sets += 1;
         i.next_cas = i.next_cas.wrapping_add(1).max(1);
         let new_cas = i.next_cas;

@@ -298,3 +298,73 @@ fn a_stepped_clock_does_not_stop_replication_for_good() {
         assert_eq!(deliver(&rh, &rx, &b), 204, "batch {i} after the step");
     }
 }
+
+/// A sender that restarts (a new Envoy, the same replica) is a new sender to its peers: its
+/// first batches are accepted, not counted as replays of the old process's, and the old
+/// process's batches are still refused when replayed.
+#[test]
+fn a_restarted_sender_is_a_new_sender_not_a_replay() {
+    let ((sh, mut sender), (rh, mut rx)) = pair("");
+    let b1 = send_one(&sh, &mut sender, "before-restart");
+    rh.state.borrow_mut().now_nanos = sh.state.borrow().now_nanos;
+    assert_eq!(deliver(&rh, &rx, &b1), 204);
+    // The same replica, restarted a second later: a fresh process (empty shared data).
+    let restarted = FakeHost::new();
+    {
+        let mut s = restarted.state.borrow_mut();
+        s.plugin_config = config("").into_bytes();
+        s.now_nanos = sh.state.borrow().now_nanos + 1_000 * MS;
+    }
+    let mut again = Root::new();
+    assert!(again.on_configure(&restarted, config("").len()));
+    for i in 0..3 {
+        let b = send_one(&restarted, &mut again, &format!("after-restart-{i}"));
+        rh.state.borrow_mut().now_nanos = restarted.state.borrow().now_nanos;
+        assert_eq!(deliver(&rh, &rx, &b), 204, "batch {i} after the restart");
+    }
+    assert_eq!(
+        deliver(&rh, &rx, &b1),
+        403,
+        "the old batch is still a replay"
+    );
+    assert_eq!(counter(&rh, &mut rx, "batches_replayed"), 1);
+}
+
+/// A receiver that restarts (a new Envoy: its sender table is gone) does not take a batch it
+/// accepted before the restart a second time: batches sent before it started are refused as
+/// stale (issue 36 #9e). The sender's batches after the restart are accepted.
+#[test]
+fn a_restarted_receiver_refuses_batches_from_before_its_start() {
+    let ((sh, mut sender), (rh, rx)) = pair("");
+    let b1 = send_one(&sh, &mut sender, "before-receiver-restart");
+    rh.state.borrow_mut().now_nanos = sh.state.borrow().now_nanos;
+    assert_eq!(deliver(&rh, &rx, &b1), 204);
+    // The receiving replica restarts a second later: a fresh process, empty shared data.
+    let fresh = FakeHost::new();
+    {
+        let mut s = fresh.state.borrow_mut();
+        s.plugin_config = listener_config("").into_bytes();
+        s.now_nanos = sh.state.borrow().now_nanos + 1_000 * MS;
+    }
+    let mut again = Root::new();
+    assert!(again.on_configure(&fresh, listener_config("").len()));
+    assert_eq!(
+        deliver(&fresh, &again, &b1),
+        403,
+        "replayed into the restarted receiver"
+    );
+    assert_eq!(
+        fresh
+            .state
+            .borrow()
+            .reply_details
+            .last()
+            .map(String::as_str),
+        Some("prefix_router_peer_stale")
+    );
+    sh.state.borrow_mut().now_nanos = fresh.state.borrow().now_nanos + 100 * MS;
+    let b2 = send_one(&sh, &mut sender, "after-receiver-restart");
+    fresh.state.borrow_mut().now_nanos = sh.state.borrow().now_nanos;
+    assert_eq!(deliver(&fresh, &again, &b2), 204);
+    assert_eq!(counter(&fresh, &mut again, "batches_replayed"), 0);
+}

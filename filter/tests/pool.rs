@@ -291,3 +291,139 @@ fn workers_sharing_an_address_keep_their_requests() {
         s.on_done(&h);
     }
 }
+
+/// Delivers a captured peer batch to `root`'s peer listener; returns the reply status and its
+/// details.
+fn deliver(h: &FakeHost, root: &Root, body: &[u8]) -> (u32, String) {
+    let n = h.state.borrow().replies.len();
+    {
+        let mut s = h.state.borrow_mut();
+        s.request_headers = vec![
+            (":method".into(), "POST".into()),
+            (":path".into(), "/prefix-router/v1/records".into()),
+        ];
+        s.request_body = body.to_vec();
+    }
+    let mut st = root.new_stream().expect("configured");
+    st.on_request_headers(h, false);
+    st.on_request_body(h, body.len(), true);
+    st.on_done(h);
+    let s = h.state.borrow();
+    assert_eq!(s.replies.len(), n + 1, "the listener answers");
+    (
+        s.replies[n].0,
+        s.reply_details.last().cloned().unwrap_or_default(),
+    )
+}
+
+/// Index records reach the peers across membership changes: a rebuild keeps the VM's sender
+/// and its sequence, so the peers never take the batches after it for replays (issue 36 #3).
+#[test]
+fn peer_batches_are_accepted_across_membership_changes() {
+    let cfg = r#"{"models":{"m":{"pool":{"cluster":"m","load_cluster":"m_load","fallbacks":1}}},
+        "debug_header":"x-debug","load_poll":{"metrics_interval_ms":0},
+        "peers":{"clusters":["peer0"],"secret":"0123456789abcdef-peer","flush_ms":100}}"#;
+    let (h, mut root) = configured(cfg);
+    let listener = cfg.replacen('{', r#"{"peer_listener":true,"#, 1);
+    let (rh, rx) = configured(&listener);
+    let sets: [&[(&str, &str)]; 2] = [
+        &[("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")],
+        &[("10.0.0.1:30000", "healthy")],
+    ];
+    let rebuilds = |h: &FakeHost| h.metric("prefix_router.membership.rebuilds").unwrap_or(0);
+    for change in 0..10 {
+        let before = rebuilds(&h);
+        tick(&h, &mut root, 2000, sets[change % 2]);
+        assert!(rebuilds(&h) > before, "change {change}: membership rebuilt");
+        let seen = h.state.borrow().calls.len();
+        served(&h, &root, &long_chat(&format!("turn {change}")), None);
+        tick(&h, &mut root, 300, sets[change % 2]);
+        let batches: Vec<Vec<u8>> = h.state.borrow().calls[seen..]
+            .iter()
+            .filter(|c| c.upstream == "peer0")
+            .map(|c| c.body.clone().unwrap_or_default())
+            .collect();
+        assert!(!batches.is_empty(), "change {change}: a batch was sent");
+        rh.state.borrow_mut().now_nanos = h.state.borrow().now_nanos;
+        for b in batches {
+            assert_eq!(
+                deliver(&rh, &rx, &b),
+                (204, String::new()),
+                "change {change}"
+            );
+            // ... and the same batch again is still a replay.
+            assert_eq!(deliver(&rh, &rx, &b).1, "prefix_router_peer_replay");
+        }
+    }
+}
+
+/// Conversations started before the first membership read (Envoy just started: the pool's own
+/// load balancer picked their host) are recorded under the host that served, once membership
+/// names it, so their next turn goes back to it (issue 36 #6). Also when membership arrives
+/// while the first turn is still in flight.
+#[test]
+fn a_conversation_started_before_membership_keeps_its_host() {
+    let (h, mut root) = configured(POOL);
+    let both = [("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")];
+    let mut convs = Vec::new();
+    for i in 0..8 {
+        let host = both[i % 2].0;
+        let body = long_chat(&format!("early {i}"));
+        let (dest, _) = served(&h, &root, &body, Some(host));
+        assert_eq!(dest, "", "unplaced: no host named yet");
+        convs.push((body, host));
+    }
+    // One more whose answer comes after membership is known.
+    let late = long_chat("in flight across the first read");
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &late);
+    assert_eq!(request_header(&h, DEST), None);
+    tick(&h, &mut root, 2000, &both);
+    {
+        let mut st = h.state.borrow_mut();
+        st.response_headers = vec![(":status".into(), "200".into())];
+        st.upstream_address = Some(both[1].0.into());
+    }
+    s.on_response_headers(&h);
+    s.on_done(&h);
+    convs.push((late, both[1].0));
+    for (i, (body, host)) in convs.into_iter().enumerate() {
+        let (dest, debug) = served(&h, &root, &body, None);
+        assert!(dest.starts_with(host), "{i}: {dest} / {host}");
+        assert!(debug.contains("reason=prefix_hit"), "{i}: {debug}");
+    }
+}
+
+/// A stream in flight across membership changes keeps counting in the shared load (load polls
+/// off: nothing else would show it) until it ends: the replaced router's lease keeps beating
+/// while its streams run (issue 36 #9b).
+#[test]
+fn a_long_stream_keeps_its_load_across_membership_changes() {
+    let cfg = POOL.replace(
+        r#""metrics_interval_ms":0"#,
+        r#""metrics_interval_ms":0,"interval_ms":0"#,
+    );
+    let (h, mut root) = configured(&cfg);
+    let two = [("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")];
+    let three = [two[0], two[1], ("10.0.0.3:30000", "healthy")];
+    tick(&h, &mut root, 2000, &two);
+    let (mut s, _) = request(
+        &h,
+        &root,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        &chat("long"),
+    );
+    let load = |h: &FakeHost| h.metric("prefix_router.load.requests").unwrap_or(-1);
+    tick(&h, &mut root, 500, &two);
+    assert_eq!(load(&h), 1);
+    let rebuilds = h.metric("prefix_router.membership.rebuilds").unwrap_or(0);
+    for hosts in [&three[..], &two[..], &three[..]] {
+        tick(&h, &mut root, 3000, hosts);
+        assert_eq!(load(&h), 1, "the stream's load after a change");
+    }
+    assert!(h.metric("prefix_router.membership.rebuilds").unwrap_or(0) >= rebuilds + 3);
+    s.on_done(&h);
+    tick(&h, &mut root, 500, &three);
+    assert_eq!(load(&h), 0, "released at its end");
+}

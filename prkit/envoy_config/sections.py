@@ -9,7 +9,7 @@ import re
 
 from .options import (
     ADMIN_CLUSTER, CLUSTER_HEADER, DESTINATION_HEADER, HASH_KEY_PLACEHOLDER, HEAP_RESET_FROM, HEAP_SHED,
-    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, MIB4, NO_WORKER_BODY, NOT_FOUND_BODY, Options, PEER_PATH,
+    HEAP_SHRINK, HostPort, LOCAL_WASM, MIB16, NO_WORKER_BODY, NOT_FOUND_BODY, Options, PEER_PATH,
     PEER_SECRET_PLACEHOLDER,
     PEER_PREFIX, POLL_SUFFIX, PREFILL_HEADER, Pool, Worker, _pd_workers, _poll_clusters, _worker_names,
     is_ip, public_routes, validate,
@@ -175,20 +175,29 @@ def poll_cluster(w: Worker) -> dict:
             "load_assignment": {"cluster_name": name, "endpoints": endpoints([(w.host, w.port)])}}
 
 
-def override_host_policy() -> dict:
+def override_host_policy(fallback: bool = True) -> dict:
     """Envoy's override_host load balancing policy: the request goes to the first host named in
     DESTINATION_HEADER (IP:PORT[,IP:PORT...]) that is in the cluster, a retry to the next one;
-    without the header, or past its last host, to the least busy host (least request)."""
+    without the header, or past its last host, to the least busy host (least request), or
+    nowhere (`fallback=False`: the request fails, no host answers for another)."""
+    oh = {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        "override_host_sources": [{"header": DESTINATION_HEADER}],
+    }
+    lb = "type.googleapis.com/envoy.extensions.load_balancing_policies."
+    least_request = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.least_request",
+        "typed_config": {"@type": lb + "least_request.v3.LeastRequest"}}}]}
+    # Envoy requires a fallback policy; one that picks no host: a subset policy whose subsets
+    # need a metadata key no host has, with NO_FALLBACK (a request matching no subset fails).
+    nowhere = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.subset",
+        "typed_config": {"@type": lb + "subset.v3.Subset", "fallback_policy": "NO_FALLBACK",
+                         "subset_selectors": [{"keys": ["prefix-router-no-fallback"]}],
+                         "subset_lb_policy": least_request}}}]}
+    oh["fallback_policy"] = least_request if fallback else nowhere
     return {"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.override_host",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-            "override_host_sources": [{"header": DESTINATION_HEADER}],
-            "fallback_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.least_request",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
-                                          "least_request.v3.LeastRequest"}}}]},
-        }}}]}
+        "name": "envoy.load_balancing_policies.override_host", "typed_config": oh}}]}
 
 
 def _pool_membership(p: Pool) -> dict:
@@ -261,9 +270,11 @@ def pool_load_cluster(model: str, p: Pool) -> dict:
     out: dict = {
         "#": f"Load polls of pool {p.cluster}'s workers (model {model}): the filter's GET /v1/loads (else /get_load)\n"
              f"to the worker it names in {DESTINATION_HEADER}. Same membership, no health checks or outlier\n"
-             "detection: a failing load endpoint never ejects a worker.",
+             "detection: a failing load endpoint never ejects a worker. No fallback host: a worker this\n"
+             "cluster does not have yet (its own DNS answer lags the pool's) fails its poll instead of\n"
+             "another worker answering, whose load would be published as the named one's.",
         "name": name, **membership, "connect_timeout": "0.25s",
-        "load_balancing_policy": override_host_policy(),
+        "load_balancing_policy": override_host_policy(fallback=False),
     }
     if p.source == "dns":
         out["load_assignment"] = {"cluster_name": name, "endpoints": endpoints([(p.host, p.port)])}
@@ -721,6 +732,12 @@ def stats_listener(o: Options) -> dict:
     }
 
 
+# The filter's peers.max_batch default (filter/src/config.rs), and the HTTP/2 streams a peer
+# may have open on one connection (a replica keeps at most 4 batches per peer in flight).
+PEER_MAX_BATCH = 4096
+PEER_MAX_STREAMS = 16
+
+
 def peers_listener(o: Options, plugin: dict) -> dict:
     assert o.peer_listen is not None
     peer_plugin = {**plugin, "peer_listener": True}
@@ -735,13 +752,18 @@ def peers_listener(o: Options, plugin: dict) -> dict:
                      f"peer_listener: it answers POST {PEER_PATH} batches (HMAC of the shared secret,\n"
                      f"fresh, not seen before, within budget) itself and refuses the rest.",
                 **wasm}
+    # The largest batch (filter/src/peers.rs): 28-byte header, 16 bytes per record, 32-byte MAC;
+    # the body buffer holds one and a little, so nothing bigger is buffered before the MAC check.
+    max_batch = int((plugin.get("peers") or {}).get("max_batch", PEER_MAX_BATCH))
+    batch_limit = max(64 * 1024, -(-(28 + 16 * max_batch + 32) // 4096) * 4096)
     return {
         "#": "Peer listener: other replicas POST the index records they make here (keep this port on a\n"
              "private network; batches without a valid HMAC of the shared secret are refused).",
         "name": "peers",
         "address": socket_address(o.peer_listen),
-        "#b": "A batch holds at most a few thousand records: 4 MiB is ample.",
-        "per_connection_buffer_limit_bytes": MIB4,
+        "#b": f"The body buffer holds the largest batch ({max_batch} records, peers.max_batch): a bigger body gets\n"
+              "413 from Envoy before anything of it reaches the filter's MAC check.",
+        "per_connection_buffer_limit_bytes": batch_limit,
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
@@ -751,9 +773,12 @@ def peers_listener(o: Options, plugin: dict) -> dict:
                 "#a": "One JSON line per refused request, with the filter's reason (details); accepted\n"
                       "batches are not logged.",
                 "access_log": peer_access_log(),
-                "#": "Batches are small and quick: slow or idle peers are cut off.",
+                "#": "Batches are small and quick: slow or idle peers are cut off, trickled headers too; a\n"
+                     "replica sends a few batches at a time (HTTP/2: at most 16 streams per connection).",
                 "request_timeout": "10s",
+                "request_headers_timeout": o.request_headers_timeout,
                 "stream_idle_timeout": "10s",
+                "http2_protocol_options": {"max_concurrent_streams": PEER_MAX_STREAMS},
                 "route_config": {"name": "prefix_router_peers", "virtual_hosts": [{
                     "name": "peers", "domains": ["*"],
                     "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},

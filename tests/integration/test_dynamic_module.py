@@ -386,6 +386,44 @@ def test_native_replicas_share_placements_through_their_peer_listeners():
             shutil.rmtree(t, ignore_errors=True)
 
 
+def test_native_pool_with_load_polls_off_learns_its_hosts(tmp_path):
+    """`gen --native --load-poll-ms 0` on an EDS pool: the main thread still ticks (membership
+    reads start there), so requests name a host of the pool instead of going out unplaced
+    (issue 36 #5)."""
+    from prkit.eds import write_eds
+    from prkit.fake_workers import Worker
+    cargo_build("prefix-router", release=True, features=["dynamic-module"])
+    so = target_dir() / "release" / "libprefix_router.so"
+    workers = [Worker(f"p{i}") for i in range(2)]
+    eds = tmp_path / "eds" / "m.yaml"
+    eds.parent.mkdir()
+    write_eds(eds, "m", [("127.0.0.1", w.port) for w in workers], 1)
+    listen, admin = free_port(), free_port()
+    text = ec.run_gen("--model", f"m=eds:{eds}", "--listen", f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}",
+                      "--stats-listen", "none", "--rate-limit", "0", "--hash-key", "k" * 32, "--native",
+                      "--load-poll-ms", "0", "--membership-ms", "200", "--debug-header")
+    envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp_path,
+                  env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)})
+    envoy.start()
+    try:
+        c = Client(listen)
+        addresses = {f"127.0.0.1:{w.port}" for w in workers}
+
+        def placed():
+            r = wl.rng(str(time.monotonic()))
+            rep = c.post("/v1/chat/completions", {"model": "m", "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": wl.text(r, 300)}]})
+            assert rep.status == 200, rep.body
+            return rep.decision.get("worker") in addresses
+
+        wait_until(placed, "a request placed on a host of the pool (not pool.unplaced)", 30, 0.1)
+        c.close()
+    finally:
+        envoy.stop()
+        for w in workers:
+            w.close()
+
+
 def _mutations(seed: str, n: int) -> list:
     """`n` request bodies the native layer must survive: the robustness suite's malformed bodies,
     then truncations, byte flips and splices of valid ones, random bytes, deep nesting and huge

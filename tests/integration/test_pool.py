@@ -5,6 +5,7 @@ distrusts a host that left and came back, and credits the host that actually ser
 
 from __future__ import annotations
 
+import secrets
 import socket
 import struct
 import threading
@@ -39,7 +40,7 @@ class EdsPool:
     """Six fake workers, an EDS file listing some of them, and a real Envoy on `envoy/gen`'s
     production shape with the filter."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, extra: tuple[str, ...] = ()):
         self.workers = [Worker(f"p{i}") for i in range(6)]
         self.addr = {f"127.0.0.1:{w.port}": w.name for w in self.workers}
         self.path = tmp / "eds" / "m.yaml"
@@ -47,7 +48,7 @@ class EdsPool:
         self.version = 0
         self.listen(["p0", "p1"])
         listen, admin = free_port(), free_port()
-        text = ec.run_gen(*gen_args(f"eds:{self.path}", listen, admin))
+        text = ec.run_gen(*gen_args(f"eds:{self.path}", listen, admin), *extra)
         self.envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp).start()
         self.client = Client(listen)
 
@@ -69,7 +70,12 @@ class EdsPool:
         return out
 
     def rebuilds(self) -> float:
-        return sum(v for k, v in self.envoy.stats_now().items() if k.startswith(REBUILDS))
+        return self.stat(REBUILDS)
+
+    def stat(self, prefix: str, flushed: bool = False) -> float:
+        """The filter's metric `prefix` (summed over its labels); `flushed`: after a metric flush."""
+        stats = self.envoy.stats() if flushed else self.envoy.stats_now()
+        return sum(v for k, v in stats.items() if k.startswith(prefix))
 
     def settle(self, names: list[str]):
         """Lists `names` and waits until every Envoy worker thread's filter has rebuilt its worker
@@ -198,6 +204,96 @@ def test_a_request_a_fallback_served_credits_the_fallback(pool):
     msgs = next_turn(msgs)
     worker, d = pool.chat(msgs)
     assert worker == other and d["reason"] == "prefix_hit", d
+
+
+def test_peer_records_are_accepted_across_ten_membership_changes(tmp_path):
+    """One replica that is its own peer (a config may list itself): every membership change
+    rebuilds each thread's router, and the batches after it must still be accepted, not taken
+    for replays of the batches before it (issue 36 #3)."""
+    peer = free_port()
+    extra = ("--peers", f"http://127.0.0.1:{peer}", "--peer-listen", f"127.0.0.1:{peer}",
+             "--peer-secret", secrets.token_hex(16))
+    pool = EdsPool(tmp_path, extra)
+    rx, replayed, rejected = ("prefix_router_peers_records_received", "prefix_router_peers_batches_replayed",
+                              "prefix_router_peers_requests_rejected")
+    try:
+        pool.settle(["p0", "p1"])
+        sets = (["p0", "p1", "p2"], ["p0", "p1"])
+        for change in range(10):
+            rebuilt = pool.rebuilds()
+            pool.settle(sets[change % 2])
+            wait_until(lambda: pool.rebuilds() > rebuilt, f"change {change}: a rebuild", 30, 0.1)
+            base = pool.stat(rx)
+            for _ in range(4):
+                pool.chat(pool.opening())
+            wait_until(lambda: pool.stat(rx) > base, f"change {change}: records received after the change", 30, 0.1)
+            assert pool.stat(replayed) == 0 and pool.stat(rejected) == 0, (change, pool.stat(replayed))
+        assert pool.stat(replayed, flushed=True) == 0
+        assert pool.stat(rejected) == 0
+    finally:
+        pool.close()
+
+
+def test_conversations_started_before_the_first_membership_read_keep_their_worker(tmp_path):
+    """Turns sent the moment Envoy is ready, before the filter has read the pool's membership
+    (its reads every 2 s here; the first one finds the hosts still in their first health check):
+    the pool's own load balancer places them, and the filter records each prompt under the host
+    that served it, so each conversation's next turn goes back there (issue 36 #6)."""
+    pool = EdsPool(tmp_path, ("--membership-ms", "2000"))
+    try:
+        convs = [pool.opening() for _ in range(24)]
+        first = []
+        for msgs in convs:
+            worker, d = pool.chat(msgs)
+            first.append((worker, d))
+        unplaced = sum(1 for _, d in first if not d.get("worker"))
+        assert unplaced >= 1, f"every turn was placed: the test saw no start-up window ({first[:3]})"
+        pool.settle(["p0", "p1"])
+        wait_until(lambda: all(pool.chat(pool.opening())[1].get("worker") for _ in range(5)),
+                   "decisions naming a host (membership read)", 30, 0.1)
+        lost = []
+        for msgs, (worker, d) in zip(convs, first):
+            again, d2 = pool.chat(next_turn(msgs))
+            if again != worker:
+                lost.append((worker, d, again, d2))
+        assert not lost, f"{len(lost)} of {len(convs)} conversations ({unplaced} unplaced) lost their worker: {lost[:3]}"
+    finally:
+        pool.close()
+
+
+def test_a_load_poll_is_answered_only_by_the_host_it_names(tmp_path):
+    """`<pool>_load` resolves its membership on its own (a DNS pool: two resolutions): a host the
+    pool has and the load cluster does not have yet. A poll naming it must fail (counted), never
+    be answered by another host whose load would then be published as its own (issue 36 #9a).
+    Here the pool lists p0 only and its load cluster p1 only."""
+    w0, w1 = Worker("p0"), Worker("p1")
+    pool_file, load_file = tmp_path / "eds" / "m.yaml", tmp_path / "eds-load" / "m.yaml"
+    pool_file.parent.mkdir()
+    load_file.parent.mkdir()
+    write_eds(pool_file, MODEL, [("127.0.0.1", w0.port)], 1)
+    write_eds(load_file, MODEL, [("127.0.0.1", w1.port)], 1)
+    listen, admin = free_port(), free_port()
+    cfg = ec.config(ec.options_from_args(gen_args(f"eds:{pool_file}", listen, admin) + ["--load-poll-ms", "100"]))
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == f"{MODEL}_load":
+            src = c["eds_cluster_config"]["eds_config"]["path_config_source"]
+            src["path"], src["watched_directory"]["path"] = str(load_file), str(load_file.parent)
+    envoy = Envoy(ec.dump(cfg), listener_port=listen, admin_port=admin, workdir=tmp_path).start()
+    try:
+        fail = "prefix_router_load_poll_failures"
+        wait_until(lambda: sum(v for k, v in envoy.stats_now().items() if k.startswith(fail)) >= 3,
+                   "polls of p0 failing (p0 is not in the load cluster)", 30, 0.1)
+        polls_at_p1 = [r for r in w1.stats.requests if r["path"].split("?")[0] in ("/v1/loads", "/get_load")]
+        assert not polls_at_p1, f"p1 answered {len(polls_at_p1)} polls naming p0"
+        # Once the load cluster has p0 too, its polls reach it (the named host, not a fallback).
+        write_eds(load_file, MODEL, [("127.0.0.1", w0.port), ("127.0.0.1", w1.port)], 2)
+        wait_until(lambda: any(r["path"].split("?")[0] in ("/v1/loads", "/get_load") for r in w0.stats.requests),
+                   "p0 polled once its load cluster has it", 30, 0.1)
+        assert not [r for r in w1.stats.requests if r["path"].split("?")[0] in ("/v1/loads", "/get_load")]
+    finally:
+        envoy.stop()
+        w0.close()
+        w1.close()
 
 
 class TinyDns:

@@ -659,8 +659,11 @@ def test_peer_listener_accepts_only_authenticated_batches(fl):
 
 def test_a_batch_replayed_after_the_window_is_refused(fl):
     """A batch sent 1.5 s before the end of its window is accepted; replayed once the window has
-    passed it is refused as stale (and would be as a replay too)."""
+    passed it is refused as stale (and would be as a replay too). B must have been up for the
+    whole window: a receiver refuses batches sent before it started (peers.rs, init_table)."""
     B = fl["B"]
+    uptime = lambda: B.envoy.counters(r"server\.uptime").get("server.uptime", 0)  # noqa: E731
+    wait_until(lambda: uptime() > WINDOW_S, f"replica B up for more than {WINDOW_S} s", WINDOW_S + 30, 0.5)
     s0 = B.envoy.stats()
     rx0, stale0 = s0.get(RX, 0), s0.get(STALE, 0)
     body = batch(fl.secret, 2, sent_ms=int(time.time() * 1000) - (WINDOW_S * 1000 - 1500))

@@ -219,3 +219,58 @@ def _closed(s: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+# --------------------------------------------------------------------------------------------
+# The peer listener (issue 36 #9d): the same slow-client limits as the public listener, and a
+# body buffer sized to the largest batch, not 4 MiB, so a peer (or anyone who reaches the port)
+# cannot make Envoy buffer more than one batch before the filter checks its MAC.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peer_stack():
+    import secrets
+    from prkit.ports import free_port
+    peer = free_port()
+    s = gen_stack(Path(tempfile.mkdtemp(prefix="prefix-router-slow-peer-")), 1, [], None,
+                  "--request-headers-timeout", f"{HEADERS_TIMEOUT_S:g}s",
+                  "--peers", f"http://127.0.0.1:{peer}", "--peer-listen", f"127.0.0.1:{peer}",
+                  "--peer-secret", secrets.token_hex(16), "--hash-key", secrets.token_hex(16))
+    s.peer_port = peer
+    yield s
+    s.close()
+
+
+def test_trickled_headers_are_cut_on_the_peer_listener(peer_stack):
+    head = b"POST /prefix-router/v1/records HTTP/1.1\r\nHost: x\r\n"
+    r = trickle(peer_stack.peer_port, head, b"x-slow: ", b"y" * 4000)
+    assert r["closed"] and r["dripped"] < 4000, r
+    # Within the headers timeout (1 s here) and a generous margin, not request_timeout (10 s).
+    assert r["elapsed"] < HEADERS_TIMEOUT_S + 5, r
+    print(f"peer listener, trickled headers: closed after {r['elapsed']:.1f} s")
+
+
+def test_a_body_larger_than_a_peer_batch_is_refused_before_it_is_buffered(peer_stack):
+    from prkit.client import Client
+    # The largest batch (peers.max_batch 4096 records of 16 bytes, header and MAC) is ~64 KiB.
+    body = b"\0" * (512 * 1024)
+    c = Client(peer_stack.peer_port)
+    try:
+        r = c.request("POST", "/prefix-router/v1/records", body, {"content-type": "application/octet-stream"})
+    finally:
+        c.close()
+    assert r.status == 413, (r.status, r.body[:200])
+
+
+def test_the_peer_listener_caps_http2_streams_per_connection():
+    from prkit import envoy_config as ec
+    doc = ec.config(ec.options_from_args([
+        "--model", "m=127.0.0.1:1", "--listen", "127.0.0.1:1", "--admin", "127.0.0.1:2",
+        "--stats-listen", "none", "--hash-key", "k" * 32, "--peers", "http://127.0.0.1:3",
+        "--peer-listen", "127.0.0.1:3", "--peer-secret", "s" * 32, "--wasm", "/x.wasm"]))
+    (peers,) = [x for x in doc["static_resources"]["listeners"] if x["name"] == "peers"]
+    hcm = peers["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm.get("http2_protocol_options", {}).get("max_concurrent_streams", 0) > 0, hcm.keys()
+    assert hcm.get("request_headers_timeout"), hcm.keys()
+    assert peers["per_connection_buffer_limit_bytes"] < 1024 * 1024

@@ -165,11 +165,11 @@ unsafe fn load_config<A: Abi>(envoy: *mut c_void, value: Buf) -> *const c_void {
         return std::ptr::null();
     }
     let panics = define::<A>(envoy, MetricKind::Counter, guard::PANICS_METRIC);
-    let timer = if cfg.load_poll.interval_ms > 0 {
+    let timer = if needs_timer(&cfg) {
         match Timer::start::<A>(envoy, TICK) {
             Some(t) => Some(t),
             None => {
-                eprintln!("prefix-router: load_poll: Envoy gave no scheduler for the poll timer");
+                eprintln!("prefix-router: Envoy gave no scheduler for the main thread's timer");
                 return std::ptr::null();
             }
         }
@@ -185,6 +185,16 @@ unsafe fn load_config<A: Abi>(envoy: *mut c_void, value: Buf) -> *const c_void {
         panics,
     };
     Box::into_raw(Box::new(c)) as *const c_void
+}
+
+/// Whether `cfg` needs the main thread's timer: only that thread can start calls, and these
+/// start from its tick: load polls, pool membership reads (which go on with load polls off) and
+/// peer batches (the worker threads' records are relayed to it). A config with none of them
+/// costs no thread.
+fn needs_timer(cfg: &Config) -> bool {
+    let members = cfg.membership.interval_ms > 0 && cfg.models.iter().any(|m| m.pool.is_some());
+    let peers = cfg.peers.is_some() && !cfg.peer_listener;
+    cfg.load_poll.interval_ms > 0 || members || peers
 }
 
 /// See [`envoy_dynamic_module_on_http_filter_config_destroy`]. A panic (in a root's or the
@@ -914,6 +924,43 @@ mod tests {
             filter_destroy::<FakeEnvoy>(m);
         }
         assert!(panics(&l) >= 1);
+    }
+
+    /// Load polls off (`gen --native --load-poll-ms 0`): a pool still learns its hosts and a
+    /// replica still sends its peer batches, both from the main thread's tick (issue 36 #5).
+    #[test]
+    fn with_load_polls_off_pools_and_peers_still_tick_the_main_thread() {
+        let pool = r#"{"models":{"m-pool-nopoll":{"pool":{"cluster":"m","load_cluster":"m_load"}}},
+            "load_poll":{"interval_ms":0,"metrics_interval_ms":0}}"#;
+        let l = Loaded::new(pool);
+        assert_eq!(l.fake.state().schedulers, 1, "a pool needs the timer");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while l.fake.count("http_callout") == 0 {
+            assert!(std::time::Instant::now() < deadline, "no membership read");
+            // SAFETY: the config is alive; this test thread plays Envoy's main thread.
+            unsafe { config_scheduled::<FakeEnvoy>(l.config) };
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let call = l.fake.state().callouts[0].clone();
+        assert_eq!(call.1, "admin", "the membership read: {call:?}");
+        drop(l);
+        let peers = json(
+            "m-peers-nopoll",
+            r#","peers":{"clusters":["p0"],"secret":"0123456789abcdef-peer"}"#,
+        );
+        let l = Loaded::new(&peers);
+        assert_eq!(
+            l.fake.state().schedulers,
+            1,
+            "a peer sender needs the timer"
+        );
+        drop(l);
+        let listener = json(
+            "m-listener-nopoll",
+            r#","peers":{"secret":"0123456789abcdef-peer"},"peer_listener":true"#,
+        );
+        let l = Loaded::new(&listener);
+        assert_eq!(l.fake.state().schedulers, 0, "a peer listener never sends");
     }
 
     #[test]

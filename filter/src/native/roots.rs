@@ -30,7 +30,8 @@ pub(crate) struct ModuleConfig {
     pub(crate) id: u64,
     pub(crate) json: Vec<u8>,
     pub(crate) envoy: *mut c_void,
-    /// The main thread's timer (load polls need one; absent when polling is off). Only held:
+    /// The main thread's timer (`exports::needs_timer`: load polls, pool memberships, peer
+    /// batches; absent when the config has none of them). Only held:
     /// dropping it with the config stops it.
     pub(crate) _timer: Option<Timer>,
     /// (name, kind, Envoy's id); a metric's id in [`crate::host::Host`] is its position plus

@@ -5,7 +5,8 @@
 //!
 //! Invariants: the scheduler outlives the thread (the thread is stopped and joined before the
 //! scheduler is deleted, in `Drop`), and the thread only ever commits, so it never touches the
-//! config or any root. Cost: one sleeping thread per config with load polls, one commit (an
+//! config or any root. Cost: one sleeping thread per config that needs calls (load polls, pool
+//! memberships, peer batches), one commit (an
 //! Envoy dispatcher post) per tick; nothing on a stream's path.
 
 use super::ffi::Abi;

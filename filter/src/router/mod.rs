@@ -5,8 +5,10 @@
 //!
 //! Load accounting lives in [`Ledger`] (`load.rs`), worker choice behind [`Policy`]
 //! (`policy/`), the index in `index.rs`, the PD body rewrite in `pd_body.rs`; this file wires
-//! them together for one request, a PD request's decode worker included
-//! ([`Router::decode_decision`]).
+//! them together for one request. Beside it, one concept each: what a decision is
+//! (`decision.rs`), a pool model's destination header and rebuilds (`pool.rs`), requests sent
+//! before membership named a host (`unplaced.rs`), a PD request's decode worker (`pd.rs`), and
+//! the peer records (`peer_records.rs`).
 //!
 //! Invariants: every field is private, so the ledger, the index buffers, the peer outbox and the
 //! PD rewriter change only through `Router` methods, and a charge is made and released only
@@ -21,13 +23,13 @@
 //! `policy.affinity_blocks` blocks.
 
 use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed, salted_seed};
-use crate::config::{Config, PeersConfig, UnknownModel};
+use crate::config::{Config, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
 use crate::ids;
 use crate::index::{Held, Index, IndexBuffers, Matches, Plan, WriteStats};
 use crate::load::Ledger;
-use crate::pd_body::{BadBody, Rewriter};
+use crate::pd_body::Rewriter;
 use crate::peers::Outbox;
 use crate::placements::Placements;
 use crate::policy::{self, Inputs, Policy, Reason};
@@ -35,6 +37,14 @@ use crate::records::ById;
 use crate::request::{self, Endpoint, PromptKind};
 use crate::store::Store;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+mod decision;
+mod pd;
+mod peer_records;
+mod pool;
+mod unplaced;
+
+pub use decision::{not_found_body, Decision, HolderLoad, Outcome};
 
 /// The rendezvous keys of a prompt: `affinity` (module docs) and `group` (its first
 /// `affinity_blocks` blocks, shared by every prompt that opens alike).
@@ -45,90 +55,6 @@ struct Keys {
     /// What siblings of a new prompt share (`placements.rs`): for a PD model's prefill choice
     /// the opening message when it is at least `affinity_blocks` long, else the rendezvous key.
     sibling: u64,
-}
-
-/// What was decided for a request; small and `Copy` so the stream context can keep it until the
-/// stream ends and release exactly what was charged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decision {
-    pub model: u16,
-    pub worker: u16,
-    pub reason: Reason,
-    pub matched_blocks: u32,
-    pub total_blocks: u32,
-    /// Load charged to the worker: the request until the stream ends, its estimated uncached
-    /// prompt tokens (queued prefill) until the first response headers
-    /// ([`Decision::take_prompt_tokens`]); 0/0 when nothing was charged.
-    pub charged_reqs: u32,
-    pub charged_tokens: u32,
-    pub probes: u32,
-    pub truncated: bool,
-    /// The deepest holder's load as the decision saw it (for the debug header); `None` when
-    /// nobody held the prompt.
-    pub holder: Option<HolderLoad>,
-}
-
-impl Decision {
-    /// The one way to make a decision: worker `worker` of model `model` for `reason`, nothing
-    /// charged, matched or probed yet (a passthrough pick stays so; routed decisions add their
-    /// charge with [`Decision::with_charge`] and their match fields).
-    pub fn uncharged(model: usize, worker: usize, reason: Reason) -> Decision {
-        Decision {
-            model: model as u16,
-            worker: worker as u16,
-            reason,
-            matched_blocks: 0,
-            total_blocks: 0,
-            charged_reqs: 0,
-            charged_tokens: 0,
-            probes: 0,
-            truncated: false,
-            holder: None,
-        }
-    }
-
-    /// This decision charging its worker `reqs` requests and `tokens` prompt tokens.
-    pub fn with_charge(mut self, reqs: u32, tokens: u32) -> Decision {
-        self.charged_reqs = reqs;
-        self.charged_tokens = tokens;
-        self
-    }
-
-    /// Takes the prompt-token part out of the charge (`None` when there is none left), for
-    /// [`Router::release`] when the worker answers: a streamed SGLang answer starts with its
-    /// first token, so from then on the request is decoding, not queued prefill work, and a new
-    /// request on that worker no longer waits for it (`docs/design.md`, "Queued prefill"). The
-    /// request stays charged: the stream's end releases what is left of `self`.
-    pub fn take_prompt_tokens(&mut self) -> Option<Decision> {
-        let tokens = std::mem::take(&mut self.charged_tokens);
-        (tokens > 0).then_some(self.with_charge(0, tokens))
-    }
-}
-
-/// A worker's load as one decision saw it: requests in flight, its running-request capacity
-/// (0: not reported) and its queued prefill tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HolderLoad {
-    pub worker: u16,
-    pub reqs: u32,
-    pub capacity: u32,
-    pub tokens: u32,
-}
-
-/// The filter's answer for an inference request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    Route(Decision),
-    /// Answer locally with this status and OpenAI-style JSON body.
-    Reject {
-        status: u32,
-        body: String,
-    },
-    /// A pool model with no known worker yet (`membership.rs`): its cluster's own fallback
-    /// policy picks the host; nothing is charged or recorded.
-    Unplaced {
-        model: u16,
-    },
 }
 
 pub struct Router {
@@ -175,6 +101,9 @@ pub struct Router {
     pd_body: Rewriter,
     /// The seed this VM was created with (the clock at configure; see [`Router::init_store`]).
     seed: u64,
+    /// Records of requests served before membership named their host (`Outcome::Unplaced`),
+    /// waiting for it ([`Router::commit_served`]; bounded, `unplaced.rs`).
+    early: Vec<Plan>,
 }
 
 impl Router {
@@ -229,6 +158,7 @@ impl Router {
             shrink: None,
             pd_body: Rewriter::new(seed ^ 0x7064),
             seed,
+            early: Vec::new(),
             cfg,
         }
     }
@@ -241,6 +171,11 @@ impl Router {
     /// worker, leaving one decode waiting for KV until its timeout.
     pub fn init_store<S: Store>(&mut self, store: &S) {
         self.ledger.init(store, &self.cfg);
+        if self.cfg.peers.is_some() {
+            // The seed is the wall clock at configure (ns): this receiver's start, unless an
+            // earlier configuration of this process set it (`peers::init_table`).
+            crate::peers::init_table(store, self.seed / 1_000_000);
+        }
         self.shrink = crate::index::resize(store, self.cfg.index_buckets);
         let seed = policy::mix(self.seed, self.ledger.lease_id());
         self.pd_body.reseed(seed ^ 0x7064);
@@ -268,87 +203,6 @@ impl Router {
             .map_or("", |w| w.cluster.as_str())
     }
 
-    /// The destination header's name and value for a pool model's decision (`membership.rs`):
-    /// the chosen worker's address, then up to the pool's `fallbacks` others, those predicted to
-    /// hold the most of the prompt first (ties: list order after the chosen one). The value is
-    /// empty for a model that is not a pool. Call right after the decision's [`Router::route`].
-    /// Written into a buffer the router reuses: no allocation in steady state.
-    pub fn destination(&mut self, d: &Decision) -> (&str, &str) {
-        let mut dest = std::mem::take(&mut self.dest);
-        self.fill_destination(d, &mut dest);
-        self.dest = dest;
-        (&self.cfg.destination_header, &self.dest)
-    }
-
-    /// [`Router::destination`]'s value, into `out`.
-    fn fill_destination(&self, d: &Decision, out: &mut String) {
-        out.clear();
-        let Some(m) = self.cfg.models.get(usize::from(d.model)) else {
-            return;
-        };
-        let (Some(pool), Some(first)) = (&m.pool, m.workers.get(usize::from(d.worker))) else {
-            return;
-        };
-        out.push_str(&first.cluster);
-        let n = m.workers.len();
-        let chosen = usize::from(d.worker);
-        let held = |w: usize| {
-            if usize::from(d.model) == self.last_model {
-                self.matched.get(w).copied().unwrap_or(0)
-            } else {
-                0
-            }
-        };
-        let mut taken = 0u64; // bitmap of positions used, for the first 64 after `chosen`
-        for _ in 0..pool.fallbacks.min(n.saturating_sub(1)).min(63) {
-            let mut best: Option<(u32, usize)> = None;
-            for k in 1..n.min(64) {
-                let w = (chosen + k) % n;
-                if taken & (1 << k) != 0 {
-                    continue;
-                }
-                let b = held(w);
-                if best.is_none_or(|(bb, _)| b > bb) {
-                    best = Some((b, k));
-                }
-            }
-            let Some((_, k)) = best else { break };
-            taken |= 1 << k;
-            if let Some(w) = m.workers.get((chosen + k) % n) {
-                out.push(',');
-                out.push_str(&w.cluster);
-            }
-        }
-    }
-
-    /// The position of model `mi`'s worker at `address` (`IP:PORT`, as Envoy's
-    /// `upstream.address` gives it), if it has one.
-    pub fn worker_at(&self, mi: usize, address: &[u8]) -> Option<u16> {
-        let m = self.cfg.models.get(mi)?;
-        m.workers
-            .iter()
-            .position(|w| w.address.as_deref().map(str::as_bytes) == Some(address))
-            .map(|w| w as u16)
-    }
-
-    /// Moves what is left of decision `d`'s charge to worker `to` of the same model (a fallback
-    /// served the request): released on the chosen worker, charged to the one that serves.
-    pub fn move_charge<S: Store>(&mut self, store: &S, d: &mut Decision, to: u16) {
-        let (mi, from) = (usize::from(d.model), usize::from(d.worker));
-        let (reqs, tokens) = (d.charged_reqs, d.charged_tokens);
-        self.ledger
-            .release(store, &self.cfg, mi, from, reqs, tokens);
-        self.ledger.add(
-            store,
-            &self.cfg,
-            mi,
-            usize::from(to),
-            i64::from(reqs),
-            i64::from(tokens),
-        );
-        d.worker = to;
-    }
-
     /// The id of worker `w` of model `mi` (0 when there is none).
     pub fn worker_id(&self, mi: usize, w: u16) -> u32 {
         self.cfg
@@ -356,38 +210,6 @@ impl Router {
             .get(mi)
             .and_then(|m| m.workers.get(usize::from(w)))
             .map_or(0, |w| w.id)
-    }
-
-    /// After a membership change rebuilt this router from `old`'s configuration: every worker
-    /// still present keeps its self-check window, and each pool worker's join time applies
-    /// (`membership.rs`).
-    pub fn adopt(&mut self, old: &Router, joined: &[(usize, Vec<crate::membership::Member>)]) {
-        for (mi, m) in self.cfg.models.iter().enumerate() {
-            let (Some(old_m), Some(old_ids)) = (old.cfg.models.get(mi), old.ids.get(mi)) else {
-                continue;
-            };
-            if old_m.name != m.name {
-                continue;
-            }
-            for (w, wk) in m.workers.iter().enumerate() {
-                if let Some(win) = old_ids
-                    .position(wk.id)
-                    .and_then(|ow| old.verifier.window(mi, ow))
-                {
-                    self.verifier.carry(mi, w, win);
-                }
-            }
-        }
-        for (mi, members) in joined {
-            let Some(m) = self.cfg.models.get(*mi) else {
-                continue;
-            };
-            for (w, wk) in m.workers.iter().enumerate() {
-                if let Some(x) = members.iter().find(|x| x.address == wk.cluster) {
-                    self.verifier.joined(*mi, w, x.joined);
-                }
-            }
-        }
     }
 
     /// A non-inference request: the passthrough cluster, or round robin over the default model.
@@ -467,9 +289,9 @@ impl Router {
             },
         };
         let model = &cfg.models[mi];
-        if model.workers.is_empty() {
-            return Outcome::Unplaced { model: mi as u16 };
-        }
+        // A pool model before membership names a host: hashed and planned all the same, for
+        // the host that will serve it (`commit_served`).
+        let unplaced = model.workers.is_empty();
         // Charge what the engine prefills: rendered text, a fixed amount per media part, token
         // ids; never raw JSON sizes, and never more than `max_request_tokens` per request.
         let media = parsed
@@ -487,6 +309,9 @@ impl Router {
             .clamp(1, cfg.policy.max_request_tokens as usize)
             .min(u32::MAX as usize) as u32;
         if parsed.kind == PromptKind::None || self.canon.is_empty() {
+            if unplaced {
+                return Outcome::Unplaced { model: mi as u16 };
+            }
             return Outcome::Route(self.least_loaded(
                 store,
                 mi,
@@ -540,6 +365,10 @@ impl Router {
                     self.ends.push(c);
                 }
             }
+        }
+        if unplaced {
+            self.plan_unplaced(mi, now);
+            return Outcome::Unplaced { model: mi as u16 };
         }
         let affinity = self.affinity_key(seed, block, parsed.kind);
         // The opening message's end (full blocks), when another message follows it: a fleet
@@ -806,57 +635,6 @@ impl Router {
         Decision::uncharged(mi, w, reason).with_charge(1, tokens)
     }
 
-    /// The decode half of a PD decision: the least loaded decode worker of the model `prefill`
-    /// routed to (`policy::least_loaded`, ties spread from a random start), chosen and charged
-    /// in one CAS: one request and the body's estimated tokens (`body_len / chars_per_token`,
-    /// capped at `policy.max_request_tokens` like every other charge, so a junk field cannot
-    /// inflate a decode worker's load). `None` when the model is not a PD model.
-    pub fn decode_decision<S: Store>(
-        &mut self,
-        store: &S,
-        prefill: &Decision,
-        body_len: usize,
-        now: u32,
-    ) -> Option<Decision> {
-        let dm = self
-            .cfg
-            .models
-            .get(usize::from(prefill.model))?
-            .pd
-            .as_ref()?
-            .decode_model;
-        let start = (self.pd_body.room() & 0xffff) as usize;
-        let tokens = self.cfg.policy.body_tokens(body_len).max(1);
-        let (w, tok, ()) = self
-            .ledger
-            .decide(store, &self.cfg, dm, now, |reqs, toks, _| {
-                (policy::least_loaded(reqs, toks, start), tokens, ())
-            });
-        Some(Decision::uncharged(dm, w, Reason::LoadSpill).with_charge(1, tok))
-    }
-
-    /// PD model: rewrites `body` for the prefill worker `prefill` chose, with a fresh room
-    /// (`pd_body.rs`); the result is [`Router::rewritten`]. `None`: not a PD model.
-    pub fn rewrite_for_prefill(
-        &mut self,
-        prefill: &Decision,
-        body: &[u8],
-    ) -> Option<Result<(), BadBody>> {
-        let pd = self
-            .cfg
-            .models
-            .get(usize::from(prefill.model))?
-            .pd
-            .as_ref()?;
-        let fields = pd.fields.get(usize::from(prefill.worker))?;
-        Some(self.pd_body.rewrite_with_room(body, fields))
-    }
-
-    /// The last PD body rewrite ([`Router::rewrite_for_prefill`]).
-    pub fn rewritten(&self) -> &Rewriter {
-        &self.pd_body
-    }
-
     /// Undoes a decision's load charge; call exactly once when its stream ends (see
     /// [`Ledger::release`] for when the write is deferred).
     pub fn release<S: Store>(&mut self, store: &S, d: &Decision) {
@@ -888,6 +666,12 @@ impl Router {
         }
     }
 
+    /// The load ledger's part of [`Router::tick`] only: the lease of a replaced router whose
+    /// streams still run keeps beating (`glue`), nothing else of it runs.
+    pub fn keep_load_alive<S: Store>(&mut self, store: &S, elapsed_ms: u32, now: u32) {
+        self.ledger.tick(store, &self.cfg, elapsed_ms, now);
+    }
+
     /// Writes every parked load delta (the VM's tick, and shutdown).
     pub fn flush_pending<S: Store>(&mut self, store: &S) {
         self.ledger.flush(store, &self.cfg);
@@ -902,52 +686,6 @@ impl Router {
     /// Worker `w` of model `mi`'s last self-check window (`hits.rs`).
     pub fn hit_window(&self, mi: usize, w: usize) -> Option<&crate::hits::Window> {
         self.verifier.window(mi, w)
-    }
-
-    /// The debug header's value for decision `d` (and a PD request's `decode` worker): the
-    /// worker, why, the matched and total blocks, and the deepest holder's load as the decision
-    /// saw it (requests / capacity, 0: not reported / queued prefill tokens).
-    /// The debug header's value: the worker that served (`d`'s), why, the match, the decode
-    /// worker of a PD pair, the deepest holder and its load, and the worker first chosen when a
-    /// fallback served (`chosen`).
-    pub fn debug_value(
-        &self,
-        d: &Decision,
-        decode: Option<&Decision>,
-        chosen: Option<u16>,
-    ) -> String {
-        use std::fmt::Write;
-        let mut v = String::with_capacity(96);
-        let _ = write!(
-            v,
-            "worker={}; reason={}; matched={}; total={}",
-            self.cluster(d),
-            d.reason.as_str(),
-            d.matched_blocks,
-            d.total_blocks
-        );
-        if let Some(dec) = decode {
-            let _ = write!(v, "; decode={}", self.cluster(dec));
-        }
-        if let Some(hl) = d.holder {
-            let at = Decision {
-                worker: hl.worker,
-                ..*d
-            };
-            let _ = write!(
-                v,
-                "; holder={}; holder_load={}/{}/{}",
-                self.cluster(&at),
-                hl.reqs,
-                hl.capacity,
-                hl.tokens
-            );
-        }
-        if let Some(c) = chosen {
-            let first = Decision { worker: c, ..*d };
-            let _ = write!(v, "; chosen={}", self.cluster(&first));
-        }
-        v
     }
 
     /// Saturated load updates since the last call (`Ledger::take_underflows`).
@@ -977,37 +715,6 @@ impl Router {
         self.ids.get(mi)
     }
 
-    /// The peers' configuration and this VM's records for them (`None` without `peers`).
-    pub fn outbox(&mut self) -> Option<(&PeersConfig, &mut Outbox)> {
-        Some((self.cfg.peers.as_ref()?, self.outbox.as_mut()?))
-    }
-
-    /// Names this VM as the sender of its peer batches (`peers.rs`).
-    pub fn set_peer_sender(&mut self, me: u64) {
-        if let Some(ob) = self.outbox.as_mut() {
-            ob.set_sender(me);
-        }
-    }
-
-    /// Hands this VM's peer records to the root that sends them (a VM that cannot call,
-    /// `peers::Outbox::hand_off`).
-    pub fn hand_off_peer_records<S: Store>(&mut self, store: &S) {
-        if let Some(ob) = self.outbox.as_mut() {
-            ob.hand_off(store);
-        }
-    }
-
-    /// Applies a peer's record batch at the peer listener (`peers::receive`).
-    pub fn receive_peer_batch<S: Store>(
-        &mut self,
-        store: &S,
-        body: &[u8],
-        now_ms: u64,
-        now: u32,
-    ) -> Result<crate::peers::Applied, crate::peers::Refused> {
-        crate::peers::receive(store, &self.cfg, body, now_ms, now, &mut self.index_bufs)
-    }
-
     /// Number of parked load deltas (should be 0 except under extreme contention).
     pub fn pending_len(&self) -> usize {
         self.ledger.pending_len()
@@ -1017,15 +724,6 @@ impl Router {
     pub fn loads<S: Store>(&mut self, store: &S, mi: usize) -> Vec<(u32, u32)> {
         self.ledger.own(store, &self.cfg, mi)
     }
-}
-
-/// OpenAI-style 404 body for an unknown model.
-pub fn not_found_body(model: &str) -> String {
-    let msg = format!("The model `{model}` does not exist.");
-    let msg = serde_json::to_string(&msg).unwrap_or_else(|_| "\"model not found\"".into());
-    format!(
-        "{{\"object\":\"error\",\"message\":{msg},\"type\":\"NotFoundError\",\"param\":\"model\",\"code\":404}}"
-    )
 }
 
 #[cfg(test)]
