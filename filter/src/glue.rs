@@ -36,6 +36,7 @@ use crate::policy::Reason;
 use crate::poller::Polls;
 use crate::request::Endpoint;
 use crate::router::{Decision, Outcome, Router};
+use crate::served;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -63,6 +64,8 @@ struct Installed {
     /// chain, or shutdown) or replaced: no tick will flush this VM's batched metrics any more,
     /// so streams still ending flush at once.
     closing: Cell<bool>,
+    /// Which responses read the served worker's address (`served.rs`).
+    served: served::Watch,
 }
 
 impl Installed {
@@ -183,6 +186,7 @@ impl Root {
             router: RefCell::new(router),
             metrics,
             closing: Cell::new(false),
+            served: served::Watch::default(),
         }));
     }
 
@@ -578,8 +582,9 @@ impl Stream {
 
     /// When another worker than the chosen one answered (a fallback, after a retry or because
     /// the chosen one was unusable), the stream's charge, its index records and its debug header
-    /// go to the worker that served (one `upstream.address` read, for models whose workers have
-    /// addresses). PD decisions keep their pair.
+    /// go to the worker that served. It is learnt from one `upstream.address` read, for models
+    /// whose workers have addresses, on the responses `served.rs` picks. PD decisions keep
+    /// their pair.
     fn credit_server(&mut self, h: &impl Host) {
         let Some(d) = self.charge.routed.or(self.decision) else {
             return;
@@ -588,6 +593,7 @@ impl Stream {
             return;
         }
         let mi = usize::from(d.model);
+        let watch = &self.state.served;
         let served = {
             let r = self.state.router.borrow();
             let chosen = r
@@ -599,11 +605,17 @@ impl Stream {
             let Some(chosen) = chosen else {
                 return;
             };
+            let needed = self.plan.is_some() || r.cfg().debug_header.is_some();
+            if !watch.should_read(needed, d.model, d.worker) {
+                return;
+            }
             let Some(served) = h.upstream_address() else {
                 return;
             };
             if served == chosen.as_bytes() {
-                return; // the chosen worker served (also when workers share an address)
+                // the chosen worker served (also when workers share an address)
+                watch.saw(d.model, d.worker, false);
+                return;
             }
             served
         };
@@ -613,6 +625,7 @@ impl Stream {
         let Some(to) = r.worker_at(mi, &served).filter(|&w| w != d.worker) else {
             return;
         };
+        watch.saw(d.model, d.worker, true);
         let m = &self.state.metrics;
         m.add(Counter::ServedByFallback, 1);
         if let Some(mut charged) = self.charge.routed {
