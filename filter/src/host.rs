@@ -166,6 +166,8 @@ pub struct FakeState {
     pub cannot_call: bool,
     /// What [`Host::upstream_address`] answers.
     pub upstream_address: Option<String>,
+    /// Calls of [`Host::upstream_address`] (one of the host calls in `host_calls`).
+    pub address_reads: u64,
 }
 
 impl FakeState {
@@ -336,7 +338,8 @@ impl Host for FakeHost {
         !self.state.borrow().cannot_call
     }
     fn upstream_address(&self) -> Option<Vec<u8>> {
-        let s = self.count();
+        let mut s = self.count();
+        s.address_reads += 1;
         s.upstream_address.as_ref().map(|a| a.as_bytes().to_vec())
     }
 }

@@ -39,6 +39,7 @@ pub mod records;
 pub mod request;
 pub mod router;
 pub mod schedule;
+pub mod served;
 pub mod store;
 pub mod xxh3;
 

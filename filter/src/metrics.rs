@@ -82,8 +82,8 @@ metric_table! {
         HitFailures = "prefix_router.hit_check.failures",
         /// Pool models (`membership.rs`): admin reads answered and failed, hosts dropped
         /// (malformed or beyond `max_workers`), worker lists rebuilt (per VM), requests left to
-        /// the pool's fallback policy (no known worker), requests a fallback served (their
-        /// record and load went to it).
+        /// the pool's fallback policy (no known worker), requests a fallback was seen to serve
+        /// (their record and load went to it; `served.rs` says which responses look).
         MembershipAnswers = "prefix_router.membership.answers",
         MembershipFailures = "prefix_router.membership.failures",
         MembershipDropped = "prefix_router.membership.dropped_hosts",

@@ -11,6 +11,7 @@ use prefix_router::glue::Root;
 use prefix_router::host::FakeHost;
 use prefix_router::load;
 use prefix_router::records::ById;
+use prefix_router::served::SAMPLE_EVERY;
 use prefix_router::store::Store;
 
 const POOL: &str = r#"{"models":{"m":{"pool":{"cluster":"m","load_cluster":"m_load","fallbacks":1}}},
@@ -426,4 +427,69 @@ fn a_long_stream_keeps_its_load_across_membership_changes() {
     s.on_done(&h);
     tick(&h, &mut root, 500, &three);
     assert_eq!(load(&h), 0, "released at its end");
+
+/// Without the debug header a response that writes no index records reads the served address
+/// only as the VM's sample (one in `served::SAMPLE_EVERY`) or for a worker seen falling back:
+/// a worker whose traffic goes to a fallback is caught within a sample, then every response
+/// of it is credited until it serves again.
+#[test]
+fn the_served_address_is_read_when_records_or_a_fallback_are_at_stake() {
+    let cfg = r#"{"models":{"m":{"workers":[
+        {"cluster":"w0","address":"10.0.0.1:30000"},
+        {"cluster":"w1","address":"10.0.0.2:30000"}]}},
+        "load_poll":{"interval_ms":0,"metrics_interval_ms":0}}"#;
+    let (h, mut root) = configured(cfg);
+    let body = long_chat("sampled");
+    let addr = ["10.0.0.1:30000", "10.0.0.2:30000"];
+    // One request served by its chosen worker or the other: (chosen, address reads made).
+    let run = |by_other: bool| {
+        let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+        let ci = usize::from(request_header(&h, "x-prefix-router-cluster").unwrap() == "w1");
+        let before = h.state.borrow().address_reads;
+        {
+            let mut st = h.state.borrow_mut();
+            st.response_headers = vec![(":status".into(), "200".into())];
+            st.upstream_address = Some(addr[ci ^ usize::from(by_other)].into());
+        }
+        s.on_response_headers(&h);
+        s.on_done(&h);
+        (ci, h.state.borrow().address_reads - before)
+    };
+    let every = u64::from(SAMPLE_EVERY);
+    // The first response writes the prompt's records: read. Then prefix hits: samples only.
+    let (first, read) = run(false);
+    assert_eq!(read, 1, "a response that writes records reads");
+    let reads: u64 = (1..4 * every).map(|_| run(false).1).sum();
+    assert!(
+        (3..=4).contains(&reads),
+        "{reads} reads in {} hits",
+        4 * every - 1
+    );
+    // The chosen worker's responses now come from the other: within one sample it is caught,
+    // after that every response is read (and credited).
+    let mut caught = None;
+    for i in 0..every {
+        let (ci, read) = run(true);
+        assert_eq!(ci, first, "the prefix stays with its holder");
+        if read == 1 {
+            caught = Some(i);
+            break;
+        }
+    }
+    assert!(caught.is_some(), "no read in {every} fallbacks");
+    for _ in 0..2 * every {
+        assert_eq!(run(true).1, 1, "a worker in doubt is read every time");
+    }
+    // It serves again: one read clears the doubt, then samples only.
+    assert_eq!(run(false).1, 1);
+    let reads: u64 = (0..2 * every).map(|_| run(false).1).sum();
+    assert!((1..=2).contains(&reads), "{reads}");
+    for _ in 0..4 {
+        h.state.borrow_mut().now_nanos += 50_000_000;
+        root.on_tick(&h);
+    }
+    assert_eq!(
+        h.metric("prefix_router.served_by_fallback"),
+        Some(1 + 2 * every as i64)
+    );
 }

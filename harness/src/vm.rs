@@ -20,6 +20,54 @@ pub struct Options {
     pub fuel: bool,
 }
 
+/// The module compiled for an engine with `cfg`. Compiling the filter with cranelift takes
+/// tens of seconds in the tests' debug build, and every test makes its own [`Host`]: so the
+/// engine and module are shared within the process (a `Module` clone shares its code), and the
+/// compiled code is kept on disk (`target/proxy-wasm-host/cwasm/`, keyed by the wasm's bytes
+/// and the options) for the other test binaries of the same `cargo test`. wasmtime refuses a
+/// cached artifact from another wasmtime build or engine configuration; it is then compiled
+/// again and replaced.
+fn compiled(cfg: &Config, bytes: &[u8], fuel: bool) -> Result<(Engine, Module)> {
+    use std::hash::{Hash, Hasher};
+    type Compiled = HashMap<(u64, bool, bool), (Engine, Module)>;
+    static CACHE: Mutex<Option<Compiled>> = Mutex::new(None);
+    let perfmap = std::env::var_os("PREFIX_ROUTER_PERFMAP").is_some();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    let key = (h.finish(), fuel, perfmap);
+    let mut cache = CACHE.lock().map_err(|_| anyhow!("module cache poisoned"))?;
+    if let Some(c) = cache.get_or_insert_with(HashMap::new).get(&key) {
+        return Ok(c.clone());
+    }
+    let engine = Engine::new(cfg)?;
+    let dir = crate::wasm_file::target_dir().join("proxy-wasm-host/cwasm");
+    let file = dir.join(format!("{:016x}-{}-{}.cwasm", key.0, fuel, perfmap));
+    // SAFETY: the file is one this function wrote from `precompile_module` (a private cache
+    // under the build's target directory); wasmtime checks its version and configuration.
+    let cached = (!perfmap && file.is_file())
+        .then(|| unsafe { Module::deserialize_file(&engine, &file) }.ok())
+        .flatten();
+    let module = match cached {
+        Some(m) => m,
+        // perf maps are written while compiling: no cache then
+        None if perfmap => Module::new(&engine, bytes)?,
+        None => {
+            let code = engine.precompile_module(bytes)?;
+            // A failed write only costs the next process a compile.
+            let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, &code).is_ok() {
+                let _ = std::fs::rename(&tmp, &file);
+            }
+            // SAFETY: bytes `precompile_module` produced for this engine just now.
+            unsafe { Module::deserialize(&engine, &code)? }
+        }
+    };
+    if let Some(c) = cache.as_mut() {
+        c.insert(key, (engine.clone(), module.clone()));
+    }
+    Ok((engine, module))
+}
+
 /// One "Envoy process": compiled module, shared data and stats shared by its VMs.
 #[derive(Clone)]
 pub struct Host {
@@ -41,9 +89,8 @@ impl Host {
         if std::env::var_os("PREFIX_ROUTER_PERFMAP").is_some() {
             cfg.profiler(wasmtime::ProfilingStrategy::PerfMap);
         }
-        let engine = Engine::new(&cfg)?;
         let bytes = std::fs::read(wasm).with_context(|| format!("reading {}", wasm.display()))?;
-        let module = Module::new(&engine, bytes)?;
+        let (engine, module) = compiled(&cfg, &bytes, opts.fuel)?;
         let linker = linker(&engine, &module)?;
         Ok(Host {
             engine,

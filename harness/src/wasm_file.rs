@@ -12,7 +12,7 @@ fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     let root = workspace_root();
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
