@@ -427,6 +427,7 @@ fn a_long_stream_keeps_its_load_across_membership_changes() {
     s.on_done(&h);
     tick(&h, &mut root, 500, &three);
     assert_eq!(load(&h), 0, "released at its end");
+}
 
 /// Without the debug header a response that writes no index records reads the served address
 /// only as the VM's sample (one in `served::SAMPLE_EVERY`) or for a worker seen falling back:
