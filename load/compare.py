@@ -799,18 +799,22 @@ def _round_up(x: float, step: int) -> int:
 
 
 # SGLang's per-token figures at production scale (sim/README.md): chunked prefill of 8192 tokens,
-# and a decode step that reads every running request's KV (0.035 ms per 1k tokens of context).
+# a decode step that reads every running request's KV (0.035 ms per 1k tokens of context), and
+# prefill of a new token 5.3% dearer per 1k tokens of context it attends to.
 SGLANG_CHUNK_TOKENS = 8192
 KV_READ_MS_PER_1K = 0.035
+PREFILL_CONTEXT_PER_1K = 0.053  # sglang-sim's default: the H200 table's context term
 
 
 def trace_scaled_sim_args(block_tokens: int) -> list[str]:
     """Simulator flags that keep the worker's shape at the replay's token scale: a scaled token
-    stands for 512 / block_tokens real ones, so a prompt is chunked where a real one would be and
-    a decode step reads as much KV as the real context would."""
+    stands for 512 / block_tokens real ones, so a prompt is chunked where a real one would be, a
+    decode step reads as much KV as the real context would, and a new token's prefill grows
+    with its context as it would at the real context length."""
     f = 512 / block_tokens
     chunk = max(64, round(SGLANG_CHUNK_TOKENS / f))
-    return ["--chunked-prefill-size", str(chunk), "--decode-kv-ms-per-1k-tokens", f"{KV_READ_MS_PER_1K * f:g}"]
+    return ["--chunked-prefill-size", str(chunk), "--decode-kv-ms-per-1k-tokens", f"{KV_READ_MS_PER_1K * f:g}",
+            "--prefill-context-per-1k-tokens", f"{PREFILL_CONTEXT_PER_1K * f:g}"]
 
 
 # The filter's token-denominated policy defaults (filter/src/config.rs): a replay at another token

@@ -12,7 +12,10 @@
 //!    requests reserve `min(max_new - generated, 4096) * new_token_ratio` and this batch's
 //!    requests their full estimate. A prompt whose uncached part does not fit the remaining chunk
 //!    budget is cut: it becomes *the* chunked request and is continued first by the next prefill
-//!    batches. A batch takes `prefill_overhead_ms + computed_tokens / prefill_tokens_per_sec`;
+//!    batches. A batch takes `prefill_overhead_ms + work / prefill_tokens_per_sec`, where each
+//!    request's `work` is its computed tokens times `1 + prefill_context_per_1k_tokens * c / 1000`
+//!    for the `c` tokens of its context already in the KV (cached prefix and earlier chunks):
+//!    attention to the context makes each new token dearer (the H200 table in `sim/README.md`);
 //!    a request whose last chunk was in it gets its first token (TTFT);
 //! 3. otherwise run one **decode** step for the running batch (`update_running_batch`): if the
 //!    free KV (after evicting) cannot hold one token per request, **retract** requests (fewest
@@ -176,8 +179,6 @@ struct Item {
 
 struct PrefillBatch {
     items: Vec<Item>,
-    /// Prompt tokens computed (PD-decode requests compute none).
-    compute: usize,
     /// The running batch decodes one token in this forward (`--enable-mixed-chunk`).
     mixed: bool,
 }
@@ -334,6 +335,12 @@ impl Scheduler {
             + self.kv_read_ms(ctx)
     }
 
+    /// Prefill work of `new` tokens that attend to `context` tokens already in the KV, in
+    /// zero-context tokens: each costs `1 + prefill_context_per_1k_tokens * context / 1000`.
+    pub fn prefill_work(&self, new: usize, context: usize) -> f64 {
+        new as f64 * (1.0 + self.cfg.prefill_context_per_1k_tokens * context as f64 / 1000.0)
+    }
+
     fn kv_read_ms(&self, ctx_tokens: usize) -> f64 {
         self.cfg.decode_kv_ms_per_1k_tokens * ctx_tokens as f64 / 1000.0
     }
@@ -388,7 +395,6 @@ impl Scheduler {
                 .map(|r| r.max_new_left() as f64 * ratio)
                 .sum::<f64>();
         let mut items: Vec<Item> = Vec::new();
-        let mut compute = 0usize;
         let mut slots = mixed_tokens;
 
         // 1. the chunked request's next chunk (SGLang's `add_chunked_req`)
@@ -403,7 +409,6 @@ impl Scheduler {
                 offset += ext as f64 + if last { c.max_new_left() as f64 } else { 0.0 };
                 rem_chunk -= ext as i64;
                 rem_input -= ext as i64;
-                compute += ext;
                 slots += ext;
                 items.push(Item {
                     seq: c,
@@ -459,7 +464,6 @@ impl Scheduler {
             let charged = if prefilled { 0 } else { ext };
             rem_chunk = rem_chunk.saturating_sub(charged as i64);
             rem_input -= charged as i64;
-            compute += charged;
             slots += ext;
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
@@ -494,11 +498,7 @@ impl Scheduler {
         // guarantees the room exists
         let ok = self.make_room(slots);
         debug_assert!(ok, "prefill batch admitted beyond the KV capacity");
-        Some(PrefillBatch {
-            items,
-            compute,
-            mixed,
-        })
+        Some(PrefillBatch { items, mixed })
     }
 
     /// Releases a request that left the scheduler: inserts its tokens (prompt + output minus
@@ -580,11 +580,7 @@ impl Scheduler {
 
     /// Runs a prefill (or mixed) batch.
     async fn run_prefill(&mut self, batch: PrefillBatch) {
-        let PrefillBatch {
-            items,
-            compute,
-            mixed,
-        } = batch;
+        let PrefillBatch { items, mixed } = batch;
         // the request that will still be chunked after this batch counts as waiting work
         let inflight: usize = items
             .iter()
@@ -596,7 +592,12 @@ impl Scheduler {
         let mut ms = if all_prefilled {
             0.0
         } else {
-            self.cfg.prefill_overhead_ms + compute as f64 * 1000.0 / self.cfg.prefill_tokens_per_sec
+            let work: f64 = items
+                .iter()
+                .filter(|i| i.seq.req.prefilled.is_none())
+                .map(|i| self.prefill_work(i.extend, i.seq.done))
+                .sum();
+            self.cfg.prefill_overhead_ms + work * 1000.0 / self.cfg.prefill_tokens_per_sec
         };
         if mixed {
             // the decode tokens ride in the same forward: their own compute plus the KV read
@@ -876,9 +877,12 @@ mod tests {
     use super::*;
     use crate::tokenizer;
 
+    /// Flat-rate prefill (no context term) keeps the step arithmetic of the batching tests
+    /// simple; `prefill_time_grows_with_the_context_it_attends_to` tests the context term.
     fn cfg() -> Config {
         Config {
             time_scale: 0.0,
+            prefill_context_per_1k_tokens: 0.0,
             ..Config::default()
         }
     }
@@ -1084,6 +1088,49 @@ mod tests {
         let short = run(0.035, [30, 10]).await;
         approx(short[0], base + 0.035 * (31.0 + 11.0) / 1000.0);
         assert!(long[0] - short[0] > 0.13, "{long:?} vs {short:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn prefill_time_grows_with_the_context_it_attends_to() {
+        let k = crate::config::PREFILL_CONTEXT_PER_1K_TOKENS;
+        let c = Config {
+            chunked_prefill_size: 4000,
+            ..cfg()
+        };
+        let c = Config {
+            prefill_context_per_1k_tokens: k,
+            ..c
+        };
+        let (mut s, _) = sched(c, 800_000);
+        let ms = |new: f64, ctx: f64| 3.0 + new * (1.0 + k * ctx / 1000.0) * 1000.0 / 30_000.0;
+        // a prompt on nothing: the zero-context rate
+        let history = toks(1, 3000);
+        let (r, _rx) = req(history.clone(), 1);
+        s.handle(Cmd::Submit(r));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(3000.0, 0.0));
+        drain(&mut s).await;
+        // a follow-up of 500 new tokens on the cached 3000: dearer per token than the first 500
+        let mut follow = history.clone();
+        follow.extend(toks(2, 500));
+        let (r, mut rx) = req(follow, 1);
+        s.handle(Cmd::Submit(r));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(500.0, 3000.0));
+        assert!(ms(500.0, 3000.0) > ms(500.0, 0.0) * 1.1);
+        assert_eq!(got(&mut rx)[0].cached, 3000);
+        drain(&mut s).await;
+        // a chunk attends to the chunks before it
+        let (r, _rx) = req(toks(3, 6000), 1);
+        s.handle(Cmd::Submit(r));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(4000.0, 0.0));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(2000.0, 4000.0));
+        // the H200 shape: 512 new tokens on 32k cached run at about a third of the empty rate
+        let slow = ms(512.0, 32768.0) - 3.0;
+        let fast = ms(512.0, 0.0) - 3.0;
+        assert!((2.5..3.2).contains(&(slow / fast)), "{slow} / {fast}");
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -132,6 +132,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, Infal
         }
         "/health_generate" if get => inference::health_generate(app).await,
         "/get_load" if get => loads::get_load(&app),
+        // older SGLang (--no-v1-loads) has no such route
+        "/v1/loads" if !app.cfg.v1_loads => detail(&app, StatusCode::NOT_FOUND, "Not Found"),
         "/v1/loads" if get => loads::loads(&app, req.uri().query()),
         "/get_model_info" if get => json_resp(
             &app,
