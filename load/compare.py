@@ -77,6 +77,7 @@ from pathlib import Path
 
 from load.membership import (MEMBERSHIP_DURATION, MEMBERSHIP_DURATION_QUICK, membership_notes, membership_table,
                              parse_membership)
+from load import matrix
 from load.report import table, write_report
 from load.run_one import run_one
 from load.runner import log
@@ -117,16 +118,30 @@ def main(argv: list[str] | None = None) -> int:
     tg.add_argument("--requests", type=int, default=None,
                     help=f"replay the trace's first N requests (default {TRACE_FULL['requests']}, quick {TRACE_QUICK['requests']})")
     tg.add_argument("--speed", type=float, default=None, help=f"replay speed-up (default {TRACE_FULL['speed']:g})")
+    tg.add_argument("--utilisation", type=float, default=None,
+                    help="instead of --speed: the speed-up at which the fleet's estimated prefill utilisation is this "
+                    "(0-1; trace_replay.prefill_seconds at the pooled-LRU bound's hits)")
     tg.add_argument("--block-tokens", type=int, default=None,
                     help=f"tokens per 512-token trace block (default {TRACE_FULL['block_tokens']})")
     tg.add_argument("--api", choices=sorted(tr.SHAPES), default=None,
                     help="completions (default: text prompt) or chat (one user message)")
     tg.add_argument("--client", choices=["py", "k6"], default=None,
                     help="who sends the replay: py (default: prkit.replay, one asyncio loop) or k6 (load/trace.js)")
+    xg = ap.add_argument_group("--matrix (load/matrix.py: every cell, smg against prefix-router)")
+    xg.add_argument("--matrix", action="store_true",
+                    help="run the matrix's cells (all, or --cells); --requests caps the trace cells "
+                    f"(default {matrix.TRACE_REQUESTS}, quick {matrix.TRACE_REQUESTS_QUICK}); --routers, --quick, "
+                    "--policy, --time-scale, --out, --keep apply")
+    xg.add_argument("--cells", default=None, metavar="GLOBS",
+                    help="comma-separated glob patterns of cell names, e.g. 'conversation/x16/*/r1,agentic/*'")
+    xg.add_argument("--list", action="store_true", help="print the matrix's cell names (after --cells) and exit")
     args = ap.parse_args(argv)
-    trace_args = {k: getattr(args, k) for k in ("trace", "requests", "speed", "block_tokens", "api", "client")}
+    if args.matrix or args.list or args.cells:
+        return matrix_main(ap, args, argv)
+    trace_args = {k: getattr(args, k) for k in ("trace", "requests", "speed", "utilisation", "block_tokens", "api",
+                                                    "client")}
     if args.scenario != "trace" and any(v is not None for v in trace_args.values()):
-        ap.error("--trace/--requests/--speed/--block-tokens/--api/--client need --scenario trace")
+        ap.error("--trace/--requests/--speed/--utilisation/--block-tokens/--api/--client need --scenario trace")
 
     scen = SCENARIOS[args.scenario]
     if args.replicas < 1:
@@ -159,14 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario == "trace":
         d = TRACE_QUICK if args.quick else TRACE_FULL
         requests = args.requests or d["requests"]
-        speed = args.speed or d["speed"]
+        if args.speed is not None and args.utilisation is not None:
+            ap.error("--speed or --utilisation, not both")
+        speed = None if args.utilisation is not None else (args.speed or d["speed"])
         block_tokens = args.block_tokens or d["block_tokens"]
-        if requests < 1 or speed <= 0 or block_tokens < 1:
+        if requests < 1 or (speed is not None and speed <= 0) or block_tokens < 1:
             ap.error("--requests and --block-tokens must be >= 1, --speed > 0")
+        if args.utilisation is not None and not 0 < args.utilisation <= 1:
+            ap.error("--utilisation must be within (0, 1]")
         trace_dir = Path(tempfile.mkdtemp(prefix="compare-trace-"))
         try:
             trace = trace_setup(args.trace or "conversation", requests, speed, block_tokens, args.api or "completions",
-                                len(scen["models"]), trace_dir)
+                                len(scen["models"]), trace_dir, args.utilisation)
         except (OSError, ValueError) as e:
             ap.error(str(e))
         k6_env.update(PLAN=str(trace["plan"]), API=trace["api"], VUS=256)
@@ -185,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if trace:
         sim_args += ["--context-length", str(trace["context"]), *trace_scaled_sim_args(trace["block_tokens"])]
         policy = {**trace_scaled_policy(trace["block_tokens"]), **policy}
-    envs = [f"{k}={os.environ[k]}" for k in ("PREFIX_ROUTER_WASM", "SGLANG_SIM_BIN", "ENVOY_GEN") if os.environ.get(k)]
-    command = " ".join(envs + ["load/compare"]) + " " + " ".join(a if re.fullmatch(r"[\w.,=/:-]+", a) else repr(a)
-                                         for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_line(argv)
     base = f"trace-{trace['stem']}" + ("-chat" if trace["api"] == "chat" else "") if trace else args.scenario
     if membership:
         base += "-membership-" + "-".join(map(str, membership["phases"]))
@@ -240,6 +257,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: errors or failed k6 thresholds for: {', '.join(bad)}", file=sys.stderr)
         return 1
     return 0
+
+
+def matrix_main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> int:
+    cells = matrix.select(matrix.all_cells(), args.cells)
+    if not cells:
+        ap.error(f"--cells {args.cells!r} matches no cell; see --list")
+    if args.list:
+        print("\n".join(c.name for c in cells))
+        return 0
+    if not args.matrix:
+        ap.error("--cells needs --matrix or --list")
+    other = [k for k in ("trace", "speed", "utilisation", "block_tokens", "api", "client", "membership")
+             if getattr(args, k) is not None] + (["replicas"] if args.replicas != 1 else [])
+    if other:
+        ap.error(f"--matrix sets these per cell: {', '.join('--' + k.replace('_', '-') for k in other)}")
+    routers = matrix.ROUTERS if args.routers == ",".join(ROUTERS) else [r.strip() for r in args.routers.split(",")]
+    for r in routers:
+        if r not in ROUTERS:
+            ap.error(f"unknown router {r!r}; known: {', '.join(ROUTERS)}")
+    if args.requests is not None and args.requests < 1:
+        ap.error("--requests must be >= 1")
+    ts = args.time_scale if args.time_scale is not None else (0.2 if args.quick else 1.0)
+    results, path = matrix.run_matrix(cells, routers, args.quick, args.requests, ts, json.loads(args.policy),
+                                      Path(args.out), command_line(argv), args.keep)
+    print("\n" + matrix.table(results) + "\n\n" + "\n".join(matrix.cell_notes(results)))
+    print(f"\nwrote {path}")
+    bad = sorted({r["cell"] + " " + r["router"] for r in results if r["errors"]})
+    if bad:
+        print(f"compare: errors in: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def command_line(argv: list[str] | None) -> str:
+    envs = [f"{k}={os.environ[k]}" for k in ("PREFIX_ROUTER_WASM", "SGLANG_SIM_BIN", "ENVOY_GEN") if os.environ.get(k)]
+    return " ".join(envs + ["load/compare"]) + " " + " ".join(
+        a if re.fullmatch(r"[\w.,=/:*-]+", a) else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -53,13 +53,30 @@ def trace_scaled_policy(block_tokens: int) -> dict:
     return {k: max(1, round(v / f)) for k, v in FILTER_TOKEN_DEFAULTS.items()}
 
 
-def trace_setup(name: str, requests: int, speed: float, block_tokens: int, api: str, workers: int,
-                workdir: Path) -> dict:
+# sglang-sim's default prefill rate (zero context) and fixed cost per prefill batch.
+SIM_PREFILL_TOKENS_PER_S = 30_000.0
+SIM_PREFILL_OVERHEAD_MS = 3.0
+
+
+def prefill_seconds(prompts: list[int], hits: list[int], block_tokens: int) -> float:
+    """Simulated prefill seconds of the requests if each reused `hits[i]` cached tokens (the
+    pooled-LRU bound's hits: what a perfect router over LRU workers leaves to compute): per
+    request one batch's fixed cost plus its uncached tokens, each dearer by the context term at
+    its cached prefix (trace_scaled_sim_args' scale)."""
+    k = PREFILL_CONTEXT_PER_1K * 512 / block_tokens
+    return sum(SIM_PREFILL_OVERHEAD_MS / 1000 + (p - h) * (1 + k * h / 1000) / SIM_PREFILL_TOKENS_PER_S
+               for p, h in zip(prompts, hits))
+
+
+def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int, api: str, workers: int,
+                workdir: Path, utilisation: float | None = None) -> dict:
     """The first `requests` requests of trace `name`: writes the replay plan (prkit.trace) to
     `workdir/plan.json` and computes the fleet's sizing and the offline bounds. KV per worker: the
     fleet holds KV_FLEET_SHARE of the slice's distinct prompt-block tokens, but at least twice the
     largest request (prompt + output: the simulator refuses a request its KV cannot hold, and one
-    that fills a worker blocks it); --context-length: the largest request fits (at least 8192)."""
+    that fills a worker blocks it); --context-length: the largest request fits (at least 8192).
+    Without `speed`, the speed-up at which the fleet's prefill utilisation (prefill_seconds at the
+    pooled-LRU hits / (workers x replay seconds)) is `utilisation`."""
     reqs = tr.load_trace(name, requests)
     if not reqs:
         raise SystemExit(f"compare: trace {name!r} has no requests")
@@ -72,9 +89,15 @@ def trace_setup(name: str, requests: int, speed: float, block_tokens: int, api: 
     distinct = tr.distinct_block_tokens(seqs)
     share_kv = _round_up(distinct * KV_FLEET_SHARE / workers, 256)
     kv = max(share_kv, _round_up(2 * largest, 256))
+    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
+    pooled = tr.pooled_lru_hits(seqs, kv * workers)
+    busy = prefill_seconds(prompts, pooled, block_tokens)
+    if speed is None:
+        if not utilisation or utilisation <= 0 or span <= 0:
+            raise ValueError("trace_setup: give a speed, or a utilisation > 0 of a trace that spans time")
+        speed = round(utilisation * workers * span / busy, 2)
     plan = workdir / "plan.json"
     plan.write_text(json.dumps(tr.replay_plan(reqs, block_tokens, speed), separators=(",", ":")))
-    span = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
     return {
         "name": name,
         "stem": Path(name).name.removesuffix(".gz").removesuffix(".jsonl") if name not in tr.TRACES else name,
@@ -87,7 +110,8 @@ def trace_setup(name: str, requests: int, speed: float, block_tokens: int, api: 
         "prompt_tokens": prompts,
         "out_tokens": outs,
         "infinite": tr.infinite_cache_hits(seqs),
-        "pooled_lru": tr.pooled_lru_hits(seqs, kv * workers),
+        "pooled_lru": pooled,
+        "utilisation": busy * speed / (workers * span) if span > 0 else 0.0,
         "kv": kv,
         "kv_floor": share_kv < kv,
         "context": max(8192, _round_up(largest + 1, 1024)),
@@ -104,7 +128,8 @@ def trace_describe(t: dict) -> str:
     fleet = t["kv"] * t["workers"]
     return (f"first {t['requests']} requests of the {t['name']} trace ({t['span_s']:.0f} s of trace) replayed "
             f"open-loop at speed {t['speed']:g} ({t['replay_s']:.0f} s, {t['requests'] / max(t['replay_s'], 1e-9):.1f} "
-            f"requests/s), 512-token blocks scaled to {t['block_tokens']} tokens, `/v1/{'chat/' if t['api'] == 'chat' else ''}"
+            f"requests/s; estimated prefill utilisation {t.get('utilisation', 0):.0%} at the pooled-LRU bound's hits), "
+            f"512-token blocks scaled to {t['block_tokens']} tokens, `/v1/{'chat/' if t['api'] == 'chat' else ''}"
             f"completions` (streaming); prompts mean {sum(pr) / len(pr):.0f} / max {max(pr)} tokens, outputs mean "
             f"{sum(out) / len(out):.1f} / max {max(out)} tokens (ignore_eos); distinct prompt blocks "
             f"{t['distinct_tokens']} tokens; KV {t['kv']} tokens per worker, fleet {fleet} = "
