@@ -27,6 +27,12 @@ first block with an earlier one: share sent to the worker that served it, from `
 decision reasons per holder-follow group, TTFT / E2E, replay lateness (k6 send time minus trace
 time), requests per worker.
 
+Matrix (--matrix [--cells GLOBS] [--requests N] [--quick] [--list]; load/matrix.py): every cell of
+issue 35's matrix (trace x rate x /v1/loads or /get_load workers x completions or chat x 1 or 4
+replicas, 2 and 16 workers, agentic as chat and as completions, every docs/results.md scenario)
+for smg cache_aware and prefix-router (2 threads), one table of hit rate, share of the pooled-LRU
+bound, holder follow and TTFT p50 / p99 against smg's in the same cell: `<out>/matrix.md`.
+
 Live membership (--scenario multi_turn --membership A:B:C [--duration S] [--membership-ms MS]
 [--no-baseline], prefix-router only): the model is a pool (`envoy/gen --model llama=eds:PATH`) whose
 EDS file lists the fleet's first A workers, rewritten (by a rename) to the first B, then C, at equal

@@ -6,9 +6,9 @@ use hyper::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
+use crate::app::App;
 use crate::response::{respond, Resp};
 use crate::sched::Cmd;
-use crate::server::App;
 
 pub(crate) async fn flush_cache(app: Arc<App>) -> Resp {
     let (tx, rx) = oneshot::channel();

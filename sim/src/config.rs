@@ -3,6 +3,36 @@
 
 use std::fmt::Write as _;
 
+/// `--disaggregation-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Not disaggregated (SGLang's `null`): bootstrap fields are ignored.
+    Null,
+    Prefill,
+    Decode,
+}
+
+impl Mode {
+    pub fn parse(s: &str) -> Result<Mode, String> {
+        match s {
+            "null" => Ok(Mode::Null),
+            "prefill" => Ok(Mode::Prefill),
+            "decode" => Ok(Mode::Decode),
+            _ => Err(format!(
+                "invalid value for --disaggregation-mode: {s:?} (null, prefill or decode)"
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Null => "null",
+            Mode::Prefill => "prefill",
+            Mode::Decode => "decode",
+        }
+    }
+}
+
 /// Simulator settings.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -49,7 +79,7 @@ pub struct Config {
     pub threads: usize,
     pub drain_timeout_s: f64,
     /// `--disaggregation-mode`: prefill/decode disaggregation role.
-    pub disaggregation_mode: crate::pd::Mode,
+    pub disaggregation_mode: Mode,
     /// `--disaggregation-bootstrap-port`: the prefill worker's bootstrap server (0 = ephemeral).
     pub disaggregation_bootstrap_port: u16,
     /// How long a decode worker waits for a room's KV (SGLang: `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`);
@@ -88,7 +118,7 @@ impl Default for Config {
             slow_ms: 0,
             threads: 1,
             drain_timeout_s: 60.0,
-            disaggregation_mode: crate::pd::Mode::Null,
+            disaggregation_mode: Mode::Null,
             disaggregation_bootstrap_port: 8998,
             disaggregation_timeout_s: 300.0,
             v1_loads: true,
@@ -298,7 +328,7 @@ impl Config {
                 "--slow-ms" => c.slow_ms = num(&flag, &v)?,
                 "--threads" => c.threads = num(&flag, &v)?,
                 "--drain-timeout-s" => c.drain_timeout_s = num(&flag, &v)?,
-                "--disaggregation-mode" => c.disaggregation_mode = crate::pd::Mode::parse(&v)?,
+                "--disaggregation-mode" => c.disaggregation_mode = Mode::parse(&v)?,
                 "--disaggregation-bootstrap-port" => {
                     c.disaggregation_bootstrap_port = num(&flag, &v)?
                 }

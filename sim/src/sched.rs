@@ -34,21 +34,19 @@
 //! at `previous end + duration`) so that coarse timer resolution does not inflate the simulated
 //! rate; it never runs more than a few milliseconds ahead of real time.
 
-use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::metrics::Stats;
-use crate::radix::{NodeId, RadixCache};
+use crate::radix::RadixCache;
+use crate::seq::Seq;
+pub use crate::seq::{Cmd, Progress, SimRequest, CLIP_MAX_NEW_TOKENS};
 
-/// SGLang's `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`: KV reserved per request at most this many
-/// output tokens (the request may still generate more).
-pub const CLIP_MAX_NEW_TOKENS: usize = 4096;
 /// SGLang's `SGLANG_RETRACT_DECODE_STEPS`: retraction frees room for this many decode steps.
 pub const RETRACT_DECODE_STEPS: usize = 20;
 /// SGLang's `SGLANG_INIT_NEW_TOKEN_RATIO` (times `--schedule-conservativeness`, at most 1).
@@ -60,114 +58,6 @@ pub const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
 /// SGLang's `--decode-log-interval`: decode steps between two stats points (gen throughput,
 /// cache hit rate reset, retraction count).
 pub const DECODE_LOG_INTERVAL: u64 = 40;
-
-/// Progress of one request, sent by the scheduler (cumulative values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Progress {
-    /// Index of the request within its HTTP request (batches).
-    pub index: usize,
-    /// Prompt tokens served from the cache.
-    pub cached: usize,
-    /// Output tokens produced so far.
-    pub generated: usize,
-    /// Generation is complete.
-    pub finished: bool,
-}
-
-/// A request handed to the scheduler.
-#[derive(Debug)]
-pub struct SimRequest {
-    pub index: usize,
-    pub prompt: Vec<u32>,
-    /// The full planned output (the scheduler only decides *when* tokens appear).
-    pub output: Vec<u32>,
-    /// The request's output limit (`max_new_tokens`), which KV admission reserves for; the
-    /// planned output may stop earlier (EOS).
-    pub max_new: usize,
-    pub tx: mpsc::UnboundedSender<Progress>,
-    pub arrival: Instant,
-    /// PD decode: the prompt's KV came from a prefill worker (no prefill compute here);
-    /// the value is the prefill worker's cached prompt tokens, reported instead of ours.
-    pub prefilled: Option<usize>,
-}
-
-/// Commands to the scheduler task.
-#[derive(Debug)]
-pub enum Cmd {
-    Submit(SimRequest),
-    /// Flush the cache; answers `false` (and does nothing) while requests run or wait.
-    Flush(oneshot::Sender<bool>),
-}
-
-/// A request inside the scheduler: waiting, being prefilled in chunks, or running.
-struct Seq {
-    req: SimRequest,
-    /// Output tokens produced (and sent) so far; kept across a retraction.
-    generated: usize,
-    /// Prompt tokens served from the cache at the first admission (reported in `usage`).
-    cached: Option<usize>,
-    /// Was retracted at least once (SGLang's `retracted_stain`: its re-prefill is left out of
-    /// the cache hit rate).
-    retracted: bool,
-    /// Waiting: tokens of `fill` not in the cache, estimated when it arrives and refreshed at
-    /// every prefill attempt (SGLang's `num_matched_prefix_tokens`).
-    uncached: usize,
-    /// Locked cache node (chunked or running).
-    node: Option<NodeId>,
-    /// Tokens of `fill` whose KV is in the tree (prefilled so far).
-    done: usize,
-    last_token: Instant,
-}
-
-impl Seq {
-    fn new(req: SimRequest, uncached: usize) -> Self {
-        Seq {
-            req,
-            generated: 0,
-            cached: None,
-            retracted: false,
-            uncached,
-            node: None,
-            done: 0,
-            last_token: Instant::now(),
-        }
-    }
-
-    /// What a prefill computes: the prompt plus, after a retraction, the tokens generated so far
-    /// (SGLang's `fill_ids = origin_input_ids + output_ids`).
-    fn fill(&self) -> Cow<'_, [u32]> {
-        if self.generated == 0 {
-            Cow::Borrowed(&self.req.prompt)
-        } else {
-            let n = self.generated.min(self.req.output.len());
-            let mut v = Vec::with_capacity(self.req.prompt.len() + n);
-            v.extend_from_slice(&self.req.prompt);
-            v.extend_from_slice(&self.req.output[..n]);
-            Cow::Owned(v)
-        }
-    }
-
-    fn fill_len(&self) -> usize {
-        self.req.prompt.len() + self.generated
-    }
-
-    /// Running: KV held outside the radix tree, one token per decode step since its prefill.
-    fn held(&self) -> usize {
-        self.fill_len().saturating_sub(1 + self.done)
-    }
-
-    /// Output tokens the KV budget still reserves for (SGLang clips the estimate at 4096).
-    fn max_new_left(&self) -> usize {
-        self.req
-            .max_new
-            .saturating_sub(self.generated)
-            .min(CLIP_MAX_NEW_TOKENS)
-    }
-
-    fn reported_cached(&self) -> usize {
-        self.req.prefilled.unwrap_or(self.cached.unwrap_or(0))
-    }
-}
 
 /// One request of a prefill batch: how many of its tokens this batch computes, and its cached
 /// prefix when this is its first chunk (0 for a continued chunk, as SGLang counts it).
@@ -876,6 +766,7 @@ pub fn spawn(cfg: Config, stats: Arc<Mutex<Stats>>) -> mpsc::UnboundedSender<Cmd
 mod tests {
     use super::*;
     use crate::tokenizer;
+    use tokio::sync::oneshot;
 
     /// Flat-rate prefill (no context term) keeps the step arithmetic of the batching tests
     /// simple; `prefill_time_grows_with_the_context_it_attends_to` tests the context term.
