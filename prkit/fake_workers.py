@@ -53,6 +53,10 @@ class Worker:
         # an older SGLang).
         self.waiting_tokens = 0
         self.capacity = 0
+        # An older SGLang: `/v1/loads` answers 404 (the poller falls back to `/get_load`, which
+        # reports no capacity), and `capacity` is reported by `/get_server_info` instead.
+        self.old_api = False
+        self.server_info_reads = 0
         # Status of the load endpoints' answers: anything but 200 answers that status with an
         # empty JSON error (a worker whose load endpoint is broken while it still serves).
         self.load_status = 200
@@ -116,8 +120,25 @@ class Worker:
                     self.end_headers()
                     self.wfile.write(payload)
                     return True
+                if self.command == "GET" and path in ("/get_server_info", "/server_info") and poll:
+                    with worker.lock:
+                        worker.server_info_reads += 1
+                        info = {"model_path": "fake", "max_total_num_tokens": 100000,
+                                "max_running_requests": worker.capacity or None}
+                    payload = json.dumps(info).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return True
                 if self.command != "GET" or path not in ("/v1/loads", "/get_load") or not poll:
                     return False
+                if path == "/v1/loads" and worker.old_api:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return True
                 with worker.lock:
                     worker.stats.polls += 1
                     running = worker.stats.inflight + worker.extra_load

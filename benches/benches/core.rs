@@ -163,9 +163,8 @@ fn policies(c: &mut Criterion) {
                 prompt_tokens: 4096,
                 affinity: 0xdead_beef,
                 group: 0xdead_beef,
-                conversation_blocks: 0,
                 head_blocks: 0,
-                busy: &[],
+                rate: &[],
                 placed: &[],
                 recent: None,
             };

@@ -20,6 +20,8 @@ const CHAIN_DOMAIN: u64 = 0x7072_6566_6978_7274; // "prefixrt"
 
 /// Domain separator of the tenant's part of the seed.
 const TENANT_DOMAIN: u64 = 0x7465_6e61_6e74_2121; // "tenant!!"
+/// Separates a request's `cache_salt` from every other seed input.
+const SALT_DOMAIN: u64 = 0x6361_6368_6573_616c; // "cachesal"
 
 /// Seed of block 0 for `model` (and optional LoRA adapter), unkeyed and tenant-less.
 pub fn chain_seed(model: &[u8], lora: Option<&[u8]>) -> u64 {
@@ -41,6 +43,17 @@ pub fn keyed_seed(key: u64, model: &[u8], lora: Option<&[u8]>, tenant: &[u8]) ->
         m
     } else {
         xxh3_64_with_seed(tenant, m ^ TENANT_DOMAIN)
+    }
+}
+
+/// Block 0's seed for a request carrying `cache_salt` (vLLM's OpenAI request field: prompts
+/// with different salts never share KV): `seed` chained with the salt, so prompts with different
+/// salts share no block hash, index entry or rendezvous key. No salt (or an empty one): `seed`
+/// unchanged, so requests without a salt hash exactly as before and pay nothing.
+pub fn salted_seed(seed: u64, salt: Option<&[u8]>) -> u64 {
+    match salt {
+        Some(s) if !s.is_empty() => xxh3_64_with_seed(s, seed ^ SALT_DOMAIN),
+        _ => seed,
     }
 }
 
@@ -234,6 +247,17 @@ pub fn checkpoints_upto(n: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_salt_moves_the_seed_and_no_salt_keeps_it() {
+        let seed = keyed_seed(0, b"m", None, b"");
+        assert_eq!(salted_seed(seed, None), seed);
+        assert_eq!(salted_seed(seed, Some(b"")), seed);
+        let (a, b) = (salted_seed(seed, Some(b"a")), salted_seed(seed, Some(b"b")));
+        assert!(a != seed && b != seed && a != b);
+        // A salt is not a tenant: the same bytes in the other role give another seed.
+        assert_ne!(a, keyed_seed(0, b"m", None, b"a"));
+    }
 
     #[test]
     fn schedule_is_dense_then_geometric() {

@@ -9,6 +9,7 @@
 //! This layer imports no runtime module (the PD sections are in `config/pd.rs`; the shared-data
 //! keys of every model are named here). Costs: configuration time only.
 
+pub mod cost;
 pub mod pd;
 
 use serde::Deserialize;
@@ -439,6 +440,9 @@ pub struct PolicyConfig {
     /// beyond this per request, whatever it sends).
     #[serde(default = "default_max_request_tokens")]
     pub max_request_tokens: u32,
+    /// The cost model's parameters (`config/cost.rs`).
+    #[serde(default)]
+    pub cost: cost::CostConfig,
 }
 
 impl PolicyConfig {
@@ -479,6 +483,7 @@ impl Default for PolicyConfig {
             batch_releases_min_rps: default_batch_releases_min_rps(),
             media_part_tokens: default_media_part_tokens(),
             max_request_tokens: default_max_request_tokens(),
+            cost: cost::CostConfig::default(),
         }
     }
 }
@@ -1103,7 +1108,7 @@ fn check_policy(p: &PolicyConfig) -> Result<(), ConfigError> {
     if p.chars_per_token == 0 {
         return Err(err("policy.chars_per_token", "must be at least 1"));
     }
-    Ok(())
+    p.cost.validate()
 }
 
 /// `load_poll.*`.

@@ -49,15 +49,18 @@ pub struct Counters {
     pub cached: u64,
 }
 
-/// One published sample: the counters and when they were read (100 ms units; 0 = none).
+/// One published sample: the counters and when they were read (100 ms units; 0 = none), and the
+/// worker's prefill rate learned from them (uncached tokens per busy second, `poll.rs`; 0: not
+/// learned).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sample {
     pub counters: Counters,
     pub at: u32,
+    pub rate: u32,
 }
 
-/// Published record: worker id, prompt (u64), cached (u64), time. Little-endian.
-const REC: usize = 24;
+/// Published record: worker id, prompt (u64), cached (u64), time, rate. Little-endian.
+const REC: usize = 28;
 
 /// A window needs this many prompt blocks sent to the worker with a predicted hit.
 pub const MIN_BLOCKS: u64 = 256;
@@ -154,6 +157,7 @@ pub fn publish<S: Store>(
         wr64(b, o + 4, s.counters.prompt);
         wr64(b, o + 12, s.counters.cached);
         wr(b, o + 20, s.at);
+        wr(b, o + 24, s.rate);
     })
 }
 
@@ -169,6 +173,7 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Sample>) {
                     cached: rd64(b, o + 12),
                 },
                 at: rd(b, o + 20),
+                rate: rd(b, o + 24),
             };
         }
     });
@@ -210,6 +215,9 @@ pub enum Verdict {
 /// Each worker's check window, per model, in one VM (module docs).
 pub struct Verifier {
     windows: Vec<Vec<Window>>,
+    /// Per model, each worker's published prefill rate (tokens/s; 0: not learned): an input of
+    /// the policy's cost (`policy/cost.rs`).
+    rates: Vec<Vec<f32>>,
     samples: Vec<Sample>,
     buf: Vec<u8>,
     last_read: u32,
@@ -221,10 +229,12 @@ pub struct Verifier {
 
 impl Verifier {
     pub fn new(workers_per_model: impl Iterator<Item = usize>) -> Verifier {
+        let windows: Vec<Vec<Window>> = workers_per_model
+            .map(|n| vec![Window::default(); n])
+            .collect();
         Verifier {
-            windows: workers_per_model
-                .map(|n| vec![Window::default(); n])
-                .collect(),
+            rates: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
+            windows,
             samples: Vec::new(),
             buf: Vec::new(),
             last_read: 0,
@@ -275,6 +285,12 @@ impl Verifier {
         }
     }
 
+    /// Model `mi`'s workers' learned prefill rates (tokens/s; 0: not learned; empty for an
+    /// unknown model).
+    pub fn rates(&self, mi: usize) -> &[f32] {
+        self.rates.get(mi).map_or(&[], Vec::as_slice)
+    }
+
     pub fn window(&self, mi: usize, w: usize) -> Option<&Window> {
         self.windows.get(mi)?.get(w)
     }
@@ -311,6 +327,9 @@ impl Verifier {
         decode(&self.buf, ids, n, &mut samples);
         for (w, s) in samples.iter().enumerate() {
             self.check(mi, w, s, now, ttl);
+            if let Some(r) = self.rates.get_mut(mi).and_then(|m| m.get_mut(w)) {
+                *r = s.rate as f32;
+            }
         }
         self.samples = samples;
     }
@@ -426,6 +445,7 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
                 cached: 3,
             },
             at: 9,
+            rate: 31_000,
         };
         assert!(publish(&s, "h", 33, 2, &big, &mut buf));
         assert!(publish(&s, "h", 11, 0, &Sample::default(), &mut buf));
@@ -439,6 +459,7 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         Sample {
             counters: Counters { prompt, cached },
             at,
+            rate: 0,
         }
     }
 

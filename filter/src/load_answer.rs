@@ -28,6 +28,9 @@ pub struct Load {
     pub tokens: u32,
     /// Requests the worker runs at once (`max_running_requests`); 0: not reported.
     pub capacity: u32,
+    /// Requests waiting to start (`num_waiting_reqs`, both endpoints): a worker with some is
+    /// busy, which is when its counters show its prefill rate (`poll.rs`).
+    pub waiting: u32,
 }
 
 /// The load in the answer `body`.
@@ -39,6 +42,7 @@ pub fn parse(body: &[u8]) -> Option<Load> {
         reqs: sat(sums.reqs),
         tokens: sat(sums.tokens),
         capacity: sat(sums.capacity),
+        waiting: sat(sums.waiting),
     })
 }
 
@@ -52,6 +56,7 @@ struct Sums {
     reqs: u64,
     tokens: u64,
     capacity: u64,
+    waiting: u64,
     any: bool,
 }
 
@@ -76,11 +81,13 @@ impl Rank {
                 .saturating_add(running.saturating_add(self.waiting.unwrap_or(0)));
             s.tokens = s.tokens.saturating_add(self.uncached.unwrap_or(0));
             s.capacity = s.capacity.saturating_add(self.capacity.unwrap_or(0));
+            s.waiting = s.waiting.saturating_add(self.waiting.unwrap_or(0));
             s.any = true;
         } else if let Some(n) = self.reqs {
             // /get_load: num_reqs already includes the waiting ones.
             s.reqs = s.reqs.saturating_add(n);
             s.tokens = s.tokens.saturating_add(self.tokens.unwrap_or(0));
+            s.waiting = s.waiting.saturating_add(self.waiting.unwrap_or(0));
             s.any = true;
         }
     }
@@ -309,9 +316,78 @@ impl<'de> Visitor<'de> for Answer {
     scalars_are!(Sums::default(), integers);
 }
 
+/// What an older SGLang says of its capacity in `/get_server_info` (`/server_info`): the two
+/// settings a `/get_load` answer lacks. Read rarely (once per worker and after a failed poll,
+/// see `poll.rs`), so a `serde_json::Value` tree is fine here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// `max_running_requests`; 0: not reported.
+    pub max_running_requests: u32,
+    /// `max_total_num_tokens` (the KV cache's capacity in tokens); 0: not reported.
+    pub max_total_num_tokens: u32,
+}
+
+/// The capacity in a server-info answer: each field at the top level (the server arguments),
+/// else in the first `internal_states` entry (the scheduler's own value, which SGLang reports
+/// there when the argument was left unset). `None` for anything that is not a JSON object or
+/// reports neither field as a positive integer.
+pub fn parse_server_info(body: &[u8]) -> Option<ServerInfo> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let top = v.as_object()?;
+    let state = top
+        .get("internal_states")
+        .and_then(|s| s.as_array())
+        .and_then(|a| a.first())
+        .and_then(|s| s.as_object());
+    let field = |name: &str| -> u32 {
+        let of = |o: &serde_json::Map<String, serde_json::Value>| {
+            o.get(name).and_then(|x| x.as_u64()).filter(|&x| x > 0)
+        };
+        of(top).or_else(|| state.and_then(of)).map_or(0, sat)
+    };
+    let info = ServerInfo {
+        max_running_requests: field("max_running_requests"),
+        max_total_num_tokens: field("max_total_num_tokens"),
+    };
+    (info != ServerInfo::default()).then_some(info)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_info_capacity_from_arguments_or_scheduler_state() {
+        let sim = br#"{"model_path":"m","max_total_num_tokens":200000,"max_running_requests":16,"dp_size":1}"#;
+        let want = ServerInfo {
+            max_running_requests: 16,
+            max_total_num_tokens: 200_000,
+        };
+        assert_eq!(parse_server_info(sim), Some(want));
+        // Argument unset (null): the scheduler's value in internal_states.
+        let unset = br#"{"max_running_requests":null,"internal_states":[{"max_running_requests":16,"max_total_num_tokens":200000}]}"#;
+        assert_eq!(parse_server_info(unset), Some(want));
+        for bad in [
+            &b"not json"[..],
+            b"[1,2]",
+            b"{}",
+            br#"{"max_running_requests":-3,"max_total_num_tokens":"many"}"#,
+            br#"{"internal_states":"x"}"#,
+        ] {
+            assert_eq!(
+                parse_server_info(bad),
+                None,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Larger than u32: saturated.
+        let big = br#"{"max_total_num_tokens":99999999999}"#;
+        assert_eq!(
+            parse_server_info(big).map(|i| i.max_total_num_tokens),
+            Some(u32::MAX)
+        );
+    }
     use proptest::prelude::*;
 
     /// The model: the whole answer as a `serde_json::Value` tree, read by the rules in the
@@ -329,6 +405,7 @@ mod tests {
         };
         let num = |r: &Value, k: &str| r.get(k).and_then(Value::as_u64);
         let (mut reqs, mut tokens, mut capacity, mut any) = (0u64, 0u64, 0u64, false);
+        let mut waiting = 0u64;
         for r in ranks {
             if let Some(running) = num(r, "num_running_reqs") {
                 reqs = reqs.saturating_add(
@@ -336,10 +413,12 @@ mod tests {
                 );
                 tokens = tokens.saturating_add(num(r, "num_waiting_uncached_tokens").unwrap_or(0));
                 capacity = capacity.saturating_add(num(r, "max_running_requests").unwrap_or(0));
+                waiting = waiting.saturating_add(num(r, "num_waiting_reqs").unwrap_or(0));
                 any = true;
             } else if let Some(n) = num(r, "num_reqs") {
                 reqs = reqs.saturating_add(n);
                 tokens = tokens.saturating_add(num(r, "num_tokens").unwrap_or(0));
+                waiting = waiting.saturating_add(num(r, "num_waiting_reqs").unwrap_or(0));
                 any = true;
             }
         }
@@ -347,6 +426,7 @@ mod tests {
             reqs: sat(reqs),
             tokens: sat(tokens),
             capacity: sat(capacity),
+            waiting: sat(waiting),
         })
     }
 
@@ -357,6 +437,7 @@ mod tests {
             reqs: 5,
             tokens: 41,
             capacity: 256,
+            waiting: 2,
         };
         assert_eq!(parse(body), Some(load));
         assert_eq!(parse(body), model(body));

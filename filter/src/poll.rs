@@ -6,7 +6,11 @@
 //! intended load; traffic that bypasses Envoy is invisible. Each worker knows its real queue, so
 //! one VM per Envoy (the holder of a lease in shared data, see [`PollLease`]) asks every worker for it
 //! every `load_poll.interval_ms` (`GET /v1/loads`; `GET /get_load` for a worker that answers 404)
-//! and publishes the answers in one shared-data value per model ([`publish`]).
+//! and publishes the answers in one shared-data value per model ([`publish`]). `/get_load`
+//! reports no capacity, so a worker whose answers lack one is also asked once for its server
+//! information (`GET /get_server_info`, else `/server_info`), and again after a failed load
+//! poll (a restart may change it): its `max_running_requests` then goes with every load answer,
+//! and "saturated" means the worker's own capacity whichever endpoint it has.
 //!
 //! **Merge.** A published record carries the worker's polled `(requests, tokens)` `P` and this
 //! Envoy's own in-flight counts `S` at the moment the answer arrived. A decision then uses, per
@@ -25,6 +29,7 @@
 //! load. Staleness: at most interval + tick + the worker's answer time (the no-traffic interval
 //! instead of the interval for a model's first request after a quiet spell).
 
+use crate::config::LoadPollConfig;
 pub use crate::load_answer::Load;
 use crate::records::{rd, wr, ById};
 use crate::schedule::Calls;
@@ -212,13 +217,64 @@ impl PollLease {
     }
 }
 
-/// One poll in flight: which worker, and whether it asked the fallback path.
+/// One poll in flight: which worker, whether it asks for the worker's server info (capacity)
+/// instead of its load, and whether it asked the fallback path of the two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Target {
     pub model: u16,
     pub worker: u16,
     pub fallback: bool,
+    pub info: bool,
 }
+
+/// Older SGLang's server information (capacity settings), and its newer name.
+pub const SERVER_INFO_PATH: &str = "/get_server_info";
+pub const SERVER_INFO_FALLBACK_PATH: &str = "/server_info";
+
+impl Target {
+    /// The path this call asks.
+    pub fn path<'a>(&self, lp: &'a LoadPollConfig) -> &'a str {
+        match (self.info, self.fallback) {
+            (false, false) => &lp.path,
+            (false, true) => &lp.fallback_path,
+            (true, false) => SERVER_INFO_PATH,
+            (true, true) => SERVER_INFO_FALLBACK_PATH,
+        }
+    }
+}
+
+/// What the poller knows of one worker's endpoints.
+#[derive(Debug, Clone, Copy, Default)]
+struct Endpoint {
+    /// It answered 404 on the primary load path: use the fallback.
+    fallback: bool,
+    /// Its load answers report no capacity: read it from its server info.
+    wants_info: bool,
+    /// Its server info was read (or cannot be: both paths refused); read again after a failed
+    /// load poll (a restart may change it).
+    info_done: bool,
+    /// `/get_server_info` answered 404: ask `/server_info`.
+    info_fallback: bool,
+    /// The last load poll failed.
+    down: bool,
+    /// `max_running_requests` from the server info; 0: unknown.
+    capacity: u32,
+    /// Whether every load answer since the last counter sample showed requests waiting (`None`:
+    /// no answer since): the worker was busy throughout, so its counters show its rate.
+    backlogged: Option<bool>,
+    /// The last counter sample: prompt and cached token totals, when (ms).
+    counted: Option<(u64, u64, u64)>,
+    /// Learned prefill rate, uncached prompt tokens per busy second; 0: not yet.
+    rate: f64,
+}
+
+/// A busy window shorter than this (ms) says too little about a rate.
+const RATE_MIN_WINDOW_MS: u64 = 1000;
+/// ... and one that prefilled fewer uncached tokens than this.
+const RATE_MIN_TOKENS: u64 = 512;
+/// Weight of a new busy window in the learned rate (an exponential average: SGLang counts a
+/// request's tokens when it finishes, so single windows are noisy).
+const RATE_WEIGHT: f64 = 0.25;
 
 /// What a model's load value (`load.rs`) says about its traffic, read by the poller: its
 /// stamp (the CAS token, which every decision and every written release changes; `None` when
@@ -244,8 +300,8 @@ pub struct Poller {
     /// Per model: when its last round started (ms) and its load value's stamp then; `None`
     /// before the first round.
     last_round: Vec<Option<(u64, Option<u32>)>>,
-    /// Per model, per worker: the worker answered 404 on the primary path (use the fallback).
-    use_fallback: Vec<Vec<bool>>,
+    /// Per model, per worker: its endpoints ([`Endpoint`]).
+    endpoints: Vec<Vec<Endpoint>>,
     /// Calls awaiting an answer (expiring, see [`Poller::expire`]).
     inflight: Calls<Target>,
     pub failures: u64,
@@ -254,10 +310,12 @@ pub struct Poller {
 
 impl Poller {
     pub fn new(workers_per_model: impl Iterator<Item = usize>) -> Poller {
-        let use_fallback: Vec<Vec<bool>> = workers_per_model.map(|n| vec![false; n]).collect();
+        let endpoints: Vec<Vec<Endpoint>> = workers_per_model
+            .map(|n| vec![Endpoint::default(); n])
+            .collect();
         Poller {
-            last_round: vec![None; use_fallback.len()],
-            use_fallback,
+            last_round: vec![None; endpoints.len()],
+            endpoints,
             ..Poller::default()
         }
     }
@@ -291,23 +349,34 @@ impl Poller {
 
     /// Targets of model `mi`'s round, skipping workers whose previous call is still in flight
     /// (a slow worker is asked at most once at a time; the call's timeout bounds it, and
-    /// [`Poller::expire`] a call whose answer never comes).
+    /// [`Poller::expire`] a call whose answer never comes). A worker whose load answers report no
+    /// capacity (an older SGLang's `/get_load`) is also asked for its server info, once, and
+    /// again after a failed load poll.
     pub fn round(&self, mi: usize) -> impl Iterator<Item = Target> + '_ {
-        self.use_fallback
+        self.endpoints
             .get(mi)
             .into_iter()
             .flat_map(move |ws| {
-                ws.iter().enumerate().map(move |(w, &fb)| Target {
-                    model: mi as u16,
-                    worker: w as u16,
-                    fallback: fb,
+                ws.iter().enumerate().flat_map(move |(w, e)| {
+                    let load = Target {
+                        model: mi as u16,
+                        worker: w as u16,
+                        fallback: e.fallback,
+                        info: false,
+                    };
+                    let info = (e.wants_info && !e.info_done).then_some(Target {
+                        fallback: e.info_fallback,
+                        info: true,
+                        ..load
+                    });
+                    std::iter::once(load).chain(info)
                 })
             })
             .filter(|t| {
                 !self
                     .inflight
                     .iter()
-                    .any(|i| i.model == t.model && i.worker == t.worker)
+                    .any(|i| i.model == t.model && i.worker == t.worker && i.info == t.info)
             })
     }
 
@@ -338,7 +407,9 @@ impl Poller {
 
     /// Handles an answer: returns the target and the parsed load (`None` = failed poll). A 404
     /// on the primary path switches that worker to the fallback path for the next round and is
-    /// not a failure (an older SGLang): it returns `None` like an unknown token.
+    /// not a failure (an older SGLang): it returns `None` like an unknown token. A load answer
+    /// without a capacity carries the one the worker's server info reported. A server-info
+    /// answer is kept here and returns `None` (nothing to publish until the next load answer).
     pub fn answer(
         &mut self,
         token: u32,
@@ -346,25 +417,94 @@ impl Poller {
         body: &[u8],
     ) -> Option<(Target, Option<Load>)> {
         let t = self.inflight.take(token)?;
+        let e = self
+            .endpoints
+            .get_mut(usize::from(t.model))
+            .and_then(|m| m.get_mut(usize::from(t.worker)))?;
+        if t.info {
+            match status {
+                Some(404) if !t.fallback => e.info_fallback = true,
+                _ => {
+                    let info = match status {
+                        Some(200) => crate::load_answer::parse_server_info(body),
+                        _ => None,
+                    };
+                    e.capacity = info.map_or(0, |i| i.max_running_requests);
+                    // Read or refused: asked again only after a failed load poll.
+                    e.info_done = true;
+                }
+            }
+            return None;
+        }
         let parsed = match status {
             Some(200) => parse_load(body),
             Some(404) if !t.fallback => {
-                if let Some(f) = self
-                    .use_fallback
-                    .get_mut(usize::from(t.model))
-                    .and_then(|m| m.get_mut(usize::from(t.worker)))
-                {
-                    *f = true;
-                }
+                e.fallback = true;
                 return None;
             }
             _ => None,
         };
         match parsed {
-            Some(_) => self.answers += 1,
-            None => self.failures += 1,
+            Some(mut l) => {
+                self.answers += 1;
+                e.backlogged = Some(e.backlogged.unwrap_or(true) && l.waiting > 0);
+                if e.down {
+                    // Back after a failure (maybe a restart): read its capacity again.
+                    e.info_done = false;
+                    e.info_fallback = false;
+                }
+                e.down = false;
+                if l.capacity == 0 {
+                    e.wants_info = true;
+                    l.capacity = e.capacity;
+                }
+                Some((t, Some(l)))
+            }
+            None => {
+                self.failures += 1;
+                e.down = true;
+                e.backlogged = Some(false);
+                Some((t, None))
+            }
         }
-        Some((t, parsed))
+    }
+
+    /// Worker `w` of model `mi` reported cumulative `prompt` and `cached` token counters at
+    /// `now_ms` (`hits.rs`): when every load answer since its previous sample showed requests
+    /// waiting, the uncached tokens it counted per second of that window are its prefill rate
+    /// while busy, averaged into the rate it returns (tokens/s; 0: not learned yet). Counters
+    /// that went backwards (a restart) forget the rate. A worker never busy keeps the
+    /// configured rate (`policy.cost.prefill_tokens_per_second`): a rate measured while idle
+    /// would be its traffic, not its speed.
+    pub fn rate_sample(
+        &mut self,
+        mi: usize,
+        w: usize,
+        prompt: u64,
+        cached: u64,
+        now_ms: u64,
+    ) -> u32 {
+        let Some(e) = self.endpoints.get_mut(mi).and_then(|m| m.get_mut(w)) else {
+            return 0;
+        };
+        let busy = e.backlogged.take() == Some(true);
+        if let Some((p0, c0, t0)) = e.counted.replace((prompt, cached, now_ms)) {
+            if prompt < p0 || cached < c0 {
+                e.rate = 0.0;
+            } else {
+                let done = (prompt - p0).saturating_sub(cached - c0);
+                let dt = now_ms.saturating_sub(t0);
+                if busy && dt >= RATE_MIN_WINDOW_MS && done >= RATE_MIN_TOKENS {
+                    let sample = done as f64 * 1000.0 / dt as f64;
+                    e.rate = if e.rate > 0.0 {
+                        e.rate + RATE_WEIGHT * (sample - e.rate)
+                    } else {
+                        sample
+                    };
+                }
+            }
+        }
+        e.rate.min(f64::from(u32::MAX)) as u32
     }
 }
 
@@ -404,18 +544,19 @@ mod tests {
         let v1 = br#"{"timestamp":1.0,"loads":[
             {"dp_rank":0,"num_running_reqs":3,"num_waiting_reqs":2,"num_waiting_uncached_tokens":700},
             {"dp_rank":1,"num_running_reqs":1,"num_waiting_reqs":0,"num_waiting_uncached_tokens":5}]}"#;
-        let load = |reqs, tokens, capacity| {
+        let load = |reqs, tokens, capacity, waiting| {
             Some(Load {
                 reqs,
                 tokens,
                 capacity,
+                waiting,
             })
         };
-        assert_eq!(parse_load(v1), load(6, 705, 0));
+        assert_eq!(parse_load(v1), load(6, 705, 0, 2));
         let bare = br#"[{"dp_rank":0,"num_running_reqs":4,"num_waiting_reqs":1,"max_running_requests":16}]"#;
-        assert_eq!(parse_load(bare), load(5, 0, 16));
+        assert_eq!(parse_load(bare), load(5, 0, 16, 1));
         let old = br#"[{"dp_rank":0,"num_reqs":7,"num_waiting_reqs":4,"num_tokens":900}]"#;
-        assert_eq!(parse_load(old), load(7, 900, 0));
+        assert_eq!(parse_load(old), load(7, 900, 0, 4));
         for bad in [
             &b"not json"[..],
             b"{}",
@@ -578,7 +719,7 @@ mod tests {
         assert_eq!(l.map(|l| (l.reqs, l.tokens)), Some((3, 1)));
         assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
         assert!(p.settled(0), "both answered");
-        let next: Vec<Target> = p.round(0).collect();
+        let next: Vec<Target> = p.round(0).filter(|t| !t.info).collect();
         assert!(next[0].fallback && !next[1].fallback);
         assert_eq!((p.answers, p.failures), (1, 0));
         p.sent(9, next[1], 0);
@@ -605,5 +746,151 @@ mod tests {
         let ok = br#"[{"num_reqs":3,"num_tokens":1}]"#;
         assert!(p.answer(1, Some(200), ok).is_none());
         assert_eq!((p.answers, p.failures), (0, 2));
+    }
+
+    #[test]
+    fn a_worker_without_v1_loads_is_bound_by_its_server_info_capacity() {
+        use crate::config::Config;
+        use crate::policy::{cache_aware, Inputs, Reason};
+        let mut p = Poller::new([2usize].into_iter());
+        let lp = LoadPollConfig::default();
+        let mut token = 0u32;
+        let mut ask = |p: &mut Poller, t: Target, status: u32, body: &[u8]| {
+            token += 1;
+            p.sent(token, t, 0);
+            p.answer(token, Some(status), body)
+        };
+        let old = br#"[{"dp_rank":0,"num_reqs":20,"num_waiting_reqs":0,"num_tokens":0}]"#;
+        // Worker 0: no /v1/loads, then /get_load without a capacity.
+        let t = p.round(0).next().unwrap();
+        assert!(ask(&mut p, t, 404, b"").is_none());
+        let t = p.round(0).next().unwrap();
+        assert_eq!(t.path(&lp), "/get_load");
+        let (_, l) = ask(&mut p, t, 200, old).unwrap();
+        assert_eq!(l.map(|l| l.capacity), Some(0));
+        // Its server info is asked next round: /get_server_info, else /server_info.
+        let info: Vec<Target> = p.round(0).filter(|t| t.info).collect();
+        assert_eq!(info.len(), 1);
+        assert_eq!(info[0].path(&lp), "/get_server_info");
+        assert!(ask(&mut p, info[0], 404, b"").is_none());
+        let t = p.round(0).find(|t| t.info).unwrap();
+        assert_eq!(t.path(&lp), "/server_info");
+        let body = br#"{"max_running_requests":32,"max_total_num_tokens":100000}"#;
+        assert!(ask(&mut p, t, 200, body).is_none());
+        assert_eq!(p.round(0).filter(|t| t.info).count(), 0, "read once");
+        let t = p.round(0).next().unwrap();
+        let (_, l) = ask(&mut p, t, 200, old).unwrap();
+        let l = l.unwrap();
+        assert_eq!(l.capacity, 32);
+        // The policy: 20 requests on the holder of 90% of a 4000-token prompt, others idle; far
+        // over the fleet-relative bound, under the capacity the server info gave: it stays.
+        let m = Config::from_json(
+            br#"{"models":{"m":{"workers":["w0","w1","w2","w3","w4","w5","w6","w7"]}}}"#,
+        )
+        .unwrap()
+        .models
+        .remove(0);
+        let polled = [
+            Polled {
+                reqs: l.reqs,
+                tokens: l.tokens,
+                at: 1,
+                capacity: l.capacity,
+                ..Polled::default()
+            },
+            Polled {
+                at: 1,
+                ..Polled::default()
+            },
+        ];
+        let mut cap = Vec::new();
+        capacity(&polled, 1, 10, &mut cap);
+        let pc = crate::config::PolicyConfig::default();
+        let mut reqs = [20u32, 0];
+        // Eight workers: the two polled above, six more without a reported capacity.
+        let inp = |reqs: &[u32; 2], cap: &[u32]| {
+            let mut matched = [0u32; 8];
+            matched[0] = 90;
+            let mut c = vec![0u32; 8];
+            c[..cap.len()].copy_from_slice(cap);
+            let mut r = vec![0u32; 8];
+            r[..2].copy_from_slice(reqs);
+            let inp = Inputs {
+                model: &m,
+                reqs: &r,
+                tokens: &[0; 8],
+                capacity: &c,
+                matched: &matched,
+                deepest: 90,
+                total_blocks: 100,
+                prompt_tokens: 4000,
+                affinity: 1,
+                group: 1,
+                head_blocks: 0,
+                rate: &[],
+                placed: &[],
+                recent: None,
+            };
+            cache_aware::choose(&pc, &inp)
+        };
+        assert_eq!(inp(&reqs, &cap), (0, Reason::PrefixHit));
+        // Without it (capacity unknown) the fleet-relative bound spills the holder.
+        assert_eq!(inp(&reqs, &[]).1, Reason::LoadSpill);
+        // At the capacity it reported: saturated, not eligible.
+        reqs[0] = 32;
+        assert_eq!(inp(&reqs, &cap).1, Reason::LoadSpill);
+        // A failed poll (a restart?) and a good answer: the server info is read again.
+        let t = p.round(0).next().unwrap();
+        assert_eq!(ask(&mut p, t, 503, b"").map(|(_, l)| l), Some(None));
+        assert_eq!(p.round(0).filter(|t| t.info).count(), 0);
+        let t = p.round(0).next().unwrap();
+        ask(&mut p, t, 200, old).unwrap();
+        let t = p.round(0).find(|t| t.info).unwrap();
+        assert_eq!(t.path(&lp), "/get_server_info");
+        // Answers that are not server info leave the capacity unknown.
+        assert!(ask(&mut p, t, 200, b"{}").is_none());
+        let t = p.round(0).next().unwrap();
+        assert_eq!(ask(&mut p, t, 200, old).unwrap().1.unwrap().capacity, 0);
+    }
+
+    #[test]
+    fn the_prefill_rate_is_learned_from_busy_windows_only() {
+        let mut p = Poller::new([1usize].into_iter());
+        let mut token = 0;
+        let mut answer = |p: &mut Poller, waiting: u32| {
+            let t = p.round(0).find(|t| !t.info).unwrap();
+            token += 1;
+            p.sent(token, t, 0);
+            let body = format!(
+                r#"[{{"num_running_reqs":4,"num_waiting_reqs":{waiting},"max_running_requests":8}}]"#
+            );
+            p.answer(token, Some(200), body.as_bytes()).unwrap();
+        };
+        // First sample: nothing to compare with.
+        assert_eq!(p.rate_sample(0, 0, 0, 0, 0), 0);
+        // An idle window (nothing waiting): throughput is traffic, not speed.
+        answer(&mut p, 0);
+        assert_eq!(p.rate_sample(0, 0, 10_000, 0, 2000), 0);
+        // A busy window: 30k prompt tokens, 6k of them cached, in 2 s: 12k tokens/s.
+        answer(&mut p, 3);
+        answer(&mut p, 1);
+        assert_eq!(p.rate_sample(0, 0, 40_000, 6_000, 4000), 12_000);
+        // One answer with nothing waiting makes the window idle.
+        answer(&mut p, 3);
+        answer(&mut p, 0);
+        assert_eq!(p.rate_sample(0, 0, 80_000, 6_000, 6000), 12_000);
+        // No answer at all since the last sample: not known to be busy.
+        assert_eq!(p.rate_sample(0, 0, 90_000, 6_000, 8000), 12_000);
+        // Busy again at 20k tokens/s: averaged in (weight 1/4).
+        answer(&mut p, 2);
+        assert_eq!(p.rate_sample(0, 0, 130_000, 6_000, 10_000), 14_000);
+        // Too short a window, or too few tokens: ignored.
+        answer(&mut p, 2);
+        assert_eq!(p.rate_sample(0, 0, 140_000, 6_000, 10_500), 14_000);
+        // Counters went backwards (a restart): forgotten.
+        answer(&mut p, 2);
+        assert_eq!(p.rate_sample(0, 0, 5, 0, 12_000), 0);
+        // Unknown workers: 0.
+        assert_eq!(p.rate_sample(3, 0, 5, 0, 12_000), 0);
     }
 }

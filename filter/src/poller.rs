@@ -108,11 +108,7 @@ impl Polls {
             }) else {
                 continue;
             };
-            let path = if t.fallback {
-                lp.fallback_path.as_str()
-            } else {
-                lp.path.as_str()
-            };
+            let path = t.path(lp);
             let pooled = r
                 .cfg()
                 .models
@@ -277,9 +273,14 @@ impl Polls {
         else {
             return true;
         };
+        let (at, nanos) = now_ticks(h);
+        let rate =
+            self.poller
+                .rate_sample(mi, wi, counters.prompt, counters.cached, nanos / 1_000_000);
         let sample = hits::Sample {
             counters,
-            at: now_ticks(h).0.max(1),
+            at: at.max(1),
+            rate,
         };
         let mut buf = Vec::new();
         hits::publish(h, &model.hits_key, w.id, wi, &sample, &mut buf);

@@ -147,6 +147,9 @@ pub enum PromptKind {
 pub struct Parsed<'a> {
     pub model: Option<Cow<'a, str>>,
     pub lora: Option<Cow<'a, str>>,
+    /// `cache_salt` (vLLM's OpenAI request field): seeds the block hashes (`blocks::salted_seed`).
+    /// A value that is not a string (or null) makes the body malformed.
+    pub cache_salt: Option<Cow<'a, str>>,
     pub kind: PromptKind,
     /// Token count for token prompts (text prompts estimate tokens from bytes).
     pub tokens: usize,
@@ -318,6 +321,7 @@ fn fast<'a>(
     Some(Parsed {
         model: rebase(p.model, from, body, at, scanned.end)?,
         lora: rebase(p.lora, from, body, at, scanned.end)?,
+        cache_salt: rebase(p.cache_salt, from, body, at, scanned.end)?,
         kind: p.kind,
         tokens: p.tokens,
         text_bytes: p.text_bytes,
@@ -516,6 +520,7 @@ const META: u8 = 0x1C;
 enum Field {
     Model,
     Lora,
+    CacheSalt,
     Messages,
     Prompt,
     Text,
@@ -539,6 +544,7 @@ impl<'de> de::Deserialize<'de> for Field {
                 Ok(match v {
                     "model" => Field::Model,
                     "lora_path" => Field::Lora,
+                    "cache_salt" => Field::CacheSalt,
                     "messages" => Field::Messages,
                     "prompt" => Field::Prompt,
                     "text" => Field::Text,
@@ -579,6 +585,9 @@ impl<'de> Visitor<'de> for BodySeed<'_, '_> {
             match (field, self.endpoint) {
                 (Field::Model, _) => p.model = map.next_value::<Option<Str<'de>>>()?.map(|s| s.0),
                 (Field::Lora, _) => p.lora = map.next_value::<Option<Str<'de>>>()?.map(|s| s.0),
+                (Field::CacheSalt, _) => {
+                    p.cache_salt = map.next_value::<Option<Str<'de>>>()?.map(|s| s.0)
+                }
                 (Field::Messages, Endpoint::Chat) => {
                     if p.kind != PromptKind::None {
                         return Err(de::Error::duplicate_field("messages"));
@@ -1070,6 +1079,35 @@ mod tests {
     }
 
     #[test]
+    fn cache_salt_is_read_on_every_endpoint_and_must_be_a_string() {
+        let cases = [
+            (
+                Endpoint::Chat,
+                r#"{"messages":[{"role":"user","content":"hi"}],"#,
+            ),
+            (Endpoint::Completions, r#"{"prompt":"hi","#),
+            (Endpoint::Generate, r#"{"input_ids":[5,6],"#),
+        ];
+        let mut scratch = IdBuffers::default();
+        for (ep, head) in cases {
+            let (mut c, mut b) = (Vec::new(), Vec::new());
+            let body = format!(r#"{head}"cache_salt":"t\u0065nant"}}"#);
+            let p = parse_fast(ep, body.as_bytes(), &mut c, &mut b, &mut scratch, 1 << 20);
+            assert_eq!(p.unwrap().cache_salt.as_deref(), Some("tenant"), "{ep:?}");
+            let none = format!(r#"{head}"cache_salt":null}}"#);
+            let p = parse(ep, none.as_bytes(), &mut c, 1 << 20).unwrap();
+            assert_eq!(p.cache_salt, None);
+            for bad in ["5", "[\"a\"]", "{}", "true"] {
+                let body = format!(r#"{head}"cache_salt":{bad}}}"#);
+                assert!(
+                    parse(ep, body.as_bytes(), &mut c, 1 << 20).is_err(),
+                    "{bad}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn malformed_bodies_are_errors_not_panics() {
         let bad: &[&[u8]] = &[
             b"",
@@ -1420,6 +1458,8 @@ mod tests {
             r#""model":null"#,
             r#""model":7"#,
             r#""lora_path":"ad""#,
+            r#""cache_salt":"s\u0061lt""#,
+            r#""cache_salt":3"#,
             r#""sampling_params":{"max_new_tokens":16,"temperature":0.7,"stop":["]",",","\"}"]}"#,
             r#""stream":true"#,
             r#""rid":"4294967295""#,
@@ -1494,6 +1534,7 @@ mod tests {
                 (Ok(w), Ok(g)) => {
                     assert_eq!(w.model, g.model, "{}", ctx());
                     assert_eq!(w.lora, g.lora, "{}", ctx());
+                    assert_eq!(w.cache_salt, g.cache_salt, "{}", ctx());
                     assert_eq!(w.kind, g.kind, "{}", ctx());
                     assert_eq!(w.tokens, g.tokens, "{}", ctx());
                     assert_eq!(w.text_bytes, g.text_bytes, "{}", ctx());

@@ -20,8 +20,7 @@
 //! fleet instead of all landing on one worker. Other prompts use their first
 //! `policy.affinity_blocks` blocks.
 
-use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed};
-use crate::busy::Busy;
+use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed, salted_seed};
 use crate::config::{Config, PeersConfig, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
@@ -155,7 +154,6 @@ pub struct Router {
     /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
     ids: Vec<ById>,
     ledger: Ledger,
-    busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
     /// Recent placements of prompts nobody held, shared by the VMs (`placements.rs`).
@@ -221,7 +219,6 @@ impl Router {
             dest: String::with_capacity(256),
             ids,
             ledger: Ledger::new(&cfg).seeded(seed),
-            busy: Busy::new(&cfg),
             footprint: Footprint::new(&cfg),
             placements: Placements::default(),
             verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
@@ -498,11 +495,14 @@ impl Router {
                 now,
             ));
         }
-        let seed = keyed_seed(
-            cfg.hash_key,
-            model.name.as_bytes(),
-            parsed.lora.as_deref().map(str::as_bytes),
-            tenant,
+        let seed = salted_seed(
+            keyed_seed(
+                cfg.hash_key,
+                model.name.as_bytes(),
+                parsed.lora.as_deref().map(str::as_bytes),
+                tenant,
+            ),
+            parsed.cache_salt.as_deref().map(str::as_bytes),
         );
         // A block: `block` bytes of text, or `block` token ids (`ids.rs`).
         let truncated = parsed.truncated
@@ -652,13 +652,8 @@ impl Router {
             }
         }
         let total_blocks = self.hashes.len() as u32;
-        let conversation_blocks = if self.ends.len() >= 3 {
-            self.ends.get(1).map_or(0, |&e| e as u32)
-        } else {
-            0
-        };
-        // The opening message's end, when another message follows it (a fleet prefix candidate).
-        let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
+        let (policy, matched) = (&mut self.policy, &self.matched);
+        let rate = self.verifier.rates(mi);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
@@ -670,15 +665,10 @@ impl Router {
         } else {
             None
         };
-        let mut sampled = false;
         let mut holder = None;
         let (w, tok, reason) = self
             .ledger
             .decide(store, cfg, mi, now, |reqs, tokens, capacity| {
-                if !sampled {
-                    busy.observe(mi, now, cfg.policy.busy_window_ms, reqs);
-                    sampled = true;
-                }
                 let inp = Inputs {
                     model,
                     reqs,
@@ -690,9 +680,8 @@ impl Router {
                     prompt_tokens,
                     affinity,
                     group,
-                    conversation_blocks,
                     head_blocks,
-                    busy: busy.of(mi),
+                    rate,
                     placed: footprint.of(mi),
                     recent,
                 };
@@ -1106,6 +1095,7 @@ mod tests {
         let sample = crate::hits::Sample {
             counters: crate::hits::Counters { prompt, cached },
             at,
+            rate: 0,
         };
         assert!(crate::hits::publish(
             s,
@@ -1445,6 +1435,59 @@ mod tests {
         for tenant in [&b"globex"[..], b""] {
             let d = routed(r.route_for(&s, Endpoint::Chat, &body, tenant, 3));
             assert_eq!((d.matched_blocks, d.probes > 0), (0, true), "{tenant:?}");
+            r.release(&s, &d);
+        }
+    }
+
+    #[test]
+    fn salted_prompts_never_match_each_other_and_no_salt_hashes_as_before() {
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 13);
+        r.init_store(&s);
+        let text = "salted document ".repeat(40);
+        let with = |salt: serde_json::Value, ep: Endpoint| {
+            let mut v = match ep {
+                Endpoint::Chat => serde_json::json!({"model": "llama", "messages": [
+                    {"role": "system", "content": text}, {"role": "user", "content": "u"}]}),
+                _ => serde_json::json!({"model": "llama", "prompt": text}),
+            };
+            if !salt.is_null() {
+                v["cache_salt"] = salt;
+            }
+            v.to_string().into_bytes()
+        };
+        for ep in [Endpoint::Chat, Endpoint::Completions] {
+            let a = with(serde_json::json!("tenant-a"), ep);
+            served(&mut r, &s, ep, &a, 1);
+            let d = routed(r.route(&s, ep, &a, 2));
+            assert!(d.matched_blocks > 0, "the same salt matches");
+            r.release(&s, &d);
+            // Another salt, or none: nothing matches.
+            for other in [serde_json::json!("tenant-b"), serde_json::Value::Null] {
+                let d = routed(r.route(&s, ep, &with(other.clone(), ep), 2));
+                assert_eq!(d.matched_blocks, 0, "{other}");
+                r.release(&s, &d);
+            }
+        }
+        // No salt, a null salt and an empty salt hash as a body without the field.
+        let plain = chat("llama", &text, "u");
+        served(&mut r, &s, Endpoint::Chat, &plain, 3);
+        for salt in [serde_json::Value::Null, serde_json::json!("")] {
+            let mut v: serde_json::Value = serde_json::from_slice(&plain).unwrap();
+            v["cache_salt"] = salt.clone();
+            let d = routed(r.route(&s, Endpoint::Chat, v.to_string().as_bytes(), 4));
+            assert!(d.matched_blocks > 0, "{salt}");
+            r.release(&s, &d);
+        }
+        // A salt that is not a string: a malformed body, routed (parse_error), never dropped.
+        for bad in [
+            serde_json::json!(5),
+            serde_json::json!(["x"]),
+            serde_json::json!({}),
+        ] {
+            let body = with(bad.clone(), Endpoint::Chat);
+            let d = routed(r.route(&s, Endpoint::Chat, &body, 5));
+            assert_eq!(d.reason, Reason::ParseError, "{bad}");
             r.release(&s, &d);
         }
     }

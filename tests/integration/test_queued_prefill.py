@@ -64,41 +64,84 @@ def test_a_conversation_keeps_its_worker_while_it_is_busy_decoding(fresh):
         c.close()
 
 
-def test_a_conversation_waits_out_its_workers_prefill_queue_a_shared_prompt_does_not(fresh):
-    r = wl.rng("queued-prefill-history")
-    c = Client(fresh.envoy.listener_port)
-    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 16000)}
+def conversation(c: Client, r, form: str):
+    """A new conversation (its own system prompt, ~4k tokens) sent as `form` ("chat", or
+    "completions": the same messages rendered into one text); each call sends the conversation so
+    far and appends a reply and a new user message (the next call is a follow-up)."""
+    msgs = [{"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 16000)},
+            {"role": "user", "content": wl.text(r, 400)}]
 
-    def post(msgs):
-        rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+    def post():
+        if form == "chat":
+            rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+        else:
+            prompt = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs)
+            rep = c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
         assert rep.status == 200, rep.body
+        msgs.extend([{"role": "assistant", "content": wl.text(r, 200)},
+                     {"role": "user", "content": wl.text(r, 300)}])
         return rep
+    return post
 
-    def more(msgs):
-        return msgs + [{"role": "assistant", "content": wl.text(r, 200)},
-                       {"role": "user", "content": wl.text(r, 300)}]
 
-    holder = None
+def test_a_follow_up_stays_through_a_queue_shorter_than_its_recompute_as_chat_and_completions(fresh):
+    """The same follow-up sent as chat and as completions reaches its holder both times while the
+    holder's queued prefill costs less than recomputing the conversation elsewhere, and leaves it
+    when the queue costs more (policy/cost.rs: the ~4k-token history's recompute is ~5k
+    token-equivalents; half of the queue counts)."""
+    r = wl.rng("queued-prefill-forms")
+    c = Client(fresh.envoy.listener_port)
+    busy = None
     try:
-        msgs = [system, {"role": "user", "content": wl.text(r, 400)}]
-        holder = post(msgs).worker
-        msgs = more(msgs)
-        assert post(msgs).worker == holder
+        for form in ("chat", "completions"):
+            post = conversation(c, r, form)
+            holder = post().worker
+            assert post().worker == holder, form
+            busy = fresh.pool.workers[holder]
+            busy.capacity, busy.extra_load, busy.waiting_tokens = 64, 2, 6000
+            fresh_load(fresh)
+            for _ in range(2):
+                rep = post()
+                assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), (form, rep.decision)
+            busy.waiting_tokens = 40_000
+            fresh_load(fresh)
+            rep = post()
+            assert rep.worker != holder and rep.decision["reason"] == "load_spill", (form, rep.decision)
+            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
+            fresh_load(fresh)
+    finally:
+        if busy is not None:
+            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
+        c.close()
+
+
+def test_an_older_sglang_holder_is_bound_by_the_capacity_its_server_info_reports(fresh):
+    """A worker without `/v1/loads` (its `/get_load` reports no capacity) running 20 requests no
+    Envoy routed keeps its conversation: its `/get_server_info` says it runs 64 at once, so it is
+    not saturated (the fleet-relative bound alone would spill it at about 13 of 4 workers)."""
+    r = wl.rng("old-sglang-capacity")
+    c = Client(fresh.envoy.listener_port)
+    busy = None
+    try:
+        post = conversation(c, r, "chat")
+        holder = post().worker
         busy = fresh.pool.workers[holder]
-        # Other prompts' prefill queued on the holder: 50k tokens, far more than the ~4k-token
-        # conversation costs to recompute on an idle worker, with a running slot free.
-        busy.capacity, busy.extra_load, busy.waiting_tokens = 64, 2, 50_000
+        busy.old_api, busy.capacity = True, 64
+        # The poller read this worker's server info once already (capacity then unknown); a failed
+        # poll (as a restart gives) makes it read it again.
+        reads, polls = busy.server_info_reads, busy.stats.polls
+        busy.load_status = 503
+        wait_until(lambda: busy.stats.polls >= polls + 2, "failed polls")
+        busy.load_status = 200
+        wait_until(lambda: busy.server_info_reads > reads, "the server info read again")
+        busy.extra_load = 20
         fresh_load(fresh)
         for _ in range(3):
-            msgs = more(msgs)
-            rep = post(msgs)
+            rep = post()
             assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), rep.decision
-        # A new conversation on the same system prompt (two messages: nothing of it is this
-        # conversation's own history) does not wait behind the queue for a shared prefix.
-        rep = post([system, {"role": "user", "content": wl.text(r, 400)}])
-        assert rep.worker != holder and rep.decision["reason"] == "load_spill", rep.decision
+            assert "/64/" in rep.decision.get("holder_load", ""), rep.decision
     finally:
-        busy = fresh.pool.workers.get(holder or "", None)
         if busy is not None:
+            busy.old_api, busy.load_status = False, 200
             busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
         c.close()

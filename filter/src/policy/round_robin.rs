@@ -48,9 +48,8 @@ mod tests {
             prompt_tokens: 0,
             affinity: 0,
             group: 0,
-            conversation_blocks: 0,
             head_blocks: 0,
-            busy: &[],
+            rate: &[],
             placed: &[],
             recent: None,
         };

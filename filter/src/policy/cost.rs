@@ -1,0 +1,174 @@
+//! What sending one request to one worker costs, in seconds: the number the cache-aware policy
+//! ranks workers by. One formula for every prompt, whatever its shape (chat or completions,
+//! messages or not, how many workers hold what).
+//!
+//! **Prefill work.** `n` new tokens computed after `c` cached context tokens cost
+//! `w(n, c) = n · (1 + c / K)` zero-context token equivalents: a linear part per token plus
+//! attention to the context, which grows with it. On an H200 with an 8B model a token costs
+//! ~29 us plus ~1.4 us per 1k context tokens, so `K` (`policy.cost.context_tokens`) ≈ 20k: a
+//! 512-token turn on a 32k history costs 2.6x the same turn on nothing (measured: 3x). The model
+//! is relative; a worker's rate absorbs its GPU and model.
+//!
+//! **Rate.** Worker `i` prefills `r_i` zero-context tokens per second: its learned rate when
+//! known, else `policy.cost.prefill_tokens_per_second` × its weight. Learned (`poll.rs`): the
+//! uncached prompt tokens its counters (`sglang:prompt_tokens_total` − `cached_tokens_total`)
+//! grew by per second over windows in which every load poll showed requests waiting (busy
+//! throughout), averaged; slightly low, since those tokens had context.
+//!
+//! **Cost.** Worker `i` holds `h_i` of the prompt's `P` tokens (the index's match), has `Q_i`
+//! tokens of prefill queued (polled `num_waiting_uncached_tokens` plus prompts sent since and not
+//! yet at their first token; their contexts are not reported, so they count at zero context) and
+//! `R_i` requests in flight; the deepest holder holds `H`:
+//!
+//! ```text
+//! own_i  = w(P − h_i, h_i)                         this request's prefill there
+//! cost_i = ( own_i                                 prefill it adds to the fleet
+//!          + λ · (Q_i + ρ · R_i)                   work queued ahead of it
+//!          + κ · (H − h_i) ) / r_i                 the second copy it leaves in the KV
+//! ```
+//!
+//! `λ` is `policy.load_weight` (0.5), `ρ` `policy.request_cost_tokens` (64: the decode steps a
+//! newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (0.25). Why `λ = ½`: this
+//! request's time to first token there is `(Q_i + own_i) / r_i`, and its own prefill is paid
+//! again by every request that queues behind it later, so time to first token plus the prefill
+//! seconds the choice adds to the fleet is `(Q_i + 2·own_i) / r_i`, which at `λ = ½` is twice
+//! `cost_i` without the copy: a second waited for counts once, a second recomputed twice.
+//!
+//! **What follows from it.**
+//! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
+//!   elsewhere: `λ·(Q_h − Q_x) < own_x − own_h + κ·h_h` (long histories stay through deep
+//!   queues, short ones move, as the seconds say). A hot prefix therefore spills once its
+//!   holder's queue exceeds about twice the prefix's recompute: no hot-spot rule is needed.
+//! - A prefix every worker holds adds the same to every cost: queued work decides, and the
+//!   rendezvous order breaks exact ties, so new conversations on a fleet-wide system prompt
+//!   spread instead of stacking on its first holders.
+//! - The same bytes sent as chat or as completions have the same `P`, `h_i`, `H`: the same cost.
+//!
+//! Costs: a few floating-point operations per worker; no allocation.
+
+use crate::config::PolicyConfig;
+
+/// One worker's inputs to its cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Worker {
+    /// Prompt tokens it holds (`h_i`).
+    pub held: f64,
+    /// Prefill tokens queued on it (`Q_i`).
+    pub queued: f64,
+    /// Requests in flight on it (`R_i`).
+    pub reqs: f64,
+    /// Zero-context prompt tokens it prefills per second (`r_i`, > 0).
+    pub rate: f64,
+}
+
+/// The cost model's constants, read once per decision from the policy configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cost {
+    /// `1 / K` (0: context is free).
+    per_context_token: f64,
+    load_weight: f64,
+    request_tokens: f64,
+    copy_weight: f64,
+    default_rate: f64,
+}
+
+impl Cost {
+    pub fn new(p: &PolicyConfig) -> Cost {
+        let k = p.cost.context_tokens;
+        Cost {
+            per_context_token: if k == 0 { 0.0 } else { 1.0 / f64::from(k) },
+            load_weight: p.load_weight,
+            request_tokens: p.request_cost_tokens,
+            copy_weight: p.cost.copy_weight,
+            default_rate: p.cost.prefill_tokens_per_second.max(1.0),
+        }
+    }
+
+    /// `w(n, c)`: zero-context token equivalents of prefilling `new` tokens after `context`.
+    pub fn work(&self, new: f64, context: f64) -> f64 {
+        new * (1.0 + context * self.per_context_token)
+    }
+
+    /// A worker's rate: `learned` when known (> 0), else the configured rate × `weight`.
+    pub fn rate(&self, learned: f32, weight: f64) -> f64 {
+        if learned > 0.0 && learned.is_finite() {
+            f64::from(learned)
+        } else {
+            self.default_rate * weight.max(f64::MIN_POSITIVE)
+        }
+    }
+
+    /// `cost_i` (module docs) for a prompt of `prompt` tokens whose deepest holder holds
+    /// `deepest` of them.
+    pub fn seconds(&self, prompt: f64, deepest: f64, w: &Worker) -> f64 {
+        let held = w.held.min(prompt).max(0.0);
+        let own = self.work(prompt - held, held);
+        let queued = self.load_weight * (w.queued + self.request_tokens * w.reqs);
+        let copy = self.copy_weight * (deepest - held).max(0.0);
+        (own + queued + copy) / w.rate
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(held: f64, queued: f64) -> Worker {
+        Worker {
+            held,
+            queued,
+            reqs: 0.0,
+            rate: 30_000.0,
+        }
+    }
+
+    #[test]
+    fn prefill_work_follows_the_h200_shape() {
+        let c = Cost::new(&PolicyConfig::default());
+        // 512 new tokens on a 32k history: 2.6x the same tokens on nothing (H200: 45.0 / 14.8
+        // ms = 3.0x; 8192 on 32k: 628 / 245 ms = 2.6x).
+        let r = c.work(512.0, 32_768.0) / c.work(512.0, 0.0);
+        assert!((2.5..=2.7).contains(&r), "{r}");
+        // Recomputing a 32k history from nothing: its tokens at zero context.
+        assert_eq!(c.work(32_768.0, 0.0), 32_768.0);
+    }
+
+    #[test]
+    fn a_holder_keeps_a_long_history_through_a_queue_and_loses_a_short_one() {
+        let c = Cost::new(&PolicyConfig::default());
+        // 12k-token follow-up; the holder has 19.5k tokens queued, another worker none.
+        let (p, q) = (12_000.0, 19_500.0);
+        for (history, stays) in [(10_000.0, true), (3_200.0, false)] {
+            let holder = c.seconds(p, history, &worker(history, q));
+            let idle = c.seconds(p, history, &worker(0.0, 0.0));
+            assert_eq!(
+                holder < idle,
+                stays,
+                "history {history}: {holder} vs {idle}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_prefix_every_worker_holds_leaves_the_queue_to_decide() {
+        let c = Cost::new(&PolicyConfig::default());
+        let a = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 100.0));
+        let b = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 0.0));
+        assert!(b < a);
+        assert!((a - b - 0.5 * 100.0 / 30_000.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn rates_scale_seconds_and_default_to_the_configured_rate_times_weight() {
+        let c = Cost::new(&PolicyConfig::default());
+        assert_eq!(c.rate(0.0, 2.0), 60_000.0);
+        assert_eq!(c.rate(f32::NAN, 1.0), 30_000.0);
+        assert_eq!(c.rate(12_000.0, 2.0), 12_000.0);
+        let fast = Worker {
+            rate: 60_000.0,
+            ..worker(0.0, 0.0)
+        };
+        let slow = worker(0.0, 0.0);
+        assert!(c.seconds(1000.0, 0.0, &fast) < c.seconds(1000.0, 0.0, &slow));
+    }
+}
