@@ -88,9 +88,10 @@ from load.report import table, write_report
 from load.run_one import run_one
 from load.runner import log
 from load.scenarios import LOAD, ROUTERS, SCENARIOS, TRACE_FULL, TRACE_QUICK
-from load.trace_replay import (trace_describe, trace_reasons_table, trace_scaled_policy, trace_scaled_sim_args,
-                               trace_setup, trace_stats, trace_table)
+from load.trace_replay import (filter_has_cost_model, trace_describe, trace_reasons_table, trace_scaled_policy,
+                               trace_scaled_sim_args, trace_setup, trace_stats, trace_table)
 from prkit import trace as tr
+from prkit.build import wasm_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_args = ["--max-total-tokens", str(kv), "--time-scale", str(ts), *scen["sim"]]
     if trace:
         sim_args += ["--context-length", str(trace["context"]), *trace_scaled_sim_args(trace["block_tokens"])]
-        policy = {**trace_scaled_policy(trace["block_tokens"]), **policy}
+        policy = {**trace_scaled_policy(trace["block_tokens"], filter_has_cost_model(wasm_path())), **policy}
     command = command_line(argv)
     base = f"trace-{trace['stem']}" + ("-chat" if trace["api"] == "chat" else "") if trace else args.scenario
     if membership:

@@ -34,8 +34,10 @@ from pathlib import Path
 from load.run_one import run_one
 from load.runner import log
 from load.scenarios import SCENARIOS
-from load.trace_replay import trace_scaled_policy, trace_scaled_sim_args, trace_setup, trace_stats
+from load.trace_replay import (filter_has_cost_model, trace_scaled_policy, trace_scaled_sim_args, trace_setup,
+                               trace_stats)
 from prkit import trace as tr
+from prkit.build import wasm_path
 
 ROUTERS = ["smg_cache_aware", "prefix_router_2t"]
 BASELINE = "smg_cache_aware"
@@ -100,7 +102,7 @@ def _setup(cell: Cell, quick: bool, requests: int | None, time_scale: float, pol
         trace = trace_setup(cell.trace, n, SPEEDS[cell.rate], BLOCK_TOKENS, cell.api, len(scen["models"]), workdir)
         kv = trace["kv"]
         sends = tr.plan_sends(json.loads(trace["plan"].read_text()), cell.api, k6_env["MODELS"])
-        pol = {**trace_scaled_policy(BLOCK_TOKENS), **policy}
+        pol = {**trace_scaled_policy(BLOCK_TOKENS, filter_has_cost_model(wasm_path())), **policy}
     elif cell.scenario == "agentic":
         k6_env["API"] = cell.api
     sim = ["--max-total-tokens", str(kv), "--time-scale", str(time_scale), *scen["sim"]]

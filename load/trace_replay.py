@@ -43,14 +43,32 @@ def trace_scaled_sim_args(block_tokens: int) -> list[str]:
 FILTER_TOKEN_DEFAULTS = {"request_cost_tokens": 64, "slack_full_tokens": 8192, "prefill_slack_full_tokens": 2048}
 
 
-def trace_scaled_policy(block_tokens: int) -> dict:
+# The cost model's token-denominated default (filter/src/config/cost.rs, `policy.cost`): the
+# context at which a new token's prefill costs twice its zero-context cost.
+FILTER_COST_TOKEN_DEFAULTS = {"context_tokens": 20480}
+
+
+def filter_has_cost_model(wasm: Path) -> bool:
+    """Whether a filter build reads `policy.cost` (its serde field names are in the binary):
+    an older build refuses the unknown field, so its replays leave it out."""
+    try:
+        return b"context_tokens" in wasm.read_bytes()
+    except OSError:
+        return False
+
+
+def trace_scaled_policy(block_tokens: int, cost: bool = False) -> dict:
     """prefix-router policy values in the replay's token units: a scaled token stands for
     512 / block_tokens real ones (as in trace_scaled_sim_args), so a request in flight costs, and
     a holder earns its full load slack at, the same real-token amounts as in production. Without
     it a 2-block shared prefix (1024 real tokens, 64 scaled) weighs no more than one request in
-    flight (64), and conversations leave idle holders for a replay artefact."""
+    flight (64), and conversations leave idle holders for a replay artefact. `cost`: also the
+    cost model's `policy.cost.context_tokens`, as the simulator's context term is scaled."""
     f = 512 / block_tokens
-    return {k: max(1, round(v / f)) for k, v in FILTER_TOKEN_DEFAULTS.items()}
+    out: dict = {k: max(1, round(v / f)) for k, v in FILTER_TOKEN_DEFAULTS.items()}
+    if cost:
+        out["cost"] = {k: max(1, round(v / f)) for k, v in FILTER_COST_TOKEN_DEFAULTS.items()}
+    return out
 
 
 # sglang-sim's default prefill rate (zero context) and fixed cost per prefill batch.

@@ -200,6 +200,19 @@ def test_replay_scales_the_routers_token_constants_like_the_simulator():
     assert p == {k: round(v / 16) for k, v in trace_replay.FILTER_TOKEN_DEFAULTS.items()}
     assert trace_replay.trace_scaled_policy(512) == trace_replay.FILTER_TOKEN_DEFAULTS
     assert all(v >= 1 for v in trace_replay.trace_scaled_policy(1).values())
+    # the cost model's context scale too, for a filter build that reads policy.cost
+    assert trace_replay.trace_scaled_policy(32, cost=True)["cost"] == {"context_tokens": 1280}
+
+
+def test_filter_has_cost_model_reads_the_builds_field_names(tmp_path):
+    from load import trace_replay
+
+    new, old = tmp_path / "new.wasm", tmp_path / "old.wasm"
+    new.write_bytes(b"\0asm...prefill_tokens_per_secondcontext_tokenscopy_weight...")
+    old.write_bytes(b"\0asm...request_cost_tokens...")
+    assert trace_replay.filter_has_cost_model(new)
+    assert not trace_replay.filter_has_cost_model(old)
+    assert not trace_replay.filter_has_cost_model(tmp_path / "missing.wasm")
 
 
 def test_holder_state_from_the_decision_header():
