@@ -5,7 +5,10 @@
 //! bare list of ranks, where a rank's requests are `num_running_reqs + num_waiting_reqs` and its
 //! tokens `num_waiting_uncached_tokens`, its capacity `max_running_requests` — and `/get_load` —
 //! `[{"num_reqs","num_tokens"}...]`, where `num_reqs` already counts the waiting ones and no
-//! capacity is reported (0: unknown). An object without a `loads` list is itself
+//! capacity is reported (0: unknown; `poll.rs` reads it from the server info) nor queued prefill
+//! (0: its `num_tokens` is the KV in use plus the waiting prompts, mostly running requests'
+//! context, not work queued ahead of a new request; the queued prefill the policy sees is then
+//! what this Envoy sent and has not had its first token). An object without a `loads` list is itself
 //! one rank. A rank counts when it has `num_running_reqs` or `num_reqs` as a non-negative
 //! integer; a field of another type counts as missing. An answer with no counted rank, or that is
 //! not JSON, is `None`, so a wrong endpoint is a failed poll, never an idle worker.
@@ -69,7 +72,6 @@ struct Rank {
     uncached: Option<u64>,
     capacity: Option<u64>,
     reqs: Option<u64>,
-    tokens: Option<u64>,
 }
 
 impl Rank {
@@ -86,7 +88,6 @@ impl Rank {
         } else if let Some(n) = self.reqs {
             // /get_load: num_reqs already includes the waiting ones.
             s.reqs = s.reqs.saturating_add(n);
-            s.tokens = s.tokens.saturating_add(self.tokens.unwrap_or(0));
             s.waiting = s.waiting.saturating_add(self.waiting.unwrap_or(0));
             s.any = true;
         }
@@ -100,7 +101,6 @@ impl Rank {
             Key::Uncached => &mut self.uncached,
             Key::Capacity => &mut self.capacity,
             Key::Reqs => &mut self.reqs,
-            Key::Tokens => &mut self.tokens,
             Key::Loads | Key::Other => {
                 map.next_value::<IgnoredAny>()?;
                 return Ok(());
@@ -119,7 +119,6 @@ enum Key {
     Uncached,
     Capacity,
     Reqs,
-    Tokens,
     Other,
 }
 
@@ -139,7 +138,6 @@ impl<'de> de::Deserialize<'de> for Key {
                     "num_waiting_uncached_tokens" => Key::Uncached,
                     "max_running_requests" => Key::Capacity,
                     "num_reqs" => Key::Reqs,
-                    "num_tokens" => Key::Tokens,
                     _ => Key::Other,
                 })
             }
@@ -417,7 +415,6 @@ mod tests {
                 any = true;
             } else if let Some(n) = num(r, "num_reqs") {
                 reqs = reqs.saturating_add(n);
-                tokens = tokens.saturating_add(num(r, "num_tokens").unwrap_or(0));
                 waiting = waiting.saturating_add(num(r, "num_waiting_reqs").unwrap_or(0));
                 any = true;
             }

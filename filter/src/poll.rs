@@ -556,7 +556,7 @@ mod tests {
         let bare = br#"[{"dp_rank":0,"num_running_reqs":4,"num_waiting_reqs":1,"max_running_requests":16}]"#;
         assert_eq!(parse_load(bare), load(5, 0, 16, 1));
         let old = br#"[{"dp_rank":0,"num_reqs":7,"num_waiting_reqs":4,"num_tokens":900}]"#;
-        assert_eq!(parse_load(old), load(7, 900, 0, 4));
+        assert_eq!(parse_load(old), load(7, 0, 0, 4));
         for bad in [
             &b"not json"[..],
             b"{}",
@@ -716,7 +716,7 @@ mod tests {
         let (_, l) = p
             .answer(8, Some(200), br#"[{"num_reqs":3,"num_tokens":1}]"#)
             .unwrap();
-        assert_eq!(l.map(|l| (l.reqs, l.tokens)), Some((3, 1)));
+        assert_eq!(l.map(|l| (l.reqs, l.tokens)), Some((3, 0)));
         assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
         assert!(p.settled(0), "both answered");
         let next: Vec<Target> = p.round(0).filter(|t| !t.info).collect();

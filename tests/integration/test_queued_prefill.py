@@ -87,8 +87,8 @@ def conversation(c: Client, r, form: str):
 def test_a_follow_up_stays_through_a_queue_shorter_than_its_recompute_as_chat_and_completions(fresh):
     """The same follow-up sent as chat and as completions reaches its holder both times while the
     holder's queued prefill costs less than recomputing the conversation elsewhere, and leaves it
-    when the queue costs more (policy/cost.rs: the ~4k-token history's recompute is ~5k
-    token-equivalents; half of the queue counts)."""
+    when the queue costs more (policy/cost.rs: the ~4k-token history's recompute and copy are
+    ~8k token-equivalents; a quarter of the queue counts)."""
     r = wl.rng("queued-prefill-forms")
     c = Client(fresh.envoy.listener_port)
     busy = None
@@ -103,7 +103,7 @@ def test_a_follow_up_stays_through_a_queue_shorter_than_its_recompute_as_chat_an
             for _ in range(2):
                 rep = post()
                 assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), (form, rep.decision)
-            busy.waiting_tokens = 40_000
+            busy.waiting_tokens = 80_000
             fresh_load(fresh)
             rep = post()
             assert rep.worker != holder and rep.decision["reason"] == "load_spill", (form, rep.decision)

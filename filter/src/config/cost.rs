@@ -19,8 +19,8 @@ pub struct CostConfig {
     /// 1k context tokens, so about 20k; `/work/shared/REFERENCE.md`). 0: context costs nothing.
     #[serde(default = "default_context_tokens")]
     pub context_tokens: u32,
-    /// Share of the prefill of a second copy of cached tokens that the fleet pays again later:
-    /// the blocks the copy evicts are recomputed by the requests that needed them.
+    /// Share of a second copy's tokens that the fleet recomputes later: a full LRU cache evicts
+    /// as many tokens of other prompts for it.
     #[serde(default = "default_copy_weight")]
     pub copy_weight: f64,
 }
@@ -45,9 +45,10 @@ fn default_context_tokens() -> u32 {
     20_480
 }
 fn default_copy_weight() -> f64 {
-    // A modelling choice, not a measurement: a copy evicts the least recently used blocks of
-    // its worker, which are the least likely to be asked for again.
-    0.25
+    // An LRU cache runs full: a copy displaces as many tokens of other prompts, recomputed when
+    // they are asked again (trace replays, docs/results.md: 0.25 left holders for copies that
+    // evicted other conversations' histories).
+    1.0
 }
 
 impl CostConfig {

@@ -591,12 +591,13 @@ mod tests {
 
     #[test]
     fn a_short_prefix_on_busy_holders_spreads_prompts_to_idle_workers() {
-        // Four of eight workers hold the first 2 blocks (80 tokens) of a 1600-token prompt and
-        // run 2 requests each: recomputing 80 tokens elsewhere costs less than the work queued
-        // ahead on a holder, so new prompts go to the idle half, spread by rendezvous.
+        // Four of eight workers hold the first 2 blocks (32 tokens) of a 1600-token prompt and
+        // run 6 requests each: recomputing and copying 32 tokens elsewhere (64) costs less than
+        // the work queued ahead on a holder (0.25 x 6 x 64 = 96), so new prompts go to the idle
+        // half, spread by rendezvous.
         let m = model(8);
         let p = PolicyConfig::default();
-        let (reqs, z) = ([2u32, 2, 2, 2, 0, 0, 0, 0], [0u32; 8]);
+        let (reqs, z) = ([6u32, 6, 6, 6, 0, 0, 0, 0], [0u32; 8]);
         let matched = [2u32, 2, 2, 2, 0, 0, 0, 0];
         let mut seen = [0usize; 8];
         for key in 0..64 {
@@ -708,7 +709,7 @@ mod tests {
             ..inputs(&m, &reqs, &tokens, matched, 7)
         };
         let c = Cost::new(&p);
-        let cases = [(26u32, false), (80, true), (97, true)].map(|(history, stays)| {
+        let cases = [(10u32, false), (26, true), (80, true), (97, true)].map(|(history, stays)| {
             let mut matched = [0u32; 8];
             matched[0] = history;
             (history, stays, matched)

@@ -27,18 +27,22 @@
 //!          + κ · (H − h_i) ) / r_i                 the second copy it leaves in the KV
 //! ```
 //!
-//! `λ` is `policy.load_weight` (0.5), `ρ` `policy.request_cost_tokens` (64: the decode steps a
-//! newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (0.25). Why `λ = ½`: this
-//! request's time to first token there is `(Q_i + own_i) / r_i`, and its own prefill is paid
-//! again by every request that queues behind it later, so time to first token plus the prefill
-//! seconds the choice adds to the fleet is `(Q_i + 2·own_i) / r_i`, which at `λ = ½` is twice
-//! `cost_i` without the copy: a second waited for counts once, a second recomputed twice.
+//! `λ` is `policy.load_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode steps a
+//! newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1). Why: this request's
+//! time to first token there is `(Q_i + own_i) / r_i`; its own prefill is paid again by the `m`
+//! requests that queue behind it on that worker before its queue empties (`m = ρ/(1 − ρ)` at
+//! prefill utilisation `ρ` for a single queue), so time to first token plus the seconds the
+//! choice adds to the fleet is `(Q_i + (1 + m)·own_i) / r_i`: `cost_i` with `λ = 1/(1 + m)`, and
+//! `λ = ¼` is `m = 3` (75% utilisation, where routing matters). An LRU cache runs full, so a
+//! second copy of `H − h_i` tokens evicts as many tokens of other prompts, which the fleet
+//! recomputes when they are asked again: `κ = 1`. (Trace replays, docs/results.md: `λ = ½` or
+//! `κ = ¼` left busy holders for recomputes and copies the fleet then paid for.)
 //!
 //! **What follows from it.**
 //! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
 //!   elsewhere: `λ·(Q_h − Q_x) < own_x − own_h + κ·h_h` (long histories stay through deep
 //!   queues, short ones move, as the seconds say). A hot prefix therefore spills once its
-//!   holder's queue exceeds about twice the prefix's recompute: no hot-spot rule is needed.
+//!   holder's queue exceeds `(1 + κ)/λ` (8) times the prefix's recompute: no hot-spot rule.
 //! - A prefix every worker holds adds the same to every cost: queued work decides, and the
 //!   rendezvous order breaks exact ties, so new conversations on a fleet-wide system prompt
 //!   spread instead of stacking on its first holders.
@@ -138,7 +142,7 @@ mod tests {
         let c = Cost::new(&PolicyConfig::default());
         // 12k-token follow-up; the holder has 19.5k tokens queued, another worker none.
         let (p, q) = (12_000.0, 19_500.0);
-        for (history, stays) in [(10_000.0, true), (3_200.0, false)] {
+        for (history, stays) in [(10_000.0, true), (1_000.0, false)] {
             let holder = c.seconds(p, history, &worker(history, q));
             let idle = c.seconds(p, history, &worker(0.0, 0.0));
             assert_eq!(
@@ -155,7 +159,7 @@ mod tests {
         let a = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 100.0));
         let b = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 0.0));
         assert!(b < a);
-        assert!((a - b - 0.5 * 100.0 / 30_000.0).abs() < 1e-12);
+        assert!((a - b - 0.25 * 100.0 / 30_000.0).abs() < 1e-12);
     }
 
     #[test]
