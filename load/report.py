@@ -121,8 +121,10 @@ def write_report(rows: list[dict], scenario: str, scen: dict, k6_env: dict, sim_
         "",
         f"Command: `{command}`",
         "",
-        f"Workload (`load/{scen['script']}`): " + (trace_describe(trace) + "; k6 env " if trace else "")
-        + ", ".join(f"{k}={v}" for k, v in k6_env.items() if k != "PLAN") + ".",
+        (f"Workload (sent by prkit.replay): {trace_describe(trace)}."
+         if trace and rows and rows[0].get("client") == "prkit.replay" else
+         f"Workload (`load/{scen['script']}`): " + (trace_describe(trace) + "; k6 env " if trace else "")
+         + ", ".join(f"{k}={v}" for k, v in k6_env.items() if k != "PLAN") + "."),
         f"Fleet per router: {len(scen['models'])} fresh `sglang-sim` workers (models: {models}), "
         f"`{' '.join(sim_args)}`: KV capacity {kv} tokens per worker.",
         replica_line,
