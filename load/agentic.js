@@ -12,9 +12,15 @@
 // CONCURRENCY clients (VUs) so that no two clients ever advance the same conversation: largest
 // turn count first onto the client with the fewest turns so far (clients get near-equal work);
 // each client plays its conversations' turns in the global draw order, one request at a time.
+//
+// API=chat (default): streaming `/v1/chat/completions` with the messages. API=completions: the same
+// conversation as one text prompt on streaming `/v1/completions`: the messages' contents in order,
+// each padded with spaces to a multiple of 4 bytes (the simulator's tokens are 4 bytes, so the
+// previous answer, sent back, is exactly the tokens that were generated and the history stays a
+// prefix of the next prompt); no role markers.
 // See lib.js for the metrics, common env (TARGETS, PIN, SEED, ...) and thresholds.
 import exec from 'k6/execution';
-import { chat, env, envFloat, envInt, MODELS, rng, shuffled, summarize, text, thresholds, TREND_STATS } from './lib.js';
+import { chat, env, envFloat, envInt, MODELS, rng, shuffled, stream, summarize, text, thresholds, TREND_STATS } from './lib.js';
 
 const p = {
   CONVERSATIONS: envInt('CONVERSATIONS', 40),
@@ -27,8 +33,13 @@ const p = {
   OUT_TOKENS: envInt('OUT_TOKENS', 128),
   CONCURRENCY: envInt('CONCURRENCY', 16),
   SEED: envInt('SEED', 1),
+  API: env('API', 'chat'),
   MODELS,
 };
+if (p.API !== 'completions' && p.API !== 'chat') throw new Error(`API must be completions or chat, not ${p.API}`);
+
+const pad4 = (s) => s + ' '.repeat((4 - (s.length % 4)) % 4);
+const flat = (messages) => messages.map((m) => pad4(m.content)).join('');
 
 // ---- The plan (the same in every VU: deterministic in SEED) ----
 const rank2conv = shuffled(p.CONVERSATIONS, p.SEED * 31 + 11);
@@ -121,7 +132,10 @@ export default function () {
       content: `Result of call ${s.turn} in task ${c}: ` + text(s.r, p.TOOL_TOKENS),
     });
   }
-  const answer = chat(MODELS[c % MODELS.length], s.messages, p.OUT_TOKENS, `conv-${c}`);
+  const model = MODELS[c % MODELS.length];
+  const answer = p.API === 'chat'
+    ? chat(model, s.messages, p.OUT_TOKENS, `conv-${c}`)
+    : stream('/v1/completions', { model, prompt: flat(s.messages) }, p.OUT_TOKENS, `conv-${c}`).content;
   if (answer === null) {
     s.dead = true;
     return;

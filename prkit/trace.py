@@ -342,3 +342,27 @@ def replay_plan(reqs: Sequence[TraceRequest], block_tokens: int, speed: float) -
         key = r.hash_ids[1] if len(r.hash_ids) > 1 else r.hash_ids[0]
         requests.append({"t": round((r.timestamp_ms - t0) / speed, 3), "b": bs, "o": out, "k": f"h{key}"})
     return {"block_tokens": block_tokens, "speed": speed, "requests": requests, "texts": texts}
+
+
+def plan_sends(plan: dict, api: str, model: str) -> list:
+    """The replay plan as prkit.replay sends: per request the streaming `/v1/completions` body
+    with the text prompt (api `completions`) or `/v1/chat/completions` with one user message
+    (`chat`), exactly `o` output tokens (ignore_eos), the usage chunk asked for; the same bodies
+    load/trace.js sends. Built before the replay, so building them is not lateness."""
+    from .replay import Send
+
+    if api not in SHAPES:
+        raise ValueError(f"api must be one of {sorted(SHAPES)}, not {api!r}")
+    texts = plan["texts"]
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    out = []
+    for r in plan["requests"]:
+        text = "".join(texts[k][:4 * t] for k, t in r["b"])
+        body: dict = {"model": model}
+        if api == "chat":
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        body.update(max_tokens=r["o"], ignore_eos=True, stream=True, stream_options={"include_usage": True})
+        out.append(Send(r["t"], path, json.dumps(body, separators=(",", ":")).encode(), model, r.get("k")))
+    return out

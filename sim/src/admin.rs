@@ -6,9 +6,9 @@ use hyper::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
+use crate::app::App;
 use crate::response::{respond, Resp};
 use crate::sched::Cmd;
-use crate::server::App;
 
 pub(crate) async fn flush_cache(app: Arc<App>) -> Resp {
     let (tx, rx) = oneshot::channel();
@@ -59,6 +59,8 @@ pub(crate) fn server_info(app: &App) -> Value {
         "version": concat!("sglang-sim ", env!("CARGO_PKG_VERSION")),
         "simulator": {
             "prefill_tokens_per_sec": c.prefill_tokens_per_sec,
+            "prefill_context_per_1k_tokens": c.prefill_context_per_1k_tokens,
+            "v1_loads": c.v1_loads,
             "prefill_overhead_ms": c.prefill_overhead_ms,
             "decode_base_ms": c.decode_base_ms,
             "decode_batch_factor": c.decode_batch_factor,

@@ -88,7 +88,7 @@ pub struct Parsed {
     pub batch: bool,
     pub model: String,
     /// PD disaggregation fields (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`).
-    pub bootstrap: crate::pd::Fields,
+    pub bootstrap: Fields,
 }
 
 /// Is this content type acceptable? FastAPI parses a body as JSON when the header is absent or
@@ -223,7 +223,7 @@ pub fn parse(kind: Kind, body: &[u8], cfg: &Config) -> Result<Parsed, ApiError> 
         return Err(ApiError::bad("Request body must be a JSON object"));
     }
     let stream = opt_bool(&v, "stream")?;
-    let bootstrap = crate::pd::fields(&v)?;
+    let bootstrap = fields(&v)?;
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(o @ Value::Object(_)) => opt_bool(o, "include_usage")?,
@@ -355,6 +355,44 @@ pub fn parse(kind: Kind, body: &[u8], cfg: &Config) -> Result<Parsed, ApiError> 
             })
         }
     }
+}
+
+/// The bootstrap fields of one request (all optional at parse time; each mode checks what it
+/// needs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fields {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub room: Option<u64>,
+}
+
+/// Reads `bootstrap_host`, `bootstrap_port`, `bootstrap_room` from a request body. Lists
+/// (SGLang's batched form) are refused: the simulator names one room per HTTP request.
+pub fn fields(v: &Value) -> Result<Fields, ApiError> {
+    let host = match v.get("bootstrap_host") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(ApiError::bad("'bootstrap_host' must be a string")),
+    };
+    let port = match v.get("bootstrap_port") {
+        None | Some(Value::Null) => None,
+        Some(x) => match x.as_u64().and_then(|n| u16::try_from(n).ok()) {
+            Some(p) => Some(p),
+            None => return Err(ApiError::bad("'bootstrap_port' must be a port number")),
+        },
+    };
+    let room = match v.get("bootstrap_room") {
+        None | Some(Value::Null) => None,
+        Some(x) => match x.as_u64() {
+            Some(r) => Some(r),
+            None => {
+                return Err(ApiError::bad(
+                    "'bootstrap_room' must be a non-negative integer (lists are not supported)",
+                ))
+            }
+        },
+    };
+    Ok(Fields { host, port, room })
 }
 
 #[cfg(test)]

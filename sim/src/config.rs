@@ -3,6 +3,36 @@
 
 use std::fmt::Write as _;
 
+/// `--disaggregation-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Not disaggregated (SGLang's `null`): bootstrap fields are ignored.
+    Null,
+    Prefill,
+    Decode,
+}
+
+impl Mode {
+    pub fn parse(s: &str) -> Result<Mode, String> {
+        match s {
+            "null" => Ok(Mode::Null),
+            "prefill" => Ok(Mode::Prefill),
+            "decode" => Ok(Mode::Decode),
+            _ => Err(format!(
+                "invalid value for --disaggregation-mode: {s:?} (null, prefill or decode)"
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Null => "null",
+            Mode::Prefill => "prefill",
+            Mode::Decode => "decode",
+        }
+    }
+}
+
 /// Simulator settings.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -16,7 +46,12 @@ pub struct Config {
     /// Upper bound of new (uncached) prompt tokens in one prefill batch.
     pub max_prefill_tokens: usize,
     pub context_length: usize,
+    /// Prefill rate of new tokens with no context before them (the zero-context rate).
     pub prefill_tokens_per_sec: f64,
+    /// Attention to the context makes each new token dearer: a new token attending to `c`
+    /// tokens already in the KV costs `(1 + prefill_context_per_1k_tokens * c / 1000)` times
+    /// its zero-context cost (fit to the H200 table in `sim/README.md`).
+    pub prefill_context_per_1k_tokens: f64,
     /// Fixed cost of one prefill forward pass (ms).
     pub prefill_overhead_ms: f64,
     /// Decode step at batch size 1 (ms).
@@ -44,12 +79,15 @@ pub struct Config {
     pub threads: usize,
     pub drain_timeout_s: f64,
     /// `--disaggregation-mode`: prefill/decode disaggregation role.
-    pub disaggregation_mode: crate::pd::Mode,
+    pub disaggregation_mode: Mode,
     /// `--disaggregation-bootstrap-port`: the prefill worker's bootstrap server (0 = ephemeral).
     pub disaggregation_bootstrap_port: u16,
     /// How long a decode worker waits for a room's KV (SGLang: `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`);
     /// also how long a prefill worker keeps a room nobody fetched.
     pub disaggregation_timeout_s: f64,
+    /// Serve newer SGLang's `GET /v1/loads`; `--no-v1-loads` answers 404 there, as older SGLang
+    /// (only `/get_load`, capacity in `/get_server_info`).
+    pub v1_loads: bool,
 }
 
 impl Default for Config {
@@ -64,6 +102,7 @@ impl Default for Config {
             max_prefill_tokens: 16_384,
             context_length: 8192,
             prefill_tokens_per_sec: 30_000.0,
+            prefill_context_per_1k_tokens: PREFILL_CONTEXT_PER_1K_TOKENS,
             prefill_overhead_ms: 3.0,
             decode_base_ms: 8.0,
             decode_batch_factor: 0.008,
@@ -79,15 +118,22 @@ impl Default for Config {
             slow_ms: 0,
             threads: 1,
             drain_timeout_s: 60.0,
-            disaggregation_mode: crate::pd::Mode::Null,
+            disaggregation_mode: Mode::Null,
             disaggregation_bootstrap_port: 8998,
             disaggregation_timeout_s: 300.0,
+            v1_loads: true,
         }
     }
 }
 
 /// Flags that take no value (`--flag`, or `--flag=true|false`), as SGLang's `store_true`.
-const SWITCHES: &[&str] = &["--enable-mixed-chunk"];
+const SWITCHES: &[&str] = &["--enable-mixed-chunk", "--no-v1-loads"];
+
+/// The default context term of prefill: a least-squares fit (relative error) of
+/// `time = n * a * (1 + k * c / 1000)` to the H200 table in `sim/README.md` (n new tokens on c
+/// cached ones, Llama-3.1-8B shape): a = 28.9 us per token, k * a = 1.53 us per token per 1k
+/// tokens of context, within 10% of every cell.
+pub const PREFILL_CONTEXT_PER_1K_TOKENS: f64 = 0.053;
 
 /// `(flag, help)` in the order printed by `--help`.
 const FLAGS: &[(&str, &str)] = &[
@@ -107,7 +153,11 @@ const FLAGS: &[(&str, &str)] = &[
     ("--context-length", "max prompt + output tokens per request"),
     (
         "--prefill-tokens-per-sec",
-        "prefill speed for uncached tokens",
+        "prefill speed for uncached tokens with no context before them",
+    ),
+    (
+        "--prefill-context-per-1k-tokens",
+        "a new token's prefill cost grows by this fraction per 1000 tokens of context it attends to",
     ),
     ("--prefill-overhead-ms", "fixed cost of one prefill pass"),
     ("--decode-base-ms", "decode step time at batch 1"),
@@ -169,6 +219,10 @@ const FLAGS: &[(&str, &str)] = &[
         "--disaggregation-timeout-s",
         "decode: max wait for a room's KV",
     ),
+    (
+        "--no-v1-loads",
+        "answer only /get_load, as older SGLang (/v1/loads: 404)",
+    ),
 ];
 
 /// Usage text with defaults.
@@ -184,6 +238,7 @@ pub fn usage() -> String {
         d.max_prefill_tokens.to_string(),
         d.context_length.to_string(),
         d.prefill_tokens_per_sec.to_string(),
+        d.prefill_context_per_1k_tokens.to_string(),
         d.prefill_overhead_ms.to_string(),
         d.decode_base_ms.to_string(),
         d.decode_batch_factor.to_string(),
@@ -202,6 +257,7 @@ pub fn usage() -> String {
         d.disaggregation_mode.as_str().into(),
         d.disaggregation_bootstrap_port.to_string(),
         d.disaggregation_timeout_s.to_string(),
+        (!d.v1_loads).to_string(),
     ];
     let mut s =
         String::from("sglang-sim: simulated SGLang worker\n\nUSAGE: sglang-sim [FLAGS]\n\n");
@@ -252,6 +308,9 @@ impl Config {
                 "--max-prefill-tokens" => c.max_prefill_tokens = num(&flag, &v)?,
                 "--context-length" => c.context_length = num(&flag, &v)?,
                 "--prefill-tokens-per-sec" => c.prefill_tokens_per_sec = num(&flag, &v)?,
+                "--prefill-context-per-1k-tokens" => {
+                    c.prefill_context_per_1k_tokens = num(&flag, &v)?
+                }
                 "--prefill-overhead-ms" => c.prefill_overhead_ms = num(&flag, &v)?,
                 "--decode-base-ms" => c.decode_base_ms = num(&flag, &v)?,
                 "--decode-batch-factor" => c.decode_batch_factor = num(&flag, &v)?,
@@ -269,11 +328,12 @@ impl Config {
                 "--slow-ms" => c.slow_ms = num(&flag, &v)?,
                 "--threads" => c.threads = num(&flag, &v)?,
                 "--drain-timeout-s" => c.drain_timeout_s = num(&flag, &v)?,
-                "--disaggregation-mode" => c.disaggregation_mode = crate::pd::Mode::parse(&v)?,
+                "--disaggregation-mode" => c.disaggregation_mode = Mode::parse(&v)?,
                 "--disaggregation-bootstrap-port" => {
                     c.disaggregation_bootstrap_port = num(&flag, &v)?
                 }
                 "--disaggregation-timeout-s" => c.disaggregation_timeout_s = num(&flag, &v)?,
+                "--no-v1-loads" => c.v1_loads = !num::<bool>(&flag, &v)?,
                 _ => return Err(format!("unknown argument {arg:?}")),
             }
         }
@@ -296,6 +356,10 @@ impl Config {
             return Err("--prefill-tokens-per-sec must be > 0".into());
         }
         for (name, v) in [
+            (
+                "--prefill-context-per-1k-tokens",
+                self.prefill_context_per_1k_tokens,
+            ),
             ("--prefill-overhead-ms", self.prefill_overhead_ms),
             ("--decode-base-ms", self.decode_base_ms),
             ("--decode-batch-factor", self.decode_batch_factor),
@@ -387,5 +451,23 @@ mod tests {
         assert_eq!(c.decode_kv_ms_per_1k_tokens, 0.0);
         assert_eq!(c.schedule_conservativeness, 0.5);
         assert!(usage().contains("--enable-mixed-chunk"));
+    }
+
+    #[test]
+    fn prefill_context_and_load_api_flags() {
+        let d = p(&[]).unwrap();
+        assert_eq!(
+            d.prefill_context_per_1k_tokens,
+            PREFILL_CONTEXT_PER_1K_TOKENS
+        );
+        assert!(d.v1_loads);
+        let c = p(&["--no-v1-loads", "--prefill-context-per-1k-tokens", "0"]).unwrap();
+        assert!(!c.v1_loads);
+        assert_eq!(c.prefill_context_per_1k_tokens, 0.0);
+        assert!(p(&["--no-v1-loads=false"]).unwrap().v1_loads);
+        assert!(p(&["--prefill-context-per-1k-tokens", "-1"]).is_err());
+        assert!(p(&["--prefill-context-per-1k-tokens", "inf"]).is_err());
+        let u = usage();
+        assert!(u.contains("--no-v1-loads") && u.contains("[default: 0.053]"));
     }
 }

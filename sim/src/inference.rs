@@ -13,13 +13,15 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Request, Response, StatusCode};
 use tokio::sync::mpsc;
 
+use crate::api::Fields;
 use crate::api::{self, ApiError, Kind, Parsed};
+use crate::app::{unix_now, App, InflightGuard, MAX_BODY};
 use crate::config::Config;
+use crate::config::Mode;
 use crate::openai::{full_response, JobState, Meta, SseStream};
-use crate::pd::{self, Fields, Kv, Mode};
+use crate::pd::{self, Kv};
 use crate::response::{error_resp, json_resp, respond, Resp, SimBody};
 use crate::sched::{Cmd, SimRequest};
-use crate::server::{unix_now, App, InflightGuard, MAX_BODY};
 use crate::tokenizer::{self, Finish};
 
 /// Deterministic fault injection: is request number `n` one of the failing fraction?

@@ -2,6 +2,8 @@
 
 mod admin;
 pub mod api;
+pub mod app;
+pub mod bootstrap;
 pub mod config;
 mod inference;
 mod loads;
@@ -11,5 +13,6 @@ pub mod pd;
 pub mod radix;
 pub mod response;
 pub mod sched;
+mod seq;
 pub mod server;
 pub mod tokenizer;

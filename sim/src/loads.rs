@@ -6,8 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
+use crate::app::App;
 use crate::response::{detail, json_resp, respond, Resp};
-use crate::server::App;
 
 /// Seconds since the Unix epoch as a float (SGLang's `time.time()`).
 fn unix_now_f64() -> f64 {

@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sglang_sim::config::Config;
-use sglang_sim::{pd, server};
+use sglang_sim::{bootstrap, server};
 
 async fn shutdown_signal() {
     #[cfg(unix)]
@@ -44,7 +44,7 @@ async fn run(cfg: Config) -> std::io::Result<()> {
             "sglang-sim bootstrap server on {}:{}",
             app.cfg.host, app.cfg.disaggregation_bootstrap_port
         );
-        tokio::spawn(pd::serve_bootstrap(b, app.clone()));
+        tokio::spawn(bootstrap::serve_bootstrap(b, app.clone()));
     }
     let a = app.clone();
     let srv = tokio::spawn(async move { server::serve(listener, a, std::future::pending()).await });

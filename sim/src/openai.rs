@@ -10,8 +10,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::api::{ApiError, Job, Kind};
+use crate::app::InflightGuard;
 use crate::sched::Progress;
-use crate::server::InflightGuard;
 use crate::tokenizer::{self, Finish};
 
 /// Per-job state kept while answering.

@@ -23,92 +23,20 @@
 //! per second.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
-use serde_json::{json, Value};
-use tokio::net::TcpListener;
+use serde_json::Value;
 use tokio::sync::Notify;
 
 use crate::api::ApiError;
-use crate::response::{json_resp, Resp};
-use crate::server::App;
-
-/// `--disaggregation-mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// Not disaggregated (SGLang's `null`): bootstrap fields are ignored.
-    Null,
-    Prefill,
-    Decode,
-}
-
-impl Mode {
-    pub fn parse(s: &str) -> Result<Mode, String> {
-        match s {
-            "null" => Ok(Mode::Null),
-            "prefill" => Ok(Mode::Prefill),
-            "decode" => Ok(Mode::Decode),
-            _ => Err(format!(
-                "invalid value for --disaggregation-mode: {s:?} (null, prefill or decode)"
-            )),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Null => "null",
-            Mode::Prefill => "prefill",
-            Mode::Decode => "decode",
-        }
-    }
-}
-
-/// The bootstrap fields of one request (all optional at parse time; each mode checks what it
-/// needs).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Fields {
-    pub host: Option<String>,
-    pub port: Option<u16>,
-    pub room: Option<u64>,
-}
-
-/// Reads `bootstrap_host`, `bootstrap_port`, `bootstrap_room` from a request body. Lists
-/// (SGLang's batched form) are refused: the simulator names one room per HTTP request.
-pub fn fields(v: &Value) -> Result<Fields, ApiError> {
-    let host = match v.get("bootstrap_host") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(ApiError::bad("'bootstrap_host' must be a string")),
-    };
-    let port = match v.get("bootstrap_port") {
-        None | Some(Value::Null) => None,
-        Some(x) => match x.as_u64().and_then(|n| u16::try_from(n).ok()) {
-            Some(p) => Some(p),
-            None => return Err(ApiError::bad("'bootstrap_port' must be a port number")),
-        },
-    };
-    let room = match v.get("bootstrap_room") {
-        None | Some(Value::Null) => None,
-        Some(x) => match x.as_u64() {
-            Some(r) => Some(r),
-            None => {
-                return Err(ApiError::bad(
-                    "'bootstrap_room' must be a non-negative integer (lists are not supported)",
-                ))
-            }
-        },
-    };
-    Ok(Fields { host, port, room })
-}
+pub use crate::api::{fields, Fields};
+pub use crate::config::Mode;
 
 /// What the prefill worker hands over for a room.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -205,7 +133,7 @@ impl Disagg {
     }
 
     /// Bootstrap server: waits up to `wait` for `room` to be ready (taken) or failed.
-    async fn take(&self, room: u64, wait: Duration) -> Option<Result<Kv, ()>> {
+    pub(crate) async fn take(&self, room: u64, wait: Duration) -> Option<Result<Kv, ()>> {
         let deadline = Instant::now() + wait;
         loop {
             // register interest before looking, so a change in between is not missed
@@ -445,75 +373,5 @@ pub fn fetch_error(d: &Disagg, e: &FetchError, room: u64, timeout: Duration) -> 
                 "KV transfer failed for request bootstrap_room={room}: {why}"
             ))
         }
-    }
-}
-
-/// The bootstrap server's routes: `GET /kv/<room>[?wait_ms=N]`, `GET /health`.
-async fn bootstrap_handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, Infallible> {
-    let path = req.uri().path();
-    if req.method() != Method::GET {
-        return Ok(json_resp(
-            &app,
-            StatusCode::METHOD_NOT_ALLOWED,
-            &json!({"detail": "Method Not Allowed"}),
-        ));
-    }
-    if path == "/health" {
-        return Ok(json_resp(&app, StatusCode::OK, &json!({})));
-    }
-    let Some(room) = path
-        .strip_prefix("/kv/")
-        .and_then(|r| r.parse::<u64>().ok())
-    else {
-        return Ok(json_resp(
-            &app,
-            StatusCode::NOT_FOUND,
-            &json!({"detail": "Not Found"}),
-        ));
-    };
-    let wait_ms = req
-        .uri()
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .find_map(|p| p.strip_prefix("wait_ms="))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0)
-        .min(1000);
-    let r = match app.disagg.take(room, Duration::from_millis(wait_ms)).await {
-        Some(Ok(kv)) => json_resp(
-            &app,
-            StatusCode::OK,
-            &json!({"room": room, "cached_tokens": kv.cached}),
-        ),
-        Some(Err(())) => json_resp(
-            &app,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &json!({"room": room, "detail": "prefill failed"}),
-        ),
-        None => json_resp(
-            &app,
-            StatusCode::NOT_FOUND,
-            &json!({"room": room, "detail": "room not ready"}),
-        ),
-    };
-    Ok(r)
-}
-
-/// Prefill: serves the bootstrap server on `listener` until the task is dropped.
-pub async fn serve_bootstrap(listener: TcpListener, app: Arc<App>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let app = app.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| bootstrap_handle(app.clone(), req));
-            let _ = hyper::server::conn::http1::Builder::new()
-                .keep_alive(true)
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
     }
 }

@@ -12,8 +12,8 @@ use hyper::{Response, StatusCode};
 use serde_json::{json, Value};
 
 use crate::api::ApiError;
+use crate::app::App;
 use crate::openai::SseStream;
-use crate::server::App;
 
 /// Response body: a complete buffer or an SSE stream fed by the scheduler.
 pub enum SimBody {

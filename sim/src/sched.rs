@@ -12,7 +12,10 @@
 //!    requests reserve `min(max_new - generated, 4096) * new_token_ratio` and this batch's
 //!    requests their full estimate. A prompt whose uncached part does not fit the remaining chunk
 //!    budget is cut: it becomes *the* chunked request and is continued first by the next prefill
-//!    batches. A batch takes `prefill_overhead_ms + computed_tokens / prefill_tokens_per_sec`;
+//!    batches. A batch takes `prefill_overhead_ms + work / prefill_tokens_per_sec`, where each
+//!    request's `work` is its computed tokens times `1 + prefill_context_per_1k_tokens * c / 1000`
+//!    for the `c` tokens of its context already in the KV (cached prefix and earlier chunks):
+//!    attention to the context makes each new token dearer (the H200 table in `sim/README.md`);
 //!    a request whose last chunk was in it gets its first token (TTFT);
 //! 3. otherwise run one **decode** step for the running batch (`update_running_batch`): if the
 //!    free KV (after evicting) cannot hold one token per request, **retract** requests (fewest
@@ -31,21 +34,19 @@
 //! at `previous end + duration`) so that coarse timer resolution does not inflate the simulated
 //! rate; it never runs more than a few milliseconds ahead of real time.
 
-use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::metrics::Stats;
-use crate::radix::{NodeId, RadixCache};
+use crate::radix::RadixCache;
+use crate::seq::Seq;
+pub use crate::seq::{Cmd, Progress, SimRequest, CLIP_MAX_NEW_TOKENS};
 
-/// SGLang's `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`: KV reserved per request at most this many
-/// output tokens (the request may still generate more).
-pub const CLIP_MAX_NEW_TOKENS: usize = 4096;
 /// SGLang's `SGLANG_RETRACT_DECODE_STEPS`: retraction frees room for this many decode steps.
 pub const RETRACT_DECODE_STEPS: usize = 20;
 /// SGLang's `SGLANG_INIT_NEW_TOKEN_RATIO` (times `--schedule-conservativeness`, at most 1).
@@ -58,114 +59,6 @@ pub const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
 /// cache hit rate reset, retraction count).
 pub const DECODE_LOG_INTERVAL: u64 = 40;
 
-/// Progress of one request, sent by the scheduler (cumulative values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Progress {
-    /// Index of the request within its HTTP request (batches).
-    pub index: usize,
-    /// Prompt tokens served from the cache.
-    pub cached: usize,
-    /// Output tokens produced so far.
-    pub generated: usize,
-    /// Generation is complete.
-    pub finished: bool,
-}
-
-/// A request handed to the scheduler.
-#[derive(Debug)]
-pub struct SimRequest {
-    pub index: usize,
-    pub prompt: Vec<u32>,
-    /// The full planned output (the scheduler only decides *when* tokens appear).
-    pub output: Vec<u32>,
-    /// The request's output limit (`max_new_tokens`), which KV admission reserves for; the
-    /// planned output may stop earlier (EOS).
-    pub max_new: usize,
-    pub tx: mpsc::UnboundedSender<Progress>,
-    pub arrival: Instant,
-    /// PD decode: the prompt's KV came from a prefill worker (no prefill compute here);
-    /// the value is the prefill worker's cached prompt tokens, reported instead of ours.
-    pub prefilled: Option<usize>,
-}
-
-/// Commands to the scheduler task.
-#[derive(Debug)]
-pub enum Cmd {
-    Submit(SimRequest),
-    /// Flush the cache; answers `false` (and does nothing) while requests run or wait.
-    Flush(oneshot::Sender<bool>),
-}
-
-/// A request inside the scheduler: waiting, being prefilled in chunks, or running.
-struct Seq {
-    req: SimRequest,
-    /// Output tokens produced (and sent) so far; kept across a retraction.
-    generated: usize,
-    /// Prompt tokens served from the cache at the first admission (reported in `usage`).
-    cached: Option<usize>,
-    /// Was retracted at least once (SGLang's `retracted_stain`: its re-prefill is left out of
-    /// the cache hit rate).
-    retracted: bool,
-    /// Waiting: tokens of `fill` not in the cache, estimated when it arrives and refreshed at
-    /// every prefill attempt (SGLang's `num_matched_prefix_tokens`).
-    uncached: usize,
-    /// Locked cache node (chunked or running).
-    node: Option<NodeId>,
-    /// Tokens of `fill` whose KV is in the tree (prefilled so far).
-    done: usize,
-    last_token: Instant,
-}
-
-impl Seq {
-    fn new(req: SimRequest, uncached: usize) -> Self {
-        Seq {
-            req,
-            generated: 0,
-            cached: None,
-            retracted: false,
-            uncached,
-            node: None,
-            done: 0,
-            last_token: Instant::now(),
-        }
-    }
-
-    /// What a prefill computes: the prompt plus, after a retraction, the tokens generated so far
-    /// (SGLang's `fill_ids = origin_input_ids + output_ids`).
-    fn fill(&self) -> Cow<'_, [u32]> {
-        if self.generated == 0 {
-            Cow::Borrowed(&self.req.prompt)
-        } else {
-            let n = self.generated.min(self.req.output.len());
-            let mut v = Vec::with_capacity(self.req.prompt.len() + n);
-            v.extend_from_slice(&self.req.prompt);
-            v.extend_from_slice(&self.req.output[..n]);
-            Cow::Owned(v)
-        }
-    }
-
-    fn fill_len(&self) -> usize {
-        self.req.prompt.len() + self.generated
-    }
-
-    /// Running: KV held outside the radix tree, one token per decode step since its prefill.
-    fn held(&self) -> usize {
-        self.fill_len().saturating_sub(1 + self.done)
-    }
-
-    /// Output tokens the KV budget still reserves for (SGLang clips the estimate at 4096).
-    fn max_new_left(&self) -> usize {
-        self.req
-            .max_new
-            .saturating_sub(self.generated)
-            .min(CLIP_MAX_NEW_TOKENS)
-    }
-
-    fn reported_cached(&self) -> usize {
-        self.req.prefilled.unwrap_or(self.cached.unwrap_or(0))
-    }
-}
-
 /// One request of a prefill batch: how many of its tokens this batch computes, and its cached
 /// prefix when this is its first chunk (0 for a continued chunk, as SGLang counts it).
 struct Item {
@@ -176,8 +69,6 @@ struct Item {
 
 struct PrefillBatch {
     items: Vec<Item>,
-    /// Prompt tokens computed (PD-decode requests compute none).
-    compute: usize,
     /// The running batch decodes one token in this forward (`--enable-mixed-chunk`).
     mixed: bool,
 }
@@ -334,6 +225,12 @@ impl Scheduler {
             + self.kv_read_ms(ctx)
     }
 
+    /// Prefill work of `new` tokens that attend to `context` tokens already in the KV, in
+    /// zero-context tokens: each costs `1 + prefill_context_per_1k_tokens * context / 1000`.
+    pub fn prefill_work(&self, new: usize, context: usize) -> f64 {
+        new as f64 * (1.0 + self.cfg.prefill_context_per_1k_tokens * context as f64 / 1000.0)
+    }
+
     fn kv_read_ms(&self, ctx_tokens: usize) -> f64 {
         self.cfg.decode_kv_ms_per_1k_tokens * ctx_tokens as f64 / 1000.0
     }
@@ -388,7 +285,6 @@ impl Scheduler {
                 .map(|r| r.max_new_left() as f64 * ratio)
                 .sum::<f64>();
         let mut items: Vec<Item> = Vec::new();
-        let mut compute = 0usize;
         let mut slots = mixed_tokens;
 
         // 1. the chunked request's next chunk (SGLang's `add_chunked_req`)
@@ -403,7 +299,6 @@ impl Scheduler {
                 offset += ext as f64 + if last { c.max_new_left() as f64 } else { 0.0 };
                 rem_chunk -= ext as i64;
                 rem_input -= ext as i64;
-                compute += ext;
                 slots += ext;
                 items.push(Item {
                     seq: c,
@@ -459,7 +354,6 @@ impl Scheduler {
             let charged = if prefilled { 0 } else { ext };
             rem_chunk = rem_chunk.saturating_sub(charged as i64);
             rem_input -= charged as i64;
-            compute += charged;
             slots += ext;
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
@@ -494,11 +388,7 @@ impl Scheduler {
         // guarantees the room exists
         let ok = self.make_room(slots);
         debug_assert!(ok, "prefill batch admitted beyond the KV capacity");
-        Some(PrefillBatch {
-            items,
-            compute,
-            mixed,
-        })
+        Some(PrefillBatch { items, mixed })
     }
 
     /// Releases a request that left the scheduler: inserts its tokens (prompt + output minus
@@ -580,11 +470,7 @@ impl Scheduler {
 
     /// Runs a prefill (or mixed) batch.
     async fn run_prefill(&mut self, batch: PrefillBatch) {
-        let PrefillBatch {
-            items,
-            compute,
-            mixed,
-        } = batch;
+        let PrefillBatch { items, mixed } = batch;
         // the request that will still be chunked after this batch counts as waiting work
         let inflight: usize = items
             .iter()
@@ -596,7 +482,12 @@ impl Scheduler {
         let mut ms = if all_prefilled {
             0.0
         } else {
-            self.cfg.prefill_overhead_ms + compute as f64 * 1000.0 / self.cfg.prefill_tokens_per_sec
+            let work: f64 = items
+                .iter()
+                .filter(|i| i.seq.req.prefilled.is_none())
+                .map(|i| self.prefill_work(i.extend, i.seq.done))
+                .sum();
+            self.cfg.prefill_overhead_ms + work * 1000.0 / self.cfg.prefill_tokens_per_sec
         };
         if mixed {
             // the decode tokens ride in the same forward: their own compute plus the KV read
@@ -875,10 +766,14 @@ pub fn spawn(cfg: Config, stats: Arc<Mutex<Stats>>) -> mpsc::UnboundedSender<Cmd
 mod tests {
     use super::*;
     use crate::tokenizer;
+    use tokio::sync::oneshot;
 
+    /// Flat-rate prefill (no context term) keeps the step arithmetic of the batching tests
+    /// simple; `prefill_time_grows_with_the_context_it_attends_to` tests the context term.
     fn cfg() -> Config {
         Config {
             time_scale: 0.0,
+            prefill_context_per_1k_tokens: 0.0,
             ..Config::default()
         }
     }
@@ -1084,6 +979,49 @@ mod tests {
         let short = run(0.035, [30, 10]).await;
         approx(short[0], base + 0.035 * (31.0 + 11.0) / 1000.0);
         assert!(long[0] - short[0] > 0.13, "{long:?} vs {short:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn prefill_time_grows_with_the_context_it_attends_to() {
+        let k = crate::config::PREFILL_CONTEXT_PER_1K_TOKENS;
+        let c = Config {
+            chunked_prefill_size: 4000,
+            ..cfg()
+        };
+        let c = Config {
+            prefill_context_per_1k_tokens: k,
+            ..c
+        };
+        let (mut s, _) = sched(c, 800_000);
+        let ms = |new: f64, ctx: f64| 3.0 + new * (1.0 + k * ctx / 1000.0) * 1000.0 / 30_000.0;
+        // a prompt on nothing: the zero-context rate
+        let history = toks(1, 3000);
+        let (r, _rx) = req(history.clone(), 1);
+        s.handle(Cmd::Submit(r));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(3000.0, 0.0));
+        drain(&mut s).await;
+        // a follow-up of 500 new tokens on the cached 3000: dearer per token than the first 500
+        let mut follow = history.clone();
+        follow.extend(toks(2, 500));
+        let (r, mut rx) = req(follow, 1);
+        s.handle(Cmd::Submit(r));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(500.0, 3000.0));
+        assert!(ms(500.0, 3000.0) > ms(500.0, 0.0) * 1.1);
+        assert_eq!(got(&mut rx)[0].cached, 3000);
+        drain(&mut s).await;
+        // a chunk attends to the chunks before it
+        let (r, _rx) = req(toks(3, 6000), 1);
+        s.handle(Cmd::Submit(r));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(4000.0, 0.0));
+        assert!(s.step().await);
+        approx(s.last_step().unwrap().ms, ms(2000.0, 4000.0));
+        // the H200 shape: 512 new tokens on 32k cached run at about a third of the empty rate
+        let slow = ms(512.0, 32768.0) - 3.0;
+        let fast = ms(512.0, 0.0) - 3.0;
+        assert!((2.5..3.2).contains(&(slow / fast)), "{slow} / {fast}");
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -1,115 +1,33 @@
-//! HTTP server (hyper 1, HTTP/1.1): shared state, request routing, accept loop, drain.
+//! HTTP server (hyper 1, HTTP/1.1): request routing, accept loop, drain. The top of the crate:
+//! modules import downwards only (server -> inference / admin / loads / bootstrap -> openai /
+//! response -> app -> api / pd / sched -> radix / metrics / tokenizer / config).
 //!
-//! Response shapes live in `openai` (OpenAI/SGLang JSON and SSE framing), the response body
+//! The shared state is `app`; response shapes live in `openai` (OpenAI/SGLang JSON and SSE framing), the response body
 //! and reply helpers in `response`, the inference handlers in `inference`, the load endpoints
 //! in `loads` and the informational/admin endpoints in `admin`.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
-use hyper::header::HeaderValue;
 use hyper::service::service_fn;
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 
 use crate::admin;
 use crate::api::Kind;
-use crate::config::Config;
+pub use crate::app::{App, MAX_BODY};
+use crate::bootstrap;
+use crate::config::{Config, Mode};
 use crate::inference;
 use crate::loads;
-use crate::metrics::Stats;
-use crate::pd::{self, Disagg, Mode};
 use crate::response::{detail, json_resp, respond, Resp};
-use crate::sched::{self, Cmd};
-use crate::tokenizer;
-
-/// Request bodies larger than this are refused (400).
-pub const MAX_BODY: usize = 64 << 20;
-
-/// Shared server state.
-pub struct App {
-    pub cfg: Config,
-    pub stats: Arc<Mutex<Stats>>,
-    pub(crate) sched: mpsc::UnboundedSender<Cmd>,
-    pub draining: AtomicBool,
-    /// Prefill/decode disaggregation state (rooms, transfer counters).
-    pub disagg: Disagg,
-    /// Inference requests not yet fully answered (bodies included).
-    pub inflight: AtomicUsize,
-    pub(crate) req_counter: AtomicU64,
-    pub(crate) worker_header: HeaderValue,
-    started: u64,
-}
-
-pub(crate) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-impl App {
-    /// Creates the state and spawns the scheduler task (call inside a tokio runtime).
-    pub fn new(cfg: Config) -> Arc<App> {
-        let disagg = Disagg::new(Duration::from_secs_f64(cfg.disaggregation_timeout_s));
-        let stats = Arc::new(Mutex::new(Stats::new(cfg.max_total_tokens)));
-        let sched = sched::spawn(cfg.clone(), stats.clone());
-        let worker_header = HeaderValue::from_str(&cfg.worker_id)
-            .unwrap_or_else(|_| HeaderValue::from_static("invalid-worker-id"));
-        Arc::new(App {
-            cfg,
-            stats,
-            sched,
-            draining: AtomicBool::new(false),
-            disagg,
-            inflight: AtomicUsize::new(0),
-            req_counter: AtomicU64::new(0),
-            worker_header,
-            started: unix_now(),
-        })
-    }
-
-    pub(crate) fn next_id(&self) -> String {
-        let n = self.req_counter.fetch_add(1, Ordering::Relaxed);
-        format!(
-            "{:016x}{:016x}",
-            tokenizer::mix(self.cfg.seed ^ self.cfg.port as u64),
-            tokenizer::mix(n)
-        )
-    }
-
-    /// Scheduler queue sizes (running, waiting).
-    pub fn load(&self) -> (usize, usize, usize) {
-        match self.stats.lock() {
-            Ok(s) => (s.num_running, s.num_waiting, s.used_tokens),
-            Err(_) => (0, 0, 0),
-        }
-    }
-}
-
-/// Decrements `inflight` when dropped (kept by handlers and by streaming bodies).
-pub(crate) struct InflightGuard(Arc<App>);
-
-impl InflightGuard {
-    pub(crate) fn new(app: &Arc<App>) -> Self {
-        app.inflight.fetch_add(1, Ordering::SeqCst);
-        InflightGuard(app.clone())
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
-    }
-}
 
 /// Routes one request.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, Infallible> {
@@ -132,6 +50,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Resp, Infal
         }
         "/health_generate" if get => inference::health_generate(app).await,
         "/get_load" if get => loads::get_load(&app),
+        // older SGLang (--no-v1-loads) has no such route
+        "/v1/loads" if !app.cfg.v1_loads => detail(&app, StatusCode::NOT_FOUND, "Not Found"),
         "/v1/loads" if get => loads::loads(&app, req.uri().query()),
         "/get_model_info" if get => json_resp(
             &app,
@@ -219,7 +139,7 @@ pub async fn start(cfg: Config) -> std::io::Result<(SocketAddr, Arc<App>)> {
     let addr = listener.local_addr()?;
     let app = App::new(cfg);
     if let Some(b) = bootstrap {
-        tokio::spawn(pd::serve_bootstrap(b, app.clone()));
+        tokio::spawn(bootstrap::serve_bootstrap(b, app.clone()));
     }
     let a = app.clone();
     tokio::spawn(async move { serve(listener, a, std::future::pending()).await });

@@ -171,6 +171,34 @@ async fn health_and_info_endpoints() {
 }
 
 #[tokio::test]
+async fn older_sglang_mode_answers_get_load_and_capacity_in_server_info_only() {
+    let cfg = Config {
+        v1_loads: false,
+        max_running_requests: 16,
+        max_total_tokens: 12_288,
+        ..fast()
+    };
+    let (a, _) = start(cfg).await;
+    let r = get(a, "/v1/loads").await;
+    assert_eq!(r.status, 404, "older SGLang has no /v1/loads");
+    let r = get(a, "/get_load").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()[0]["num_reqs"], 0);
+    for p in ["/get_server_info", "/server_info"] {
+        let v = get(a, p).await.json();
+        assert_eq!(v["max_running_requests"], 16, "{v}");
+        assert_eq!(v["max_total_num_tokens"], 12_288, "{v}");
+    }
+    // the newer mode answers both
+    let (b, _) = start(fast()).await;
+    assert_eq!(get(b, "/v1/loads").await.status, 200);
+    assert_eq!(
+        get(b, "/get_server_info").await.json()["max_running_requests"],
+        256
+    );
+}
+
+#[tokio::test]
 async fn metrics_endpoint_counts() {
     let (a, _) = start(fast()).await;
     let body =

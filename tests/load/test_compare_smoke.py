@@ -2,7 +2,8 @@
 Envoy round robin, prefix-router (2 threads) and smg cache_aware (installed into .venv-smg on
 first use, ~25 s); then `--replicas 2` on the agentic scenario for prefix-router and smg (two
 router processes each, k6 spraying requests over both); then the trace replay (`--scenario trace
---quick`: the conversation trace's first 200 requests) for round robin and prefix-router. Seconds
+--quick --requests 600`: the conversation trace's first 600 requests,
+sent by prkit.replay) for round robin and prefix-router. Seconds
 per router; the full comparison (all routers, full sizing) is not a CI step (docs/results.md has its
 command). Last, live pool membership (`--membership 4:8:4`) on the multi-turn scenario."""
 
@@ -78,8 +79,10 @@ def test_compare_quick_trace_replay(repo_root, tmp_path):
     """`--scenario trace --quick`: every request replayed and recorded (worker, decision, lateness),
     the workers saw exactly the planned prompt tokens, the bounds and holder follow are computed."""
     out = tmp_path / "results"
+    # 600 requests: about 100 share more than the first block with an earlier one (200 gave 7, too
+    # few for holder follow to tell routers apart)
     md, rows = run_compare(repo_root, out, "trace-conversation", "--scenario", "trace", "--trace", "conversation",
-                           "--routers", ",".join(TRACE_ROUTERS), "--no-plots")
+                           "--requests", "600", "--routers", ",".join(TRACE_ROUTERS), "--no-plots")
     assert [r["router"] for r in rows] == TRACE_ROUTERS
     assert "share of infinite" in md and "Decision reasons" in md
     for r in rows:

@@ -193,19 +193,32 @@ def test_replay_plan_times_blocks_and_texts():
 
 
 def test_replay_scales_the_routers_token_constants_like_the_simulator():
-    from load import compare
+    from load import trace_replay
 
     # 32-token blocks stand for 512 real tokens: every token amount shrinks 16-fold.
-    p = compare.trace_scaled_policy(32)
-    assert p == {k: round(v / 16) for k, v in compare.FILTER_TOKEN_DEFAULTS.items()}
-    assert compare.trace_scaled_policy(512) == compare.FILTER_TOKEN_DEFAULTS
-    assert all(v >= 1 for v in compare.trace_scaled_policy(1).values())
+    p = trace_replay.trace_scaled_policy(32)
+    assert p == {k: round(v / 16) for k, v in trace_replay.FILTER_TOKEN_DEFAULTS.items()}
+    assert trace_replay.trace_scaled_policy(512) == trace_replay.FILTER_TOKEN_DEFAULTS
+    assert all(v >= 1 for v in trace_replay.trace_scaled_policy(1).values())
+    # the cost model's context scale too, for a filter build that reads policy.cost
+    assert trace_replay.trace_scaled_policy(32, cost=True)["cost"] == {"context_tokens": 1280}
+
+
+def test_filter_has_cost_model_reads_the_builds_field_names(tmp_path):
+    from load import trace_replay
+
+    new, old = tmp_path / "new.wasm", tmp_path / "old.wasm"
+    new.write_bytes(b"\0asm...prefill_tokens_per_secondcontext_tokenscopy_weight...")
+    old.write_bytes(b"\0asm...request_cost_tokens...")
+    assert trace_replay.filter_has_cost_model(new)
+    assert not trace_replay.filter_has_cost_model(old)
+    assert not trace_replay.filter_has_cost_model(tmp_path / "missing.wasm")
 
 
 def test_holder_state_from_the_decision_header():
-    from load import compare
+    from load import trace_replay
 
-    hs = compare._holder_state
+    hs = trace_replay._holder_state
     assert hs("worker=w1; reason=load_spill; matched=2; total=8; holder=w3; holder_load=16/16/0") == "saturated"
     assert hs("worker=w1; reason=load_spill; matched=2; total=8; holder=w3; holder_load=3/16/900") == "queued"
     assert hs("worker=w3; reason=prefix_hit; matched=2; total=8; holder=w3; holder_load=3/16/0") == "free"

@@ -1,0 +1,191 @@
+"""load/compare --matrix: the workloads a router must hold on at once, run cell by cell, with one
+table of every cell and router against smg.
+
+A cell is one workload on one fleet shape:
+* trace cells `TRACE/RATE/LOADS/API/rR[/wN]`: the first --requests requests (default 1000, quick
+  200) of the Mooncake `conversation` or `synthetic` trace, replayed open-loop by prkit.replay at
+  speed 16 (`x16`) or 32 (`x32`), the rates of issue 35's table; the estimated prefill
+  utilisation at each is in the table (trace_replay.prefill_seconds); workers answering newer
+  SGLang's `/v1/loads` (`v1`) or only older SGLang's `/get_load` (`get_load`: sglang-sim
+  --no-v1-loads; capacity only in `/get_server_info`); prompts as `/v1/completions` text or as
+  chat with one user message; R router replicas (each router's processes, requests spread at
+  random); 8 workers unless `wN`.
+* `agentic/API/rR`: load/agentic.js (16 workers) as chat or the same conversations as completions.
+* `SCENARIO/r1`: every other docs/results.md scenario (shared_prefix, skewed, multi_turn,
+  two_models, long_context), full or --quick sizing.
+
+Per cell and router: hit rate, share of the pooled-LRU bound and holder follow (trace cells),
+TTFT p50 / p99, and each router's TTFT p99 and hit rate against smg's in the same cell; the
+replay's send lateness p99. `--cells` picks cells by glob patterns (`conversation/*/v1/*/r1`),
+`--list` prints them. Results: `<out>/matrix.md` and `matrix.json`, rewritten after every cell, so
+an interrupted matrix keeps what ran.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from load.run_one import run_one
+from load.runner import log
+from load.scenarios import SCENARIOS
+from load.trace_replay import (filter_has_cost_model, trace_scaled_policy, trace_scaled_sim_args, trace_setup,
+                               trace_stats)
+from prkit import trace as tr
+from prkit.build import wasm_path
+
+ROUTERS = ["smg_cache_aware", "prefix_router_2t"]
+BASELINE = "smg_cache_aware"
+TRACE_REQUESTS = 1000
+TRACE_REQUESTS_QUICK = 200
+SPEEDS = {"x16": 16.0, "x32": 32.0}
+BLOCK_TOKENS = 32
+DOC_SCENARIOS = ["shared_prefix", "skewed", "multi_turn", "two_models", "long_context"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    scenario: str  # a load/scenarios.py key
+    replicas: int = 1
+    loads: str = "v1"  # v1 | get_load
+    api: str = "completions"
+    trace: str | None = None
+    rate: str | None = None
+    workers: int | None = None  # None: the scenario's
+
+
+def all_cells() -> list[Cell]:
+    cells = []
+    for trace in ("conversation", "synthetic"):
+        for rate in SPEEDS:
+            for loads in ("v1", "get_load"):
+                for api in ("completions", "chat"):
+                    for r in (1, 4):
+                        cells.append(Cell(f"{trace}/{rate}/{loads}/{api}/r{r}", "trace", r, loads, api, trace, rate))
+    for w in (2, 16):
+        cells.append(Cell(f"conversation/x16/v1/completions/r1/w{w}", "trace", 1, "v1", "completions",
+                          "conversation", "x16", w))
+    for api in ("chat", "completions"):
+        cells.append(Cell(f"agentic/{api}/r1", "agentic", 1, "v1", api))
+    cells.append(Cell("agentic/chat/r4", "agentic", 4, "v1", "chat"))
+    for s in DOC_SCENARIOS:
+        cells.append(Cell(f"{s}/r1", s))
+    return cells
+
+
+def select(cells: list[Cell], patterns: str | None) -> list[Cell]:
+    """Cells matching any comma-separated glob pattern (all without patterns), in matrix order."""
+    if not patterns:
+        return cells
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    return [c for c in cells if any(fnmatch.fnmatchcase(c.name, p) for p in pats)]
+
+
+def _setup(cell: Cell, quick: bool, requests: int | None, time_scale: float, policy: dict, workdir: Path) -> dict:
+    """The scenario dict, k6 env, simulator flags, policy, trace and sends of one cell."""
+    scen = dict(SCENARIOS[cell.scenario])
+    if cell.workers:
+        scen["models"] = [scen["models"][0]] * cell.workers
+    k6_env = dict(scen["quick"] if quick else scen["env"], SEED=1)
+    k6_env.setdefault("MODELS", scen["models"][0])
+    kv = scen["kv_quick"] if quick else scen["kv"]
+    trace = sends = None
+    pol = dict(policy)
+    if cell.trace:
+        n = requests or (TRACE_REQUESTS_QUICK if quick else TRACE_REQUESTS)
+        trace = trace_setup(cell.trace, n, SPEEDS[cell.rate], BLOCK_TOKENS, cell.api, len(scen["models"]), workdir)
+        kv = trace["kv"]
+        sends = tr.plan_sends(json.loads(trace["plan"].read_text()), cell.api, k6_env["MODELS"])
+        pol = {**trace_scaled_policy(BLOCK_TOKENS, filter_has_cost_model(wasm_path())), **policy}
+    elif cell.scenario == "agentic":
+        k6_env["API"] = cell.api
+    sim = ["--max-total-tokens", str(kv), "--time-scale", str(time_scale), *scen["sim"]]
+    if trace:
+        sim += ["--context-length", str(trace["context"]), *trace_scaled_sim_args(BLOCK_TOKENS)]
+    if cell.loads == "get_load":
+        sim.append("--no-v1-loads")
+    return {"scen": scen, "k6_env": k6_env, "sim": sim, "policy": pol, "trace": trace, "sends": sends}
+
+
+def _summary(cell: Cell, row: dict, trace: dict | None) -> dict:
+    t = row["ttft"]
+    out = {"cell": cell.name, "router": row["router"], "label": row["label"], "hit_rate": row["hit_rate"],
+           "ttft_p50": t.get("med", 0.0), "ttft_p90": t.get("p(90)", 0.0), "ttft_p99": t.get("p(99)", 0.0),
+           "errors": row["errors"], "requests": row["requests"], "client": row.get("client"),
+           "max_over_mean": row["max_over_mean"]}
+    if trace:
+        s = trace_stats(row, trace)
+        out.update(pooled_lru_bound=s["pooled_lru_bound"], share_of_pooled_lru=s["share_of_pooled_lru"],
+                   follow_latest=s["follow_latest"], eligible=s["eligible"],
+                   follow_free=s["follow_free"] if s["free_eligible"] else None,
+                   lateness_p99=s["lateness_p99_ms"], speed=trace["speed"], utilisation=trace["utilisation"])
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def table(results: list[dict]) -> str:
+    """One line per cell and router; `vs smg`: TTFT p99 as a multiple of smg's in the same cell,
+    hit rate minus smg's in points."""
+    base = {r["cell"]: r for r in results if r["router"] == BASELINE}
+    lines = ["| cell | router | hit rate | share of pooled LRU | holder follow (where free) | TTFT p50 / p99 "
+             "| p99 / smg's | hit - smg's | lateness p99 | errors |", "|" + "---|" * 10]
+    for r in results:
+        b = base.get(r["cell"])
+        vs_p99 = (f"{r['ttft_p99'] / b['ttft_p99']:.2f}x" if b and b is not r and b["ttft_p99"] > 0 else "")
+        vs_hit = (f"{(r['hit_rate'] - b['hit_rate']) * 100:+.1f} pt" if b and b is not r else "")
+        share = f"{r['share_of_pooled_lru']:.2f}" if "share_of_pooled_lru" in r else "-"
+        free = "-" if r.get("follow_free") is None else f"{r['follow_free']:.0%}"
+        follow = f"{r['follow_latest']:.0%} ({free})" if "follow_latest" in r else "-"
+        late = f"{r['lateness_p99']:.0f} ms" if "lateness_p99" in r else "-"
+        lines.append(f"| {r['cell']} | {r['label']} | {_pct(r['hit_rate'])} | {share} | {follow} "
+                     f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} ms | {vs_p99} | {vs_hit} | {late} | {r['errors']} |")
+    return "\n".join(lines)
+
+
+def cell_notes(results: list[dict]) -> list[str]:
+    """Per trace cell: its speed, estimated prefill utilisation and pooled-LRU bound."""
+    seen, out = set(), []
+    for r in results:
+        if "speed" in r and r["cell"] not in seen:
+            seen.add(r["cell"])
+            out.append(f"- {r['cell']}: speed {r['speed']:g}, estimated prefill utilisation {r['utilisation']:.0%}, "
+                       f"pooled-LRU bound {r['pooled_lru_bound']:.1%}, {r['requests']} requests")
+    return out
+
+
+def run_matrix(cells: list[Cell], routers: list[str], quick: bool, requests: int | None, time_scale: float,
+               policy: dict, out: Path, command: str, keep: bool = False) -> tuple[list[dict], Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    path = out / "matrix.md"
+    t_start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for k, cell in enumerate(cells):
+        workdir = Path(tempfile.mkdtemp(prefix="compare-matrix-"))
+        try:
+            c = _setup(cell, quick, requests, time_scale, policy, workdir)
+            log(f"matrix {k + 1}/{len(cells)}: {cell.name}"
+                + (f" (speed {c['trace']['speed']:g}, estimated prefill utilisation {c['trace']['utilisation']:.0%})"
+                   if c["trace"] else ""))
+            for router in routers:
+                row = run_one(router, c["scen"], c["k6_env"], c["sim"], c["policy"], cell.replicas, False, None,
+                              c["sends"])
+                results.append(_summary(cell, row, c["trace"]))
+                if not keep and not row["errors"] and row["k6_exit"] == 0:
+                    shutil.rmtree(row["workdir"], ignore_errors=True)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        md = [f"# matrix ({t_start})", "", f"Command: `{command}`", "",
+              "Shared 2-core machine: simulated workers, routers and the client on it; one run per cell.", "",
+              table(results), "", *cell_notes(results), ""]
+        path.write_text("\n".join(md))
+        (out / "matrix.json").write_text(json.dumps(results, indent=2))
+    return results, path

@@ -1,0 +1,64 @@
+"""load/compare --matrix: the cells it knows, picking them by glob, and a one-cell smoke run of
+the real thing (smg and prefix-router on /get_load-only simulated workers, chat prompts, the
+trace replayed by prkit.replay)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from load import matrix
+
+
+def test_cells_cover_every_dimension_of_issue_35():
+    names = [c.name for c in matrix.all_cells()]
+    assert len(names) == len(set(names))
+    trace = [c for c in matrix.all_cells() if c.trace]
+    assert {c.trace for c in trace} == {"conversation", "synthetic"}
+    assert {c.rate for c in trace} == {"x16", "x32"}
+    assert {c.loads for c in trace} == {"v1", "get_load"}
+    assert {c.api for c in trace} == {"completions", "chat"}
+    assert {c.replicas for c in trace} == {1, 4}
+    assert {c.workers for c in trace} == {None, 2, 16}
+    assert {"agentic/chat/r1", "agentic/completions/r1"} <= set(names)
+    for s in matrix.DOC_SCENARIOS:
+        assert f"{s}/r1" in names
+
+
+def test_select_by_globs_keeps_matrix_order():
+    cells = matrix.all_cells()
+    got = [c.name for c in matrix.select(cells, "agentic/*, conversation/x32/get_load/chat/*")]
+    assert got == ["conversation/x32/get_load/chat/r1", "conversation/x32/get_load/chat/r4",
+                   "agentic/chat/r1", "agentic/completions/r1", "agentic/chat/r4"]
+    assert matrix.select(cells, None) == cells
+    assert matrix.select(cells, "nothing/*") == []
+
+
+def test_table_compares_each_router_with_smg_in_its_cell():
+    rows = [{"cell": "c", "router": "smg_cache_aware", "label": "smg", "hit_rate": 0.2, "ttft_p50": 10.0,
+             "ttft_p99": 200.0, "errors": 0},
+            {"cell": "c", "router": "prefix_router_2t", "label": "pr", "hit_rate": 0.25, "ttft_p50": 9.0,
+             "ttft_p99": 100.0, "errors": 0, "share_of_pooled_lru": 0.97, "follow_latest": 0.9,
+             "follow_free": None, "lateness_p99": 3.0}]
+    t = matrix.table(rows)
+    assert "| c | pr | 25.0% | 0.97 | 90% (-) | 9 / 100 ms | 0.50x | +5.0 pt | 3 ms | 0 |" in t
+
+
+def test_matrix_smoke_one_cell(repo_root, tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [str(repo_root / "load" / "compare"), "--matrix", "--quick", "--requests", "80",
+         "--cells", "conversation/x16/get_load/chat/r1", "--out", str(out)],
+        cwd=repo_root, capture_output=True, text=True, timeout=600)
+    sys.stdout.write(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "matrix.json").read_text())
+    assert [r["router"] for r in rows] == matrix.ROUTERS
+    for r in rows:
+        assert r["cell"] == "conversation/x16/get_load/chat/r1" and r["client"] == "prkit.replay"
+        assert r["requests"] == 80 and r["errors"] == 0, r
+        assert 0 < r["pooled_lru_bound"] < 1 and 0 <= r["share_of_pooled_lru"] <= 1.5
+        assert r["lateness_p99"] >= 0 and 0 < r["ttft_p50"] <= r["ttft_p99"]
+    md = (out / "matrix.md").read_text()
+    assert "Command: `load/compare --matrix" in md and "p99 / smg's" in md
