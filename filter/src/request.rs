@@ -1322,8 +1322,9 @@ mod tests {
                 _ => panic!("{}: serde {want:?}, fast {got:?}", ctx()),
             }
             let (mut c, mut bd) = (Vec::new(), Vec::new());
-            fast_hits +=
-                usize::from(fast(ep, &b, &mut c, &mut bd, &mut scratch, limit.into()).is_some());
+            fast_hits += usize::from(
+                fast::fast(ep, &b, &mut c, &mut bd, &mut scratch, limit.into()).is_some(),
+            );
         }
         // The comparison means something only if both paths and both outcomes are common.
         assert!(

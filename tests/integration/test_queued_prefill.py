@@ -64,6 +64,46 @@ def test_a_conversation_keeps_its_worker_while_it_is_busy_decoding(fresh):
         c.close()
 
 
+def test_a_conversation_waits_out_its_workers_prefill_queue_a_shared_prompt_does_not(fresh):
+    r = wl.rng("queued-prefill-history")
+    c = Client(fresh.envoy.listener_port)
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 16000)}
+
+    def post(msgs):
+        rep = c.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+        assert rep.status == 200, rep.body
+        return rep
+
+    def more(msgs):
+        return msgs + [{"role": "assistant", "content": wl.text(r, 200)},
+                       {"role": "user", "content": wl.text(r, 300)}]
+
+    holder = None
+    try:
+        msgs = [system, {"role": "user", "content": wl.text(r, 400)}]
+        holder = post(msgs).worker
+        msgs = more(msgs)
+        assert post(msgs).worker == holder
+        busy = fresh.pool.workers[holder]
+        # Other prompts' prefill queued on the holder: 50k tokens, far more than the ~4k-token
+        # conversation costs to recompute on an idle worker, with a running slot free.
+        busy.capacity, busy.extra_load, busy.waiting_tokens = 64, 2, 50_000
+        fresh_load(fresh)
+        for _ in range(3):
+            msgs = more(msgs)
+            rep = post(msgs)
+            assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), rep.decision
+        # A new conversation on the same system prompt (two messages: nothing of it is this
+        # conversation's own history) does not wait behind the queue for a shared prefix.
+        rep = post([system, {"role": "user", "content": wl.text(r, 400)}])
+        assert rep.worker != holder and rep.decision["reason"] == "load_spill", rep.decision
+    finally:
+        busy = fresh.pool.workers.get(holder or "", None)
+        if busy is not None:
+            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
+        c.close()
+
+
 def conversation(c: Client, r, form: str):
     """A new conversation (its own system prompt, ~4k tokens) sent as `form` ("chat", or
     "completions": the same messages rendered into one text); each call sends the conversation so
@@ -82,37 +122,6 @@ def conversation(c: Client, r, form: str):
                      {"role": "user", "content": wl.text(r, 300)}])
         return rep
     return post
-
-
-def test_a_follow_up_stays_through_a_queue_shorter_than_its_recompute_as_chat_and_completions(fresh):
-    """The same follow-up sent as chat and as completions reaches its holder both times while the
-    holder's queued prefill costs less than recomputing the conversation elsewhere, and leaves it
-    when the queue costs more (policy/cost.rs: the ~4k-token history's recompute and copy are
-    ~8k token-equivalents; a quarter of the queue counts)."""
-    r = wl.rng("queued-prefill-forms")
-    c = Client(fresh.envoy.listener_port)
-    busy = None
-    try:
-        for form in ("chat", "completions"):
-            post = conversation(c, r, form)
-            holder = post().worker
-            assert post().worker == holder, form
-            busy = fresh.pool.workers[holder]
-            busy.capacity, busy.extra_load, busy.waiting_tokens = 64, 2, 6000
-            fresh_load(fresh)
-            for _ in range(2):
-                rep = post()
-                assert (rep.worker, rep.decision["reason"]) == (holder, "prefix_hit"), (form, rep.decision)
-            busy.waiting_tokens = 80_000
-            fresh_load(fresh)
-            rep = post()
-            assert rep.worker != holder and rep.decision["reason"] == "load_spill", (form, rep.decision)
-            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
-            fresh_load(fresh)
-    finally:
-        if busy is not None:
-            busy.capacity, busy.extra_load, busy.waiting_tokens = 0, 0, 0
-        c.close()
 
 
 def test_an_older_sglang_holder_is_bound_by_the_capacity_its_server_info_reports(fresh):

@@ -11,7 +11,6 @@ from collections import Counter
 from prkit.client import Client
 from prkit.envoy import wait_inflight_zero
 from prkit.prom import delta
-from prkit.wait import wait_until
 
 from . import workload as wl
 
@@ -291,10 +290,9 @@ def test_shuffled_prefix_groups_under_concurrency(env):
 
 
 def test_conversations_over_a_fleet_prefix_use_every_worker(env):
-    """A system prompt cached on every worker adds the same seconds to each (policy/cost.rs): new
-    conversations on it go where the least work is queued (all idle here, so spread by
-    conversation key), not to its first holders, and each conversation's later turns stay on its
-    worker."""
+    """A system prompt cached on 3 of the 4 workers is a fleet prefix: new conversations on it go to
+    the least busy workers (all idle here, so spread by conversation key), not only to its
+    holders, and each conversation's later turns stay on its worker."""
     r = wl.rng("fleet")
     system = {"role": "system", "content": wl.text(r, 3000)}
     n = len(env.names)
@@ -310,44 +308,28 @@ def test_conversations_over_a_fleet_prefix_use_every_worker(env):
             c.close()
 
     # Seed: concurrent first turns (nobody holds the prompt yet: spread by conversation key, and
-    # held in flight so the load bound spills them) put the prompt on several workers. Should a
-    # worker be left out, its holders report a deep prefill queue until it holds the prompt too:
-    # recomputing the prompt there then costs less than waiting (policy/cost.rs).
+    # held in flight so the load bound spills them) put the prompt on several workers; a later
+    # round, should the first reach too few, seeds again.
     holders: set = set()
-    env.pool.set_delay(0.3)
-    seeds = [first_turn(1000 + i) for i in range(4 * n)]
-    out = [None] * len(seeds)
+    for round_ in range(6):
+        env.pool.set_delay(0.3)
+        seeds = [first_turn(1000 * round_ + i) for i in range(2 * n)]
+        out = [None] * len(seeds)
 
-    def run(k):
-        out[k] = send(seeds[k])
+        def run(k):
+            out[k] = send(seeds[k])
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(seeds))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    env.pool.set_delay(0.0)
-    assert all(rep is not None and rep.status == 200 for rep in out), out
-    holders |= {rep.worker for rep in out}
-    wait_inflight_zero(env.envoy)
-    try:
-        for i in range(20):
-            if len(holders) == n:
-                break
-            for w in holders:
-                env.pool.workers[w].waiting_tokens = 100_000
-            polls = {w: env.pool.workers[w].stats.polls for w in holders}
-            wait_until(lambda: all(env.pool.workers[w].stats.polls >= polls[w] + 2 for w in holders),
-                       "the holders' queues polled")
-            rep = send(first_turn(2000 + i))
-            assert rep.status == 200, rep.body
-            holders.add(rep.worker)
-    finally:
-        for w in env.pool.workers.values():
-            w.waiting_tokens = 0
-    polls = {w: env.pool.workers[w].stats.polls for w in holders}
-    wait_until(lambda: all(env.pool.workers[w].stats.polls >= polls[w] + 2 for w in holders),
-               "the queues polled empty")
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(seeds))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        env.pool.set_delay(0.0)
+        assert all(rep is not None and rep.status == 200 for rep in out), out
+        holders |= {rep.worker for rep in out}
+        wait_inflight_zero(env.envoy)
+        if 4 * len(holders) >= 3 * n:
+            break
 
     # New conversations, one at a time, then each one's second turn.
     convs = [first_turn(100 + i) for i in range(6 * n)]
@@ -360,7 +342,7 @@ def test_conversations_over_a_fleet_prefix_use_every_worker(env):
         msgs.append({"role": "user", "content": wl.text(r, 50)})
     served = Counter(rep.worker for rep in starts)
     info = f"seed holders={sorted(holders)} starts={dict(served)}"
-    assert len(holders) == n, info  # the load bound spilled the seeds onto every worker
+    assert 4 * len(holders) >= 3 * n, info  # the load bound spilled the seeds (fleet_prefix_share 0.75)
     assert set(served) == set(env.names), info
     for msgs, first in zip(convs, starts):
         rep = send(msgs)

@@ -1,4 +1,4 @@
-//! `policy.cost`: the parameters of the cache-aware policy's cost model (`policy/cost.rs`).
+//! `policy.cost`: the parameters of the `cost_aware` policy's cost model (`policy/cost.rs`).
 //!
 //! Invariants: every value is finite and in its stated range once [`CostConfig::validate`]
 //! passed; errors name the field as written. Costs: configuration time only.
@@ -23,6 +23,11 @@ pub struct CostConfig {
     /// as many tokens of other prompts for it.
     #[serde(default = "default_copy_weight")]
     pub copy_weight: f64,
+    /// `λ` of `policy/cost.rs`: a second of prefill queued ahead counts 1/(1 + m) of a second
+    /// of prefill the choice adds, which this request and the m requests that queue behind it
+    /// pay; m = 3 (M/M/1 at 75% prefill utilisation).
+    #[serde(default = "default_queue_weight")]
+    pub queue_weight: f64,
 }
 
 impl Default for CostConfig {
@@ -31,6 +36,7 @@ impl Default for CostConfig {
             prefill_tokens_per_second: default_prefill_tokens_per_second(),
             context_tokens: default_context_tokens(),
             copy_weight: default_copy_weight(),
+            queue_weight: default_queue_weight(),
         }
     }
 }
@@ -43,6 +49,11 @@ fn default_prefill_tokens_per_second() -> f64 {
 fn default_context_tokens() -> u32 {
     // 29 us / 1.4 us per 1k context tokens (REFERENCE.md, "What a GPU worker's time really is").
     20_480
+}
+fn default_queue_weight() -> f64 {
+    // Trace replays (docs/results.md): 0.5 left busy holders for recomputes the fleet then
+    // paid for.
+    0.25
 }
 fn default_copy_weight() -> f64 {
     // An LRU cache runs full: a copy displaces as many tokens of other prompts, recomputed when
@@ -70,6 +81,10 @@ impl CostConfig {
         let c = self.copy_weight;
         if !(c.is_finite() && (0.0..=100.0).contains(&c)) {
             return Err(err("policy.cost.copy_weight", "must be between 0 and 100"));
+        }
+        let q = self.queue_weight;
+        if !(q.is_finite() && (0.0..=100.0).contains(&q)) {
+            return Err(err("policy.cost.queue_weight", "must be between 0 and 100"));
         }
         Ok(())
     }

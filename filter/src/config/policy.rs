@@ -12,6 +12,9 @@ use serde::Deserialize;
 pub enum PolicyName {
     #[default]
     CacheAware,
+    /// The cost in seconds (`policy/cost.rs`): opt-in while it trails `cache_aware` on some
+    /// workloads (docs/results.md, "Matrix").
+    CostAware,
     RoundRobin,
     Random,
 }
@@ -175,11 +178,16 @@ fn default_load_eps() -> f64 {
     1.0
 }
 fn default_load_weight() -> f64 {
-    // `λ` of policy/cost.rs: a second of prefill queued ahead counts 1/(1 + m) of a second of
-    // prefill the choice adds, which this request and the m requests that queue behind it pay;
-    // m = 3 (M/M/1 at 75% prefill utilisation). Trace replays (docs/results.md): 0.5 left
-    // busy holders for recomputes the fleet then paid for.
-    0.25
+    // The tokens weighed are queued prefill (polled `num_waiting_uncached_tokens` plus prompts
+    // sent since and not yet at their first token). A queued token delays this request by one
+    // token of prefill; a token recomputed elsewhere delays it as much and is paid again by the
+    // fleet: the requests that queue behind it on that worker, and the prefixes its copy evicts.
+    // Waiting is therefore worth up to two tokens per token recomputed (docs/design.md,
+    // "Queued prefill"; docs/results.md: at 1.0 the 32k-token documents of long_context were
+    // copied to idle workers, 55.8% hit rate, against 72.3% at 0.5). A holder of the
+    // conversation's own history is not charged at all (`policy/cache_aware.rs`).
+    // `cost_aware` has its own weight (`policy.cost.queue_weight`).
+    0.5
 }
 fn default_request_cost_tokens() -> f64 {
     64.0

@@ -1,18 +1,14 @@
-//! The cache-aware policy: the eligible worker where the request costs the fewest seconds
-//! (`cost.rs`), with a hard load bound.
+//! The cache-aware policy: cache reuse weighed against load, with a hard load bound.
 //!
 //! For a prompt of `P` estimated tokens in `B` blocks:
 //!
-//! * **Eligibility.** A worker at its own capacity (requests in flight ≥ the
-//!   `max_running_requests` it reports in `/v1/loads`, or in `/get_server_info` for an older
-//!   SGLang) is never eligible: a new request would wait for a running one to finish. A worker
-//!   holding some of the prompt and under its capacity always is: only its cost can move the
-//!   prompt. Any other worker (none of the prompt held, or no capacity known: polling off, a
-//!   stale answer) is eligible only while
+//! * **Load bound.** Worker `i` (weight `w_i`, total weight `W`) is eligible only while
 //!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + s_i`, where `R` is the model's total
 //!   in-flight requests, and the slack `s_i` is 1 for a worker holding none of the prompt and
 //!   grows for a holder with the tokens it holds, up to `load_slack` (default 3) at
-//!   `slack_full_tokens` (default 8192): new prefixes spread instead of piling onto one worker.
+//!   `slack_full_tokens` (default 8192). A hot prefix therefore spills to a second worker instead
+//!   of piling onto one (bounded-load consistent hashing), while at low concurrency a holder may
+//!   take a few requests more before its cached prefix is recomputed elsewhere.
 //! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
 //!   of the prompt's rendezvous key (`router.rs`) picks the top eligible worker. Sibling
 //!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
@@ -23,18 +19,34 @@
 //!   sibling of a prompt placed moments ago by any thread follows it until the index has it
 //!   (`placements.rs`; within the holder slack of what it will share on PD prefill workers,
 //!   slack 1 elsewhere).
-//! * **Some worker holds a prefix**: the eligible worker with the lowest cost in seconds
-//!   (`cost.rs`: the prefill it would do, the work queued ahead of it, the second copy it would
-//!   leave) wins; ties go to the rendezvous order. Hot-spot and fleet-prefix protection follow
-//!   from that arithmetic (see `cost.rs`), not from rules on the prompt's shape.
-//!   Workers holding as much of the prompt as the cheapest one, and costing at most the seconds
-//!   of prefill it holds more, share the prompt by rendezvous on its opening blocks ([`stick`]):
-//!   a prompt group that was copied to a second worker keeps using one copy instead of
-//!   alternating with the load.
+//! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
+//!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
+//!   — the prefill it would still have to do plus the work already queued on it (in-flight
+//!   uncached prompt tokens and a per-request decode charge). A worker holding this
+//!   conversation's own history ([`history_depth`]) is charged no queued tokens: its queue
+//!   delays one turn, leaving moves the conversation for good ([`queued_tokens_cost`]).
+//!   Ties go to the rendezvous order.
+//!   Workers holding as much of the prompt as the cheapest one, and costing at most the tokens it
+//!   holds more, share the prompt by rendezvous on its opening blocks ([`stick`]): a prompt group
+//!   that was copied to a second worker keeps using one copy instead of alternating with the load.
+//! * **A new conversation on a fleet prefix.** When the prompt's opening message (a system
+//!   prompt) is followed by more, nobody holds anything past that opening, and at least
+//!   `fleet_prefix_share` (0.75) of the workers hold some of it (or all of the index's
+//!   `HOLDERS` slots for it are taken, in fleets larger than 8), the opening is a fleet-wide
+//!   prefix that every worker will end up caching once; ranking by it would stack every new
+//!   conversation on its first holders, whose caches then evict each other's histories while
+//!   the rest of the fleet idles. Such a request goes to the least busy eligible worker (decayed
+//!   in-flight average, `busy.rs`, plus the requests in flight now, per unit weight; load bound with slack 1), rendezvous among
+//!   those within `busy_tolerance` of the least busy so that threads and replicas reading the
+//!   same averages spread rather than herd. Prompts whose opening is held by fewer workers (a
+//!   document or a per-tenant prompt) keep the cost rule above, and a conversation's later
+//!   turns, whose history some worker holds, are cost-ranked as before. A prompt without
+//!   message structure has no opening message: the longest prefix held of it stands in, counted
+//!   over the workers holding exactly that much ([`is_fleet_prefix`]).
 
-use super::cost::{self, Cost};
 use super::{least_loaded, mix, sibling_held_tokens, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::{Model, PolicyConfig};
+use crate::index::HOLDERS;
 
 /// The default policy (stateless: everything it needs is in [`Inputs`]).
 pub struct CacheAware;
@@ -60,49 +72,84 @@ fn hrw(model: &Model, i: usize, key: u64) -> f64 {
     -w.weight / u.ln()
 }
 
-/// Prompt tokens worker `i` holds.
-fn held_tokens(inp: &Inputs, i: usize) -> u32 {
-    inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i))
-}
-
-/// The prompt tokens the deepest holder holds (`H` in `cost.rs`).
-fn deepest_held(inp: &Inputs) -> f64 {
-    match inp.total_blocks {
-        0 => 0.0,
-        t => {
-            let d = u64::from(inp.deepest.min(t));
-            (u64::from(inp.prompt_tokens) * d / u64::from(t)) as f64
-        }
-    }
-}
-
-/// Worker `i`'s zero-context prefill rate (tokens/s): learned, else configured × weight.
-fn rate_of(c: &Cost, inp: &Inputs, i: usize) -> f64 {
-    let learned = inp.rate.get(i).copied().unwrap_or(0.0);
-    c.rate(learned, inp.model.workers[i].weight)
-}
-
-/// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`].
-fn seconds(c: &Cost, inp: &Inputs, deepest: f64, i: usize) -> f64 {
-    let w = cost::Worker {
-        held: f64::from(held_tokens(inp, i)),
-        queued: f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
-        reqs: f64::from(inp.reqs.get(i).copied().unwrap_or(0)),
-        rate: rate_of(c, inp, i),
-    };
-    c.seconds(f64::from(inp.prompt_tokens), deepest, &w)
-}
-
 /// The load bound's absolute slack for worker `i`: 1 for a worker holding none of the prompt (a
 /// slow or busy worker stops receiving *new* prefixes at low concurrency); for a holder it grows
 /// with the prompt tokens it holds, up to `load_slack` at `slack_full_tokens`: queueing a few
 /// requests more is worth it to reuse a 32k-token document, not to reuse a 3k-token system prompt
-/// that every worker can cache once. Applies only where the worker's capacity is unknown.
-fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
+/// that every worker can cache once (holders of a shared head then spill new conversations to
+/// the rest of the fleet instead of stacking them).
+fn holder_slack(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: usize) -> f64 {
     if inp.matched.get(i).copied().unwrap_or(0) == 0 {
         return 1.0;
     }
-    slack_for(p, inp, held_tokens(inp, i))
+    // A worker holding this conversation's own history keeps it through the full slack: the
+    // next turn of a tool loop arrives while other replicas may still count the previous turn as
+    // in flight (until their next poll).
+    if owns_history(inp, history, i) {
+        return p.load_slack;
+    }
+    let held = inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i));
+    slack_for(p, inp, held)
+}
+
+/// The depth (blocks) past which a worker holds this conversation's own history, not a prefix
+/// other prompts share. A chat prompt of three or more messages: past its opening two
+/// (`Inputs::conversation_blocks`); of two, none (its opening message is shared by design). A
+/// prompt without message structure (a completions text, one chat message) says nothing of what
+/// is shared, so its holders and its shape say it: a follow-up turn carries the conversation so
+/// far, most of its prompt, and only its holder (or a second copy, made when a turn found the
+/// holder saturated) has it. So when at most two workers hold the deepest match, that match is
+/// at least half the prompt and the prompt goes on past it, the history is what those workers
+/// hold past the deepest match of the others (a system prompt the fleet caches). A new prompt
+/// sharing an opening with an earlier one, and a prefix three workers hold, are shared.
+/// `None`: no history known.
+fn history_depth(inp: &Inputs) -> Option<u32> {
+    if inp.conversation_blocks > 0 {
+        return Some(inp.conversation_blocks);
+    }
+    if inp.head_blocks > 0
+        || inp.model.pd.is_some()
+        || inp.deepest == 0
+        || inp.deepest >= inp.total_blocks
+    {
+        return None;
+    }
+    let (mut deepest, mut shared) = (0usize, 0u32);
+    for &m in inp.matched {
+        if m == inp.deepest {
+            deepest += 1;
+        } else {
+            shared = shared.max(m);
+        }
+    }
+    // A follow-up turn carries the conversation so far: most of its prompt.
+    let most = 2 * u64::from(inp.deepest) >= u64::from(inp.total_blocks);
+    (deepest <= MAX_HISTORY_HOLDERS && most).then_some(shared)
+}
+
+/// Most holders of a conversation's own history without message structure: its holder and one
+/// copy (a turn that once found its holder saturated). Three is a shared prefix, as for a fleet
+/// prefix ([`MIN_FLEET_HOLDERS`]).
+const MAX_HISTORY_HOLDERS: usize = MIN_FLEET_HOLDERS - 1;
+
+/// Whether worker `i` holds this conversation's own history ([`history_depth`]).
+fn owns_history(inp: &Inputs, history: Option<u32>, i: usize) -> bool {
+    history.is_some_and(|d| inp.matched.get(i).copied().unwrap_or(0) > d)
+}
+
+/// The queued prefill worker `i` is charged for: `load_weight` per queued token, none for a
+/// worker holding this conversation's own history. A queue delays this turn once and drains at
+/// the worker's prefill rate, while leaving moves the conversation: its history is recomputed
+/// (prefill added to the fleet, a second copy in its KV) and its next turns follow the new
+/// copy. Such a holder is left for its running requests (the per-request term), when it cannot
+/// start the request (at the `max_running_requests` it reports), or, capacity unknown, beyond the
+/// load bound; never for other prompts' prefill. PD prefill workers keep the charge.
+fn queued_tokens_cost(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: usize) -> f64 {
+    // A PD prefill worker does nothing but prefill: its queue is the whole of its load.
+    if inp.model.pd.is_none() && owns_history(inp, history, i) {
+        return 0.0;
+    }
+    p.load_weight * f64::from(inp.tokens.get(i).copied().unwrap_or(0))
 }
 
 /// The load bound's slack for a worker holding `held` tokens of the prompt (see
@@ -129,9 +176,8 @@ fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
 
 /// Whether worker `i` starts a new request at once by its own account: fewer requests running
 /// and waiting than the `max_running_requests` it reports (`Some(false)`: saturated, the
-/// request would wait for a running one to finish). `None` when its capacity is unknown (polling
-/// off, a stale answer, no server info) and on PD models, whose prefill workers hold prefills
-/// only.
+/// request would wait for a running one to finish). `None` when it reports no capacity (polling
+/// off, `/get_load`, a stale answer) and on PD models, whose prefill workers hold prefills only.
 fn room(inp: &Inputs, i: usize) -> Option<bool> {
     if inp.model.pd.is_some() {
         return None;
@@ -141,7 +187,7 @@ fn room(inp: &Inputs, i: usize) -> Option<bool> {
 }
 
 /// What the worker's own capacity says of its eligibility (module docs): a saturated worker
-/// never (`Some(false)`); a holder of some of the prompt under its capacity always
+/// never (`Some(false)`); a holder of some of the prompt under the capacity it reports always
 /// (`Some(true)`: its requests in flight are mostly decoding, which a new request barely waits
 /// for; only its queued prefill, in the cost, delays it). `None`: the fleet-relative load bound
 /// decides.
@@ -153,8 +199,9 @@ fn by_capacity(inp: &Inputs, i: usize) -> Option<bool> {
 }
 
 /// Eligibility: [`by_capacity`], else the load bound with [`holder_slack`].
-fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
-    by_capacity(inp, i).unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, i)))
+fn cap_ok(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, total: f64, i: usize) -> bool {
+    by_capacity(inp, i)
+        .unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, history, i)))
 }
 
 /// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
@@ -210,9 +257,8 @@ fn total_reqs(inp: &Inputs) -> u64 {
 
 /// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
 ///
-/// Equal weights (the common fleet) take an integer fast path for the load bound and the
-/// rendezvous scores; weighted fleets the general one. Both make the same choice (tested), so
-/// replicas agree whichever path they take.
+/// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
+/// Both make the same choice (tested), so replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     if inp.deepest == 0 {
         if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
@@ -229,6 +275,11 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             }
         }
     }
+    if is_fleet_prefix(p, inp) {
+        if let Some(w) = choose_least_busy(p, inp) {
+            return (w, reason_of(inp, w, w));
+        }
+    }
     let n = inp.model.workers.len();
     if inp.model.uniform_weights
         && inp.reqs.len() == n
@@ -241,13 +292,83 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
 }
 
+/// Fewest holders of a fleet prefix (see [`is_fleet_prefix`]).
+const MIN_FLEET_HOLDERS: usize = 3;
+
+/// A new conversation on a fleet prefix (module docs).
+fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
+    // The opening: the first message when the prompt has two or more, and nobody holds past it;
+    // a prompt without message structure (a completions text, one chat message) has none to go
+    // by, so what the fleet holds of it is the candidate, provided the prompt goes on past it (a
+    // repeated prompt is a hit). PD prefill workers keep the message rule only (their siblings
+    // follow the opening message).
+    let unstructured = inp.head_blocks == 0 && inp.model.pd.is_none();
+    let opened = if unstructured {
+        inp.deepest < inp.total_blocks
+    } else {
+        inp.head_blocks > 0 && inp.deepest <= inp.head_blocks
+    };
+    if p.fleet_prefix_share <= 0.0 || inp.deepest == 0 || !opened {
+        return false;
+    }
+    // The index keeps at most `HOLDERS` holders per checkpoint: in a larger fleet a prefix
+    // whose holder slots are all taken counts as held widely enough. Without an opening message
+    // only the holders of the whole match count: one worker holding a conversation's history
+    // and three holding its first block are no fleet prefix.
+    let holders = inp
+        .matched
+        .iter()
+        .filter(|&&m| m > 0 && (!unstructured || m == inp.deepest))
+        .count();
+    // At least three, whatever the fleet's size: one holder has never spilled, and two may be a
+    // prompt group plus one spill (a sibling routed before the first answer was indexed); with
+    // two workers that made every spilled group "fleet-wide" and spread it over both caches
+    // for good (`load/pd_compare --sizes 2`: 72-75% prefill hit rate, 78-79% with three).
+    let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
+    holders >= MIN_FLEET_HOLDERS && holders as f64 >= need.min(HOLDERS as f64)
+}
+
+/// The least busy worker under the load bound with slack 1, rendezvous among those within
+/// `busy_tolerance` of it; `None` when every worker is at its bound.
+fn choose_least_busy(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
+    let model = inp.model;
+    let total = total_reqs(inp) as f64;
+    // The decayed average plus the requests in flight now: the average alone moves slowly
+    // (`busy_window_ms`), so a worker that just took new conversations would keep looking idle
+    // and take every conversation starting in the next seconds.
+    let busy = |i: usize| {
+        let now = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+        (f64::from(inp.busy.get(i).copied().unwrap_or(0.0)) + now) / model.workers[i].weight
+    };
+    let eligible = |i: usize| room(inp, i) != Some(false) && under_bound(p, inp, total, i, 1.0);
+    let n = model.workers.len();
+    let least = (0..n)
+        .filter(|&i| eligible(i))
+        .map(busy)
+        .fold(f64::INFINITY, f64::min);
+    if !least.is_finite() {
+        return None;
+    }
+    let mut best: Option<(usize, f64)> = None;
+    for i in 0..n {
+        if !eligible(i) || busy(i) > least + p.busy_tolerance {
+            continue;
+        }
+        let score = hrw(model, i, inp.affinity);
+        if best.is_none_or(|(_, s)| score > s) {
+            best = Some((i, score));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
 /// The per-request scan over every worker, so its cost per worker is what keeps a decision
 /// nearly flat from 4 to 256 workers: the load bound becomes two integer thresholds computed
-/// once and rendezvous scores stay integers.
+/// once, rendezvous scores stay integers, and only holders pay the uncached-token division.
 fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
-    let total = total_reqs(inp);
     let n = model.workers.len();
+    let total = total_reqs(inp);
     let share = (1.0 + p.load_eps) * (total as f64 + 1.0) / n as f64;
     // `r + 1 <= share + slack` for an integer r  <=>  `r + 1 <= floor(share + slack)`.
     let cap = |slack: f64| -> u64 {
@@ -262,7 +383,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let rows = model
         .workers
         .iter()
-        .zip(inp.reqs.iter())
+        .zip(inp.reqs.iter().zip(inp.tokens.iter()))
         .zip(inp.matched.iter())
         .enumerate();
     if inp.deepest == 0 {
@@ -272,7 +393,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         // The two highest-scoring eligible workers.
         let mut best: Option<(usize, u64)> = None;
         let mut second: Option<(usize, u64)> = None;
-        for (i, ((w, &r), _)) in rows {
+        for (i, ((w, (&r, _)), _)) in rows {
             let score = mix(inp.affinity, w.id);
             if i == 0 || score > top_score {
                 (top, top_score) = (i, score);
@@ -296,20 +417,32 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
         };
     }
-    // Someone holds a prefix: fewest seconds; rendezvous scores only to break exact ties.
-    let c = Cost::new(p);
-    let deepest = deepest_held(inp);
+    // Someone holds a prefix: lowest cost; rendezvous scores only to break exact ties.
+    let prompt = f64::from(inp.prompt_tokens);
+    let history = history_depth(inp);
     let cost_of = |i: usize| -> Option<f64> {
         let (r, m) = (inp.reqs[i], inp.matched[i]);
         let eligible = by_capacity(inp, i).unwrap_or_else(|| {
             let cap = if m > 0 {
-                cap(holder_slack(p, inp, i))
+                cap(holder_slack(p, inp, history, i))
             } else {
                 cap_other
             };
             u64::from(r) < cap
         });
-        eligible.then(|| seconds(&c, inp, deepest, i))
+        if !eligible {
+            return None;
+        }
+        let uncached = if m == 0 {
+            prompt
+        } else {
+            f64::from(uncached_tokens(inp, i))
+        };
+        Some(
+            uncached
+                + queued_tokens_cost(p, inp, history, i)
+                + p.request_cost_tokens * f64::from(r),
+        )
     };
     let mut best: Option<(usize, f64, u32)> = None;
     for (i, ((w, _), _)) in rows {
@@ -318,8 +451,8 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         };
         let better = match best {
             None => true,
-            Some((_, s, b)) => {
-                cost < s || (cost == s && mix(inp.affinity, w.id) > mix(inp.affinity, b))
+            Some((_, c, b)) => {
+                cost < c || (cost == c && mix(inp.affinity, w.id) > mix(inp.affinity, b))
             }
         };
         if better {
@@ -328,7 +461,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
     match best {
         Some((chosen, cost, _)) => {
-            let chosen = stick(&c, inp, chosen, cost, cost_of, |i| {
+            let chosen = stick(inp, chosen, cost, cost_of, |i| {
                 mix(inp.group, model.workers[i].id) as f64
             });
             (chosen, reason_of(inp, chosen, 0))
@@ -337,18 +470,14 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
 }
 
-/// PD prefill workers: among the workers holding as much of the prompt as `chosen` (the
-/// cheapest), those whose cost is within the seconds of prefill `chosen` holds of its cost share
-/// the prompt by rendezvous on its opening (`Inputs::group`), so every request of a prompt group
-/// returns to one copy of its prefix instead of alternating between copies with the load, which
-/// doubles the group's cache footprint for good once it has spilled (measured with
-/// `load/pd_compare --sizes 2`: 5-8 of 32 groups alternating between both prefill workers). A
-/// copy is abandoned only when its worker's queue costs more than recomputing the prefix
-/// elsewhere; the load bound still applies. Elsewhere the cost alone decides: a prefix that
-/// several workers hold adds the same to each, and new conversations on a fleet-wide system
-/// prompt would otherwise stack on the group's favourite while the rest of the fleet idles.
+/// Among the workers holding as much of the prompt as `chosen` (the cheapest), those whose cost
+/// is within the tokens `chosen` holds of its cost share the prompt by rendezvous on its
+/// opening (`Inputs::group`), so every request of a prompt group returns to one copy of its
+/// prefix instead of alternating between copies with the load, which doubles the group's cache
+/// footprint for good once it has spilled (measured with `load/pd_compare --sizes 2`: 5-8 of 32
+/// groups alternating between both prefill workers). A copy is abandoned only when its worker's
+/// queue costs more than recomputing the prefix elsewhere; the load bound still applies.
 fn stick(
-    c: &Cost,
     inp: &Inputs,
     chosen: usize,
     chosen_cost: f64,
@@ -356,7 +485,7 @@ fn stick(
     score: impl Fn(usize) -> f64,
 ) -> usize {
     let depth = inp.matched.get(chosen).copied().unwrap_or(0);
-    if depth == 0 || inp.group == 0 || inp.model.pd.is_none() {
+    if depth == 0 || inp.group == 0 {
         return chosen;
     }
     // An exact tie (idle copies): the conversation's own rendezvous already chose among them, so
@@ -370,19 +499,23 @@ fn stick(
     if tied {
         return chosen;
     }
-    let held = f64::from(held_tokens(inp, chosen));
-    let limit = chosen_cost + held / rate_of(c, inp, chosen);
+    let held = f64::from(
+        inp.prompt_tokens
+            .saturating_sub(uncached_tokens(inp, chosen)),
+    );
+    let w = inp.model.workers[chosen].weight;
+    let limit = chosen_cost + held / w;
     let mut best = (chosen, score(chosen));
     for i in 0..inp.model.workers.len() {
         if i == chosen || inp.matched.get(i).copied().unwrap_or(0) != depth {
             continue;
         }
-        let Some(s) = cost_of(i) else {
+        let Some(c) = cost_of(i) else {
             continue;
         };
-        let sc = score(i);
-        if s <= limit && sc > best.1 {
-            best = (i, sc);
+        let s = score(i);
+        if c <= limit && s > best.1 {
+            best = (i, s);
         }
     }
     best.0
@@ -407,15 +540,24 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
     let total = total_reqs(inp) as f64;
-    let c = Cost::new(p);
-    let deepest = deepest_held(inp);
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
     let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
-                                                 // Worker `i`'s seconds, `None` when not eligible.
+                                                 // Worker `i`'s cost per unit weight, `None` over the load bound.
+    let history = history_depth(inp);
     let cost_of = |i: usize| -> Option<f64> {
-        cap_ok(p, inp, total, i).then(|| seconds(&c, inp, deepest, i))
+        if !cap_ok(p, inp, history, total, i) {
+            return None;
+        }
+        let w = model.workers[i].weight;
+        let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+        Some(
+            (f64::from(uncached_tokens(inp, i))
+                + queued_tokens_cost(p, inp, history, i)
+                + p.request_cost_tokens * r)
+                / w,
+        )
     };
     for i in 0..n {
         let score = hrw(model, i, inp.affinity);
@@ -424,7 +566,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             top = i;
         }
         let cost = if inp.deepest == 0 {
-            if !cap_ok(p, inp, total, i) {
+            if !cap_ok(p, inp, None, total, i) {
                 continue;
             }
             0.0 // pure rendezvous among eligible workers
@@ -458,7 +600,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         let placed = two_choices(inp, chosen, second.map(|(b, _)| b));
         return (placed, reason_of(inp, chosen, top));
     }
-    let chosen = stick(&c, inp, chosen, cost, cost_of, |i| hrw(model, i, inp.group));
+    let chosen = stick(inp, chosen, cost, cost_of, |i| hrw(model, i, inp.group));
     (chosen, reason_of(inp, chosen, top))
 }
 
@@ -506,7 +648,9 @@ mod tests {
             prompt_tokens: 1600,
             affinity: key,
             group: key,
+            conversation_blocks: 0,
             head_blocks: 0,
+            busy: &[],
             rate: &[],
             placed: &[],
             recent: None,
@@ -529,7 +673,17 @@ mod tests {
         // The same share of a 32k-token prompt: full slack 3, cap 5: it stays.
         inp.prompt_tokens = 32_768;
         assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // A holder of the conversation's own history (past its opening messages) gets it too.
         inp.prompt_tokens = 1600;
+        inp.conversation_blocks = 80;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        inp.conversation_blocks = 90;
+        assert_ne!(
+            choose(&p, &inp).0,
+            0,
+            "holding only the opening is not history"
+        );
+        inp.conversation_blocks = 0;
         // slack_full_tokens 0: every holder gets the full slack (the old rule).
         let old = PolicyConfig {
             slack_full_tokens: 0,
@@ -568,58 +722,118 @@ mod tests {
     }
 
     #[test]
-    fn a_prefix_every_worker_holds_leaves_queued_work_to_decide() {
-        // Every worker holds the 10-block opening, nobody more: it adds the same seconds
-        // everywhere, so the work queued ahead decides (workers 0 and 1 each run a request), and
-        // the rendezvous order spreads the ties between 2 and 3.
+    fn new_conversations_on_a_fleet_prefix_go_to_the_least_busy() {
         let m = model(4);
         let p = PolicyConfig::default();
         let (reqs, z) = ([1u32, 1, 0, 0], [0u32; 4]);
-        let matched = [10u32; 4];
+        // Workers 0, 1 and 2 hold the 10-block opening (3 of 4: fleet_prefix_share 0.75);
+        // nobody holds more.
+        let matched = [10u32, 10, 10, 0];
+        let busy = [2.0f32, 1.5, 0.0, 0.2];
+        let mut inp = inputs(&m, &reqs, &z, &matched, 1);
+        inp.head_blocks = 10;
+        inp.busy = &busy;
         let mut seen = [0usize; 4];
         for key in 0..64 {
-            let (w, reason) = choose(&p, &inputs(&m, &reqs, &z, &matched, key));
+            inp.affinity = key;
+            let (w, reason) = choose(&p, &inp);
             assert!(w == 2 || w == 3, "key {key}: {w}");
-            assert_eq!(reason, Reason::PrefixHit);
+            let want = if w == 2 {
+                Reason::PrefixHit
+            } else {
+                Reason::LoadSpill
+            };
+            assert_eq!(reason, want);
             seen[w] += 1;
         }
-        assert!(seen[2] > 8 && seen[3] > 8, "ties spread: {seen:?}");
-        // Prefill queued on worker 2: worker 3.
-        let tokens = [0u32, 0, 50, 0];
-        assert_eq!(choose(&p, &inputs(&m, &reqs, &tokens, &matched, 1)).0, 3);
+        assert!(
+            seen[2] > 8 && seen[3] > 8,
+            "ties spread by rendezvous: {seen:?}"
+        );
+        // Tolerance 0: only the least busy.
+        let tight = PolicyConfig {
+            busy_tolerance: 0.0,
+            ..PolicyConfig::default()
+        };
+        assert_eq!(choose(&tight, &inp).0, 2);
+        // What is in flight now counts too: worker 2 just took a request, worker 3 did not.
+        let now = [1u32, 1, 1, 0];
+        let mut fresh = inputs(&m, &now, &z, &matched, 1);
+        fresh.head_blocks = 10;
+        fresh.busy = &busy;
+        assert_eq!(choose(&tight, &fresh).0, 3);
+        // Off: a holder's cached opening wins again, never the idle non-holder.
+        let off = PolicyConfig {
+            fleet_prefix_share: 0.0,
+            ..PolicyConfig::default()
+        };
+        for key in 0..64 {
+            fresh.affinity = key;
+            assert_ne!(choose(&off, &fresh).0, 3);
+        }
+        // Held by 2 of 4 workers: not a fleet prefix (a group that spilled once).
+        let two = [10u32, 10, 0, 0];
+        let mut doc = inputs(&m, &reqs, &z, &two, 1);
+        doc.head_blocks = 10;
+        doc.busy = &busy;
+        let (w, reason) = choose(&p, &doc);
+        assert!(w < 2 && reason == Reason::PrefixHit, "{w} {reason:?}");
+        // A worker holds the conversation past its opening: its own history wins.
+        let own = [40u32, 10, 10, 0];
+        let mut turn = inputs(&m, &reqs, &z, &own, 1);
+        turn.head_blocks = 10;
+        turn.busy = &busy;
+        assert_eq!(choose(&p, &turn), (0, Reason::PrefixHit));
+        // No opening message (a single-message prompt): what the fleet holds of it is the
+        // opening; held at two depths (a conversation's history on worker 0), the cost rule.
+        let mut single = inputs(&m, &reqs, &z, &own, 1);
+        single.busy = &busy;
+        assert_eq!(choose(&p, &single), (0, Reason::PrefixHit));
     }
 
     #[test]
-    fn a_short_prefix_on_busy_holders_spreads_prompts_to_idle_workers() {
-        // Four of eight workers hold the first 2 blocks (32 tokens) of a 1600-token prompt and
-        // run 6 requests each: recomputing and copying 32 tokens elsewhere (64) costs less than
-        // the work queued ahead on a holder (0.25 x 6 x 64 = 96), so new prompts go to the idle
-        // half, spread by rendezvous.
+    fn a_prefix_every_index_slot_holds_spreads_prompts_without_message_structure() {
+        // A completions text (no messages) whose first 2 blocks (a system prompt) are held by the
+        // four workers the index lists (all of its slots) in an 8-worker fleet; nobody holds more.
+        // Ranked by the prefix, every new prompt would go to those four while the rest idle.
         let m = model(8);
         let p = PolicyConfig::default();
-        let (reqs, z) = ([6u32, 6, 6, 6, 0, 0, 0, 0], [0u32; 8]);
+        let (reqs, z) = ([2u32, 2, 2, 2, 0, 0, 0, 0], [0u32; 8]);
         let matched = [2u32, 2, 2, 2, 0, 0, 0, 0];
         let mut seen = [0usize; 8];
         for key in 0..64 {
-            let (w, _) = choose(&p, &inputs(&m, &reqs, &z, &matched, key));
+            let inp = inputs(&m, &reqs, &z, &matched, key);
+            assert_eq!(inp.head_blocks, 0);
+            let (w, _) = choose(&p, &inp);
             seen[w] += 1;
         }
         assert_eq!(seen[..4].iter().sum::<usize>(), 0, "{seen:?}");
         assert!(seen[4..].iter().all(|&n| n > 4), "{seen:?}");
-        // Idle holders keep it: the prefix is then worth more than nothing.
-        let idle = [0u32; 8];
-        let (w, r) = choose(&p, &inputs(&m, &idle, &z, &matched, 3));
-        assert!(w < 4 && r == Reason::PrefixHit, "{w} {r:?}");
+        // Three of eight slots: not known to be fleet-wide, the cost rule keeps its holders.
+        let three = [2u32, 2, 2, 0, 0, 0, 0, 0];
+        let inp = inputs(&m, &reqs, &z, &three, 5);
+        assert!(!is_fleet_prefix(&p, &inp));
+        // The whole prompt held (a repeated prompt), or a PD model: never.
+        let mut whole = inputs(&m, &reqs, &z, &matched, 5);
+        whole.total_blocks = 2;
+        assert!(!is_fleet_prefix(&p, &whole));
+        let pd = pd_model(8);
+        let inp = inputs(&pd, &reqs, &z, &matched, 5);
+        assert!(!is_fleet_prefix(&p, &inp));
     }
 
     #[test]
-    fn a_shared_prefix_respects_the_load_bound() {
+    fn fleet_prefix_respects_the_load_bound() {
         let m = model(4);
         let p = PolicyConfig::default();
-        // The non-holder worker 3 has 4 requests right now: share 2*(5+1)/4 = 3, cap 4: over.
+        // The idle-looking worker 3 has 4 requests right now: share 2*(5+1)/4 = 3, cap 4.
         let (reqs, z) = ([1u32, 0, 0, 4], [0u32; 4]);
         let matched = [10u32, 10, 10, 0];
-        let (w, _) = choose(&p, &inputs(&m, &reqs, &z, &matched, 9));
+        let busy = [3.0f32, 2.0, 2.2, 0.0];
+        let mut inp = inputs(&m, &reqs, &z, &matched, 9);
+        inp.head_blocks = 10;
+        inp.busy = &busy;
+        let (w, _) = choose(&p, &inp);
         assert!(w == 1 || w == 2, "{w}");
     }
 
@@ -694,131 +908,68 @@ mod tests {
     }
 
     #[test]
-    fn a_holder_with_a_deep_queue_keeps_a_long_history_and_loses_a_short_one() {
-        // The case from the trace replay: a ~12k-token follow-up (98 blocks) whose holder
-        // reports 5 of 16 requests and 19,564 queued prefill tokens; the rest of the fleet idle.
+    fn a_conversation_waits_out_its_holders_prefill_queue_and_leaves_only_a_full_holder() {
         let m = model(8);
         let p = PolicyConfig::default();
-        let tokens = [19_564u32, 0, 0, 0, 0, 0, 0, 0];
-        let reqs = [5u32, 1, 1, 1, 1, 1, 1, 1];
-        let cap = [16u32; 8];
+        // A follow-up of 4000 tokens (100 blocks): its first 10 blocks a system prompt that the
+        // index lists four workers for (all of its slots), the next 50 this conversation's own
+        // turns, held by worker 0 alone, which has 6000 tokens of other prompts queued.
+        let tokens = [6000u32, 0, 0, 0, 0, 0, 0, 0];
+        let reqs = [4u32, 1, 1, 1, 1, 1, 1, 1];
+        let cap = [32u32; 8];
+        // The fleet above asked for a 4000-token prompt with these matches.
         let ask = |matched| Inputs {
-            prompt_tokens: 12_000,
-            total_blocks: 98,
+            prompt_tokens: 4000,
             capacity: &cap,
             ..inputs(&m, &reqs, &tokens, matched, 7)
         };
-        let c = Cost::new(&p);
-        let cases = [(10u32, false), (26, true), (80, true), (97, true)].map(|(history, stays)| {
-            let mut matched = [0u32; 8];
-            matched[0] = history;
-            (history, stays, matched)
-        });
-        for (history, stays, matched) in &cases {
-            let (history, stays) = (*history, *stays);
-            let inp = ask(matched);
-            let (w, r) = choose(&p, &inp);
-            // What the seconds say: the holder against an idle worker.
-            let h = deepest_held(&inp);
-            let (holder, idle) = (seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
-            assert_eq!(holder < idle, stays, "history {history}");
-            assert_eq!(w == 0, stays, "history {history}: {w} {r:?}");
-            // The general (weighted) path agrees.
-            let mut g = model(8);
-            g.uniform_weights = false;
-            let inp = Inputs { model: &g, ..inp };
-            assert_eq!(choose(&p, &inp).0, w);
-        }
+        let matched = [60u32, 10, 10, 10, 0, 0, 0, 0];
+        let mut inp = ask(&matched);
+        // Without message structure: the history is what worker 0 holds past the others.
+        assert_eq!(history_depth(&inp), Some(10));
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // The same blocks as a prompt group's shared document (two messages: nothing is this
+        // conversation's own): the queue costs more than recomputing 2000 tokens elsewhere.
+        inp.head_blocks = 60;
+        assert_eq!(history_depth(&inp), None);
+        assert_ne!(choose(&p, &inp).0, 0);
+        // A chat conversation of three or more messages: the same as the unstructured one.
+        inp.head_blocks = 10;
+        inp.conversation_blocks = 20;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // Less than half of the prompt held: a new prompt sharing an opening, not a follow-up.
+        let short = [30u32, 10, 10, 10, 0, 0, 0, 0];
+        let new = ask(&short);
+        assert_eq!(history_depth(&new), None);
+        assert_ne!(choose(&p, &new).0, 0);
+        // No system prompt, worker 0 alone holds the first 60 blocks: its history.
+        let alone = [60u32, 0, 0, 0, 0, 0, 0, 0];
+        let first = ask(&alone);
+        assert_eq!(history_depth(&first), Some(0));
+        assert_eq!(choose(&p, &first), (0, Reason::PrefixHit));
+        // Held by three workers: a shared prompt, not one conversation; it leaves the queue.
+        let three = [60u32, 60, 60, 10, 10, 0, 0, 0];
+        let shared = ask(&three);
+        assert_eq!(history_depth(&shared), None);
+        assert_ne!(choose(&p, &shared).0, 0);
+        // The whole prompt held (a repeated prompt): shared too.
+        let mut again = inputs(&m, &reqs, &tokens, &alone, 7);
+        again.total_blocks = 60;
+        assert_eq!(history_depth(&again), None);
         // A holder at the capacity it reports cannot start the turn: it is left.
-        let full = [5u32, 16, 16, 16, 16, 16, 16, 16];
-        let matched = [97u32, 0, 0, 0, 0, 0, 0, 0];
+        let full = [4u32, 32, 32, 32, 32, 32, 32, 32];
+        inp.capacity = &full;
+        inp.conversation_blocks = 0;
+        inp.head_blocks = 0;
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+        // The general (weighted) path agrees.
+        let mut w = model(8);
+        w.uniform_weights = false;
         let inp = Inputs {
-            capacity: &full,
+            model: &w,
             ..ask(&matched)
         };
-        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
-    }
-
-    #[test]
-    fn a_faster_worker_drains_the_same_queue_sooner() {
-        // Two workers hold the same prefix with the same prefill queued; worker 1 has been
-        // measured at twice the configured rate: its queue is half the seconds.
-        let m = model(2);
-        let p = PolicyConfig::default();
-        let (reqs, tokens, matched) = ([0u32; 2], [3000u32; 2], [50u32; 2]);
-        for (rate, want) in [([0.0f32, 60_000.0], 1), ([60_000.0, 0.0], 0)] {
-            let inp = Inputs {
-                rate: &rate,
-                ..inputs(&m, &reqs, &tokens, &matched, 7)
-            };
-            assert_eq!(choose(&p, &inp), (want, Reason::PrefixHit));
-        }
-        // Unknown rates: the configured one (× weight), so equal here: the rendezvous order.
-        let inp = inputs(&m, &reqs, &tokens, &matched, 7);
-        let c = Cost::new(&p);
-        let h = deepest_held(&inp);
-        assert_eq!(seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
-    }
-
-    #[test]
-    fn chat_and_completions_forms_of_a_follow_up_get_the_same_decision() {
-        // The same conversation as a chat (opening message 10 blocks, its own rendezvous keys)
-        // and as one completions text (no message structure, keys of its first blocks): only
-        // what the workers hold and their loads enter the cost, so the choice is the same.
-        let m = model(8);
-        let p = PolicyConfig::default();
-        let cap = [32u32; 8];
-        let fleets: [([u32; 8], [u32; 8], [u32; 8]); 6] = [
-            (
-                [60, 10, 10, 10, 0, 0, 0, 0],
-                [6000, 0, 0, 0, 0, 0, 0, 0],
-                [4, 1, 1, 1, 1, 1, 1, 1],
-            ),
-            (
-                [95, 10, 10, 10, 0, 0, 0, 0],
-                [6000, 0, 0, 0, 0, 0, 0, 0],
-                [4, 1, 1, 1, 1, 1, 1, 1],
-            ),
-            (
-                [30, 30, 10, 10, 10, 10, 10, 10],
-                [0, 900, 0, 0, 0, 0, 0, 0],
-                [2, 0, 1, 1, 1, 1, 1, 1],
-            ),
-            (
-                [30, 0, 0, 0, 0, 0, 0, 0],
-                [2000, 0, 0, 0, 0, 0, 0, 0],
-                [1; 8],
-            ),
-            ([80, 0, 0, 0, 0, 0, 0, 0], [0; 8], [20, 0, 0, 0, 0, 0, 0, 0]),
-            (
-                [10, 10, 10, 10, 10, 10, 10, 70],
-                [0, 0, 0, 0, 0, 0, 0, 30_000],
-                [1; 8],
-            ),
-        ];
-        for (matched, tokens, reqs) in &fleets {
-            let completions = Inputs {
-                prompt_tokens: 4000,
-                capacity: &cap,
-                ..inputs(&m, reqs, tokens, matched, 11)
-            };
-            let chat = Inputs {
-                head_blocks: 10,
-                affinity: 0xC4A7,
-                group: 0x5EED,
-                ..completions
-            };
-            let (a, b) = (choose(&p, &chat), choose(&p, &completions));
-            // Equal seconds; between workers exactly as cheap, each form's own rendezvous key.
-            let c = Cost::new(&p);
-            let h = deepest_held(&chat);
-            assert_eq!(a.1, b.1, "{matched:?}");
-            assert_eq!(
-                seconds(&c, &chat, h, a.0),
-                seconds(&c, &completions, h, b.0),
-                "{matched:?}"
-            );
-        }
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
     }
 
     #[test]
@@ -920,11 +1071,11 @@ mod tests {
     }
 
     #[test]
-    fn equally_deep_prefill_workers_share_a_prompt_group_by_its_opening_not_by_load() {
-        // PD prefill workers 0 and 1 hold the same 80 of 100 blocks (1280 of 1600 tokens); the
-        // group's rendezvous favourite gets every request of the group while its extra queued
-        // work costs less than the 1280 tokens it holds.
-        let m = pd_model(2);
+    fn equally_deep_holders_share_a_prompt_group_by_its_opening_not_by_load() {
+        // Workers 0 and 1 hold the same 80 of 100 blocks (1280 of 1600 tokens); the group's
+        // rendezvous favourite gets every request of the group while its extra queued work
+        // costs less than the 1280 tokens it holds.
+        let m = model(2);
         let p = PolicyConfig::default();
         let matched = [80u32, 80];
         let z = [0u32; 2];
@@ -957,13 +1108,6 @@ mod tests {
                 ..inp
             };
             assert_eq!(choose(&p, &inp2), (1 - fav, Reason::PrefixHit));
-            // Plain workers: the cost alone, the less loaded copy.
-            let plain = model(2);
-            let inp3 = Inputs {
-                model: &plain,
-                ..inp
-            };
-            assert_eq!(choose(&p, &inp3), (1 - fav, Reason::PrefixHit));
         }
     }
 
@@ -1092,6 +1236,27 @@ mod tests {
     }
 
     #[test]
+    fn two_holders_are_not_a_fleet_prefix_even_in_a_two_worker_fleet() {
+        let m = model(2);
+        let p = PolicyConfig::default();
+        let z = [0u32; 2];
+        let matched = [10u32, 10];
+        let inp = Inputs {
+            head_blocks: 10,
+            ..inputs(&m, &z, &z, &matched, 3)
+        };
+        assert!(!is_fleet_prefix(&p, &inp));
+        let m3 = model(3);
+        let z3 = [0u32; 3];
+        let matched3 = [10u32, 10, 10];
+        let inp3 = Inputs {
+            head_blocks: 10,
+            ..inputs(&m3, &z3, &z3, &matched3, 3)
+        };
+        assert!(is_fleet_prefix(&p, &inp3));
+    }
+
+    #[test]
     fn uniform_fast_path_matches_the_general_policy() {
         use proptest::prelude::*;
         let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
@@ -1150,13 +1315,7 @@ mod tests {
                         None => Vec::new(),
                         Some(c) => (0..n as u32).map(|i| (c + i * 5) % 17).collect(),
                     };
-                    // Learned rates for some workers (0: the configured rate).
-                    let rates: Vec<f32> = tokens
-                        .iter()
-                        .map(|&t| if t % 3 == 0 { (t % 50_000) as f32 } else { 0.0 })
-                        .collect();
                     let mut inp = inputs(m, &reqs, &tokens, &matched, key);
-                    inp.rate = &rates;
                     inp.placed = &placed;
                     inp.capacity = &capacity;
                     inp.group = key.rotate_left(17);

@@ -27,7 +27,7 @@
 //!          + κ · (H − h_i) ) / r_i                 the second copy it leaves in the KV
 //! ```
 //!
-//! `λ` is `policy.load_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode steps a
+//! `λ` is `policy.cost.queue_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode steps a
 //! newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1). Why: this request's
 //! time to first token there is `(Q_i + own_i) / r_i`; its own prefill is paid again by the `m`
 //! requests that queue behind it on that worker before its queue empties (`m = ρ/(1 − ρ)` at
@@ -81,7 +81,7 @@ impl Cost {
         let k = p.cost.context_tokens;
         Cost {
             per_context_token: if k == 0 { 0.0 } else { 1.0 / f64::from(k) },
-            load_weight: p.load_weight,
+            load_weight: p.cost.queue_weight,
             request_tokens: p.request_cost_tokens,
             copy_weight: p.cost.copy_weight,
             default_rate: p.cost.prefill_tokens_per_second.max(1.0),

@@ -1,7 +1,8 @@
 //! Worker choice: one interface ([`Policy`]) and one file per policy.
 //!
-//! * [`cache_aware`] (default): the worker where the request costs the fewest seconds
-//!   ([`cost`]: prefill there, work queued ahead, the copy it leaves), with a hard load bound.
+//! * [`cache_aware`] (default): cache reuse weighed against load, with a hard load bound.
+//! * [`cost_aware`] (opt-in): the worker where the request costs the fewest seconds ([`cost`]:
+//!   prefill there, work queued ahead, the copy it leaves), with a hard load bound.
 //! * [`round_robin`] and [`random`]: O(1) baselines for comparisons (no index, no load bound);
 //!   their state (a rotation counter, a generator) lives in the policy, not in the router.
 //!
@@ -14,6 +15,7 @@ use crate::config::{Model, PolicyConfig, PolicyName};
 
 pub mod cache_aware;
 pub mod cost;
+pub mod cost_aware;
 pub mod random;
 pub mod round_robin;
 
@@ -90,9 +92,15 @@ pub struct Inputs<'a> {
     /// The hash of the prompt's first `affinity_blocks` blocks: the same for every prompt that
     /// opens alike (a prompt group), whatever follows; 0: none.
     pub group: u64,
+    /// For a chat prompt of three or more messages, the block count at the end of its second
+    /// message (system prompt + first user message); 0 otherwise. A worker holding more than
+    /// that holds this conversation's own history (`cache_aware`).
+    pub conversation_blocks: u32,
     /// For a chat prompt of two or more messages, the block count at the end of its first
     /// message (usually the system prompt); 0 otherwise.
     pub head_blocks: u32,
+    /// Each worker's decayed in-flight average (`busy.rs`, `cache_aware`); empty or shorter: 0.
+    pub busy: &'a [f32],
     /// Each worker's learned prefill rate (zero-context tokens per second); empty, shorter or
     /// 0: not known yet (the configured rate × weight stands in, `cost.rs`).
     pub rate: &'a [f32],
@@ -189,6 +197,7 @@ pub trait Policy {
 pub fn from_config(name: PolicyName, seed: u64) -> Box<dyn Policy> {
     match name {
         PolicyName::CacheAware => Box::new(cache_aware::CacheAware),
+        PolicyName::CostAware => Box::new(cost_aware::CostAware),
         PolicyName::RoundRobin => Box::new(round_robin::RoundRobin::new(seed)),
         PolicyName::Random => Box::new(random::Random::new(seed)),
     }

@@ -75,7 +75,7 @@ pub fn parse_fast<'a>(
     parse_with_bounds(endpoint, body, canon, bounds, limit)
 }
 
-fn fast<'a>(
+pub(super) fn fast<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
     canon: &mut Vec<u8>,

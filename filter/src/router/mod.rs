@@ -23,6 +23,7 @@
 //! `policy.affinity_blocks` blocks.
 
 use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed, salted_seed};
+use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
 use crate::footprint::Footprint;
 use crate::hits::Verifier;
@@ -80,6 +81,8 @@ pub struct Router {
     /// Per model: the workers by id, to map index holders and placements to workers in O(log n).
     ids: Vec<ById>,
     ledger: Ledger,
+    /// Each worker's decayed in-flight average (`busy.rs`; `cache_aware`'s fleet prefixes).
+    busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
     /// Recent placements of prompts nobody held, shared by the VMs (`placements.rs`).
@@ -148,6 +151,7 @@ impl Router {
             dest: String::with_capacity(256),
             ids,
             ledger: Ledger::new(&cfg).seeded(seed),
+            busy: Busy::new(&cfg),
             footprint: Footprint::new(&cfg),
             placements: Placements::default(),
             verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
@@ -481,7 +485,12 @@ impl Router {
             }
         }
         let total_blocks = self.hashes.len() as u32;
-        let (policy, matched) = (&mut self.policy, &self.matched);
+        let conversation_blocks = if self.ends.len() >= 3 {
+            self.ends.get(1).map_or(0, |&e| e as u32)
+        } else {
+            0
+        };
+        let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let rate = self.verifier.rates(mi);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
@@ -494,10 +503,15 @@ impl Router {
         } else {
             None
         };
+        let mut sampled = false;
         let mut holder = None;
         let (w, tok, reason) = self
             .ledger
             .decide(store, cfg, mi, now, |reqs, tokens, capacity| {
+                if !sampled {
+                    busy.observe(mi, now, cfg.policy.busy_window_ms, reqs);
+                    sampled = true;
+                }
                 let inp = Inputs {
                     model,
                     reqs,
@@ -509,7 +523,9 @@ impl Router {
                     prompt_tokens,
                     affinity,
                     group,
+                    conversation_blocks,
                     head_blocks,
+                    busy: busy.of(mi),
                     rate,
                     placed: footprint.of(mi),
                     recent,

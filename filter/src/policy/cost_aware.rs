@@ -1,0 +1,1173 @@
+//! The cost-aware policy (`policy.name: "cost_aware"`, opt-in): the eligible worker where the
+//! request costs the fewest seconds (`cost.rs`), with a hard load bound. One formula for every
+//! prompt shape; it trails `cache_aware` where new conversations share a widely held opening
+//! (docs/results.md, "Matrix"), so `cache_aware` stays the default.
+//!
+//! For a prompt of `P` estimated tokens in `B` blocks:
+//!
+//! * **Eligibility.** A worker at its own capacity (requests in flight ≥ the
+//!   `max_running_requests` it reports in `/v1/loads`, or in `/get_server_info` for an older
+//!   SGLang) is never eligible: a new request would wait for a running one to finish. A worker
+//!   holding some of the prompt and under its capacity always is: only its cost can move the
+//!   prompt. Any other worker (none of the prompt held, or no capacity known: polling off, a
+//!   stale answer) is eligible only while
+//!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + s_i`, where `R` is the model's total
+//!   in-flight requests, and the slack `s_i` is 1 for a worker holding none of the prompt and
+//!   grows for a holder with the tokens it holds, up to `load_slack` (default 3) at
+//!   `slack_full_tokens` (default 8192): new prefixes spread instead of piling onto one worker.
+//! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
+//!   of the prompt's rendezvous key (`router.rs`) picks the top eligible worker. Sibling
+//!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
+//!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`. The
+//!   runner-up replaces the top when this VM lately sent the top more than one such prompt's
+//!   uncached tokens more ([`two_choices`], `footprint.rs`), so new prefixes fill the caches
+//!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
+//!   sibling of a prompt placed moments ago by any thread follows it until the index has it
+//!   (`placements.rs`; within the holder slack of what it will share on PD prefill workers,
+//!   slack 1 elsewhere).
+//! * **Some worker holds a prefix**: the eligible worker with the lowest cost in seconds
+//!   (`cost.rs`: the prefill it would do, the work queued ahead of it, the second copy it would
+//!   leave) wins; ties go to the rendezvous order. Hot-spot and fleet-prefix protection follow
+//!   from that arithmetic (see `cost.rs`), not from rules on the prompt's shape.
+//!   Workers holding as much of the prompt as the cheapest one, and costing at most the seconds
+//!   of prefill it holds more, share the prompt by rendezvous on its opening blocks ([`stick`]):
+//!   a prompt group that was copied to a second worker keeps using one copy instead of
+//!   alternating with the load.
+
+use super::cost::{self, Cost};
+use super::{least_loaded, mix, sibling_held_tokens, uncached_tokens, Inputs, Policy, Reason};
+use crate::config::{Model, PolicyConfig};
+
+/// The default policy (stateless: everything it needs is in [`Inputs`]).
+pub struct CostAware;
+
+impl Policy for CostAware {
+    fn choose(&mut self, p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+        choose(p, inp)
+    }
+    fn uses_index(&self) -> bool {
+        true
+    }
+}
+
+/// Rendezvous score of worker `i` for `key` (higher wins).
+fn hrw(model: &Model, i: usize, key: u64) -> f64 {
+    let w = &model.workers[i];
+    let h = mix(key, w.id);
+    if model.uniform_weights {
+        return h as f64;
+    }
+    // u in (0, 1): never 0 so ln is finite and negative.
+    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    -w.weight / u.ln()
+}
+
+/// Prompt tokens worker `i` holds.
+fn held_tokens(inp: &Inputs, i: usize) -> u32 {
+    inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i))
+}
+
+/// The prompt tokens the deepest holder holds (`H` in `cost.rs`).
+fn deepest_held(inp: &Inputs) -> f64 {
+    match inp.total_blocks {
+        0 => 0.0,
+        t => {
+            let d = u64::from(inp.deepest.min(t));
+            (u64::from(inp.prompt_tokens) * d / u64::from(t)) as f64
+        }
+    }
+}
+
+/// Worker `i`'s zero-context prefill rate (tokens/s): learned, else configured × weight.
+fn rate_of(c: &Cost, inp: &Inputs, i: usize) -> f64 {
+    let learned = inp.rate.get(i).copied().unwrap_or(0.0);
+    c.rate(learned, inp.model.workers[i].weight)
+}
+
+/// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`].
+fn seconds(c: &Cost, inp: &Inputs, deepest: f64, i: usize) -> f64 {
+    let w = cost::Worker {
+        held: f64::from(held_tokens(inp, i)),
+        queued: f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
+        reqs: f64::from(inp.reqs.get(i).copied().unwrap_or(0)),
+        rate: rate_of(c, inp, i),
+    };
+    c.seconds(f64::from(inp.prompt_tokens), deepest, &w)
+}
+
+/// The load bound's absolute slack for worker `i`: 1 for a worker holding none of the prompt (a
+/// slow or busy worker stops receiving *new* prefixes at low concurrency); for a holder it grows
+/// with the prompt tokens it holds, up to `load_slack` at `slack_full_tokens`: queueing a few
+/// requests more is worth it to reuse a 32k-token document, not to reuse a 3k-token system prompt
+/// that every worker can cache once. Applies only where the worker's capacity is unknown.
+fn holder_slack(p: &PolicyConfig, inp: &Inputs, i: usize) -> f64 {
+    if inp.matched.get(i).copied().unwrap_or(0) == 0 {
+        return 1.0;
+    }
+    slack_for(p, inp, held_tokens(inp, i))
+}
+
+/// The load bound's slack for a worker holding `held` tokens of the prompt (see
+/// [`holder_slack`]); the prefill workers of a PD model reach the full slack at
+/// `prefill_slack_full_tokens`.
+fn slack_for(p: &PolicyConfig, inp: &Inputs, held: u32) -> f64 {
+    let full = if inp.model.pd.is_some() {
+        p.prefill_slack_full_tokens
+    } else {
+        p.slack_full_tokens
+    };
+    if full == 0 {
+        return p.load_slack;
+    }
+    let f = (f64::from(held) / f64::from(full)).min(1.0);
+    1.0 + (p.load_slack - 1.0).max(0.0) * f
+}
+
+/// The slack of the PD prefill worker a new prompt's sibling went to moments ago: it is about
+/// to hold the part the siblings share (the opening message, else the rendezvous blocks).
+fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
+    slack_for(p, inp, sibling_held_tokens(p, inp))
+}
+
+/// Whether worker `i` starts a new request at once by its own account: fewer requests running
+/// and waiting than the `max_running_requests` it reports (`Some(false)`: saturated, the
+/// request would wait for a running one to finish). `None` when its capacity is unknown (polling
+/// off, a stale answer, no server info) and on PD models, whose prefill workers hold prefills
+/// only.
+fn room(inp: &Inputs, i: usize) -> Option<bool> {
+    if inp.model.pd.is_some() {
+        return None;
+    }
+    let cap = inp.capacity.get(i).copied().filter(|&c| c > 0)?;
+    Some(inp.reqs.get(i).copied().unwrap_or(0) < cap)
+}
+
+/// What the worker's own capacity says of its eligibility (module docs): a saturated worker
+/// never (`Some(false)`); a holder of some of the prompt under its capacity always
+/// (`Some(true)`: its requests in flight are mostly decoding, which a new request barely waits
+/// for; only its queued prefill, in the cost, delays it). `None`: the fleet-relative load bound
+/// decides.
+fn by_capacity(inp: &Inputs, i: usize) -> Option<bool> {
+    match room(inp, i) {
+        Some(true) if inp.matched.get(i).copied().unwrap_or(0) == 0 => None,
+        r => r,
+    }
+}
+
+/// Eligibility: [`by_capacity`], else the load bound with [`holder_slack`].
+fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
+    by_capacity(inp, i).unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, i)))
+}
+
+/// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
+fn under_bound(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize, slack: f64) -> bool {
+    let model = inp.model;
+    let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
+    // Same operation order as the uniform path's `share`, so both round alike.
+    let share = (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
+    r + 1.0 <= share + slack
+}
+
+/// Two choices for a prompt nobody holds: the rendezvous top `a` and runner-up `b` (both under
+/// the load bound). `b` wins when the uncached tokens `a` was sent lately (`footprint.rs`), per
+/// unit weight, exceed `b`'s by more than this prompt: new prefixes then fill the caches evenly
+/// (the best of two choices), while a prefix keeps its rendezvous worker whenever the two are
+/// close, so siblings and replicas still agree, and a worker left with a large footprint (a long
+/// document) only stops being the first choice. On PD prefill workers the prefills queued on
+/// each (in-flight tokens) are added to its sum (`load/pd_compare --sizes 4 --runs 5`: TTFT p99
+/// median 433 -> 356 ms, hit rate unchanged). No sums kept (policy off, tests): `a`.
+fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
+    let Some(b) = b else {
+        return a;
+    };
+    let (Some(&fa), Some(&fb)) = (inp.placed.get(a), inp.placed.get(b)) else {
+        return a;
+    };
+    let (wa, wb) = (inp.model.workers[a].weight, inp.model.workers[b].weight);
+    // PD prefill workers: the prefills queued on each (in-flight uncached tokens, fleet-wide
+    // through the load ledger, released at the first token) count too, so a burst of new
+    // prompts spreads its prefill work over the workers rather than queueing behind one.
+    let queued = |i: usize| match inp.model.pd {
+        Some(_) => f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
+        None => 0.0,
+    };
+    let (fa, fb) = (f64::from(fa) + queued(a), f64::from(fb) + queued(b));
+    if fa / wa - fb / wb > f64::from(inp.prompt_tokens) / wb {
+        b
+    } else {
+        a
+    }
+}
+
+/// The model's requests in flight, for the load bound; a worker marked unavailable
+/// (`poll::UNAVAILABLE`) counts none, so the mark excludes that worker without raising everyone
+/// else's bound.
+fn total_reqs(inp: &Inputs) -> u64 {
+    inp.reqs
+        .iter()
+        .filter(|&&r| r < crate::poll::UNAVAILABLE)
+        .map(|&r| u64::from(r))
+        .sum()
+}
+
+/// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
+///
+/// Equal weights (the common fleet) take an integer fast path for the load bound and the
+/// rendezvous scores; weighted fleets the general one. Both make the same choice (tested), so
+/// replicas agree whichever path they take.
+pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    if inp.deepest == 0 {
+        if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
+            let total = total_reqs(inp) as f64;
+            // A PD prefill worker is about to hold the siblings' opening (router.rs keys PD
+            // siblings by it); elsewhere the sibling is the same conversation: slack 1.
+            let slack = if inp.model.pd.is_some() {
+                follow_slack(p, inp)
+            } else {
+                1.0
+            };
+            if under_bound(p, inp, total, w, slack) {
+                return (w, Reason::HashAffinity);
+            }
+        }
+    }
+    let n = inp.model.workers.len();
+    if inp.model.uniform_weights
+        && inp.reqs.len() == n
+        && inp.tokens.len() == n
+        && inp.matched.len() == n
+    {
+        choose_uniform(p, inp)
+    } else {
+        choose_general(p, inp)
+    }
+}
+
+/// The per-request scan over every worker, so its cost per worker is what keeps a decision
+/// nearly flat from 4 to 256 workers: the load bound becomes two integer thresholds computed
+/// once and rendezvous scores stay integers.
+fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let model = inp.model;
+    let total = total_reqs(inp);
+    let n = model.workers.len();
+    let share = (1.0 + p.load_eps) * (total as f64 + 1.0) / n as f64;
+    // `r + 1 <= share + slack` for an integer r  <=>  `r + 1 <= floor(share + slack)`.
+    let cap = |slack: f64| -> u64 {
+        let c = (share + slack).floor();
+        if c >= 1.0 {
+            c as u64
+        } else {
+            0
+        }
+    };
+    let cap_other = cap(1.0);
+    let rows = model
+        .workers
+        .iter()
+        .zip(inp.reqs.iter())
+        .zip(inp.matched.iter())
+        .enumerate();
+    if inp.deepest == 0 {
+        // Nobody holds the prompt (so every cap is `cap_other`): the eligible worker with the
+        // highest rendezvous score, and the overall top to tell affinity from spill.
+        let (mut top, mut top_score) = (0usize, 0u64);
+        // The two highest-scoring eligible workers.
+        let mut best: Option<(usize, u64)> = None;
+        let mut second: Option<(usize, u64)> = None;
+        for (i, ((w, &r), _)) in rows {
+            let score = mix(inp.affinity, w.id);
+            if i == 0 || score > top_score {
+                (top, top_score) = (i, score);
+            }
+            if u64::from(r) >= cap_other || room(inp, i) == Some(false) {
+                continue;
+            }
+            if best.is_none_or(|(_, s)| score > s) {
+                second = best;
+                best = Some((i, score));
+            } else if second.is_none_or(|(_, s)| score > s) {
+                second = Some((i, score));
+            }
+        }
+        return match best {
+            Some((a, _)) => {
+                let chosen = two_choices(inp, a, second.map(|(b, _)| b));
+                // Placement by footprint is not a spill: the reason follows `a`.
+                (chosen, reason_of(inp, a, top))
+            }
+            None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
+        };
+    }
+    // Someone holds a prefix: fewest seconds; rendezvous scores only to break exact ties.
+    let c = Cost::new(p);
+    let deepest = deepest_held(inp);
+    let cost_of = |i: usize| -> Option<f64> {
+        let (r, m) = (inp.reqs[i], inp.matched[i]);
+        let eligible = by_capacity(inp, i).unwrap_or_else(|| {
+            let cap = if m > 0 {
+                cap(holder_slack(p, inp, i))
+            } else {
+                cap_other
+            };
+            u64::from(r) < cap
+        });
+        eligible.then(|| seconds(&c, inp, deepest, i))
+    };
+    let mut best: Option<(usize, f64, u32)> = None;
+    for (i, ((w, _), _)) in rows {
+        let Some(cost) = cost_of(i) else {
+            continue;
+        };
+        let better = match best {
+            None => true,
+            Some((_, s, b)) => {
+                cost < s || (cost == s && mix(inp.affinity, w.id) > mix(inp.affinity, b))
+            }
+        };
+        if better {
+            best = Some((i, cost, w.id));
+        }
+    }
+    match best {
+        Some((chosen, cost, _)) => {
+            let chosen = stick(&c, inp, chosen, cost, cost_of, |i| {
+                mix(inp.group, model.workers[i].id) as f64
+            });
+            (chosen, reason_of(inp, chosen, 0))
+        }
+        None => (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill),
+    }
+}
+
+/// PD prefill workers: among the workers holding as much of the prompt as `chosen` (the
+/// cheapest), those whose cost is within the seconds of prefill `chosen` holds of its cost share
+/// the prompt by rendezvous on its opening (`Inputs::group`), so every request of a prompt group
+/// returns to one copy of its prefix instead of alternating between copies with the load, which
+/// doubles the group's cache footprint for good once it has spilled (measured with
+/// `load/pd_compare --sizes 2`: 5-8 of 32 groups alternating between both prefill workers). A
+/// copy is abandoned only when its worker's queue costs more than recomputing the prefix
+/// elsewhere; the load bound still applies. Elsewhere the cost alone decides: a prefix that
+/// several workers hold adds the same to each, and new conversations on a fleet-wide system
+/// prompt would otherwise stack on the group's favourite while the rest of the fleet idles.
+fn stick(
+    c: &Cost,
+    inp: &Inputs,
+    chosen: usize,
+    chosen_cost: f64,
+    cost_of: impl Fn(usize) -> Option<f64>,
+    score: impl Fn(usize) -> f64,
+) -> usize {
+    let depth = inp.matched.get(chosen).copied().unwrap_or(0);
+    if depth == 0 || inp.group == 0 || inp.model.pd.is_none() {
+        return chosen;
+    }
+    // An exact tie (idle copies): the conversation's own rendezvous already chose among them, so
+    // conversations over a shared prompt still spread over its holders when nothing is queued;
+    // the group decides only when load would otherwise alternate between the copies.
+    let tied = (0..inp.model.workers.len()).any(|i| {
+        i != chosen
+            && inp.matched.get(i).copied().unwrap_or(0) == depth
+            && cost_of(i) == Some(chosen_cost)
+    });
+    if tied {
+        return chosen;
+    }
+    let held = f64::from(held_tokens(inp, chosen));
+    let limit = chosen_cost + held / rate_of(c, inp, chosen);
+    let mut best = (chosen, score(chosen));
+    for i in 0..inp.model.workers.len() {
+        if i == chosen || inp.matched.get(i).copied().unwrap_or(0) != depth {
+            continue;
+        }
+        let Some(s) = cost_of(i) else {
+            continue;
+        };
+        let sc = score(i);
+        if s <= limit && sc > best.1 {
+            best = (i, sc);
+        }
+    }
+    best.0
+}
+
+fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
+    if inp.deepest == 0 {
+        if chosen == top {
+            Reason::HashAffinity
+        } else {
+            Reason::LoadSpill
+        }
+    } else if inp.matched.get(chosen).copied().unwrap_or(0) >= inp.deepest {
+        Reason::PrefixHit
+    } else {
+        Reason::LoadSpill
+    }
+}
+
+/// Any weights; also the reference the uniform fast path is tested against.
+fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
+    let model = inp.model;
+    let n = model.workers.len();
+    let total = total_reqs(inp) as f64;
+    let c = Cost::new(p);
+    let deepest = deepest_held(inp);
+    let mut top = 0usize; // rendezvous top overall
+    let mut top_score = f64::MIN;
+    let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
+    let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
+                                                 // Worker `i`'s seconds, `None` when not eligible.
+    let cost_of = |i: usize| -> Option<f64> {
+        cap_ok(p, inp, total, i).then(|| seconds(&c, inp, deepest, i))
+    };
+    for i in 0..n {
+        let score = hrw(model, i, inp.affinity);
+        if score > top_score {
+            top_score = score;
+            top = i;
+        }
+        let cost = if inp.deepest == 0 {
+            if !cap_ok(p, inp, total, i) {
+                continue;
+            }
+            0.0 // pure rendezvous among eligible workers
+        } else {
+            match cost_of(i) {
+                Some(c) => c,
+                None => continue,
+            }
+        };
+        let better = match best {
+            None => true,
+            Some((_, c, s)) => cost < c || (cost == c && score > s),
+        };
+        if inp.deepest == 0 {
+            if better {
+                second = best.map(|(b, _, s)| (b, s));
+            } else if second.is_none_or(|(_, s)| score > s) {
+                second = Some((i, score));
+            }
+        }
+        if better {
+            best = Some((i, cost, score));
+        }
+    }
+    let Some((chosen, cost, _)) = best else {
+        // Unreachable in practice (some worker is always at or below the weighted mean), but a
+        // defined answer beats a panic.
+        return (least_loaded(inp.reqs, inp.tokens, 0), Reason::LoadSpill);
+    };
+    if inp.deepest == 0 {
+        let placed = two_choices(inp, chosen, second.map(|(b, _)| b));
+        return (placed, reason_of(inp, chosen, top));
+    }
+    let chosen = stick(&c, inp, chosen, cost, cost_of, |i| hrw(model, i, inp.group));
+    (chosen, reason_of(inp, chosen, top))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn model(n: usize) -> Model {
+        let names: Vec<String> = (0..n).map(|i| format!("\"w{i}\"")).collect();
+        let json = format!(
+            "{{\"models\":{{\"m\":{{\"workers\":[{}]}}}}}}",
+            names.join(",")
+        );
+        Config::from_json(json.as_bytes()).unwrap().models.remove(0)
+    }
+
+    /// A PD model with `n` prefill workers (the model whose workers the prefill choice ranks).
+    fn pd_model(n: usize) -> Model {
+        let prefill: Vec<String> = (0..n)
+            .map(|i| format!(r#"{{"cluster":"p{i}","bootstrap_host":"h"}}"#))
+            .collect();
+        let json = format!(
+            r#"{{"models":{{"m":{{"prefill":[{}],"decode":["d0"]}}}}}}"#,
+            prefill.join(",")
+        );
+        Config::from_json(json.as_bytes()).unwrap().models.remove(0)
+    }
+
+    fn inputs<'a>(
+        m: &'a Model,
+        reqs: &'a [u32],
+        tokens: &'a [u32],
+        matched: &'a [u32],
+        key: u64,
+    ) -> Inputs<'a> {
+        Inputs {
+            model: m,
+            reqs,
+            tokens,
+            capacity: &[],
+            matched,
+            deepest: matched.iter().copied().max().unwrap_or(0),
+            total_blocks: 100,
+            prompt_tokens: 1600,
+            affinity: key,
+            group: key,
+            conversation_blocks: 0,
+            head_blocks: 0,
+            busy: &[],
+            rate: &[],
+            placed: &[],
+            recent: None,
+        }
+    }
+
+    #[test]
+    fn holder_slack_grows_with_the_tokens_held() {
+        // 4 workers, 4 in flight on worker 0 (the holder), none elsewhere: share = 2*5/4 = 2.5.
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let reqs = [3, 0, 0, 0];
+        let (z, matched) = ([0u32; 4], [90u32, 0, 0, 0]);
+        let mut inp = inputs(&m, &reqs, &z, &matched, 1);
+        // A chat prompt whose opening message (40 blocks) the holder holds, and more: shared.
+        inp.head_blocks = 40;
+        // 90% of a 1600-token prompt held: slack 1 + 2 * 1440/8192 = 1.35: cap floor(3.85) = 3,
+        // 3 in flight + 1 > 3: the holder of a short shared head spills.
+        assert_ne!(choose(&p, &inp).0, 0);
+        // The same share of a 32k-token prompt: full slack 3, cap 5: it stays.
+        inp.prompt_tokens = 32_768;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        inp.prompt_tokens = 1600;
+        // slack_full_tokens 0: every holder gets the full slack (the old rule).
+        let old = PolicyConfig {
+            slack_full_tokens: 0,
+            ..PolicyConfig::default()
+        };
+        assert_eq!(choose(&old, &inp), (0, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn prefill_workers_keep_a_shorter_prefix_through_the_full_slack() {
+        // A PD model's prefill workers: in flight means queued prefills, mostly of cached
+        // prompts, so a 2048-token system prompt keeps its holder where a plain worker spills.
+        let pd = pd_model(4);
+        let plain = model(4);
+        let p = PolicyConfig::default();
+        let reqs = [3, 0, 0, 0];
+        let (z, matched) = ([0u32; 4], [94u32, 0, 0, 0]);
+        for (m, stays) in [(&plain, false), (&pd, true)] {
+            let mut inp = inputs(m, &reqs, &z, &matched, 1);
+            inp.head_blocks = 94; // the system prompt
+            inp.prompt_tokens = 2176; // 2048 held: slack 1.5 (cap 4) or 3 (cap 5)
+            assert_eq!(choose(&p, &inp).0 == 0, stays, "pd {}", m.pd.is_some());
+            // A sibling placed there moments ago (nothing indexed yet) follows it alike.
+            let none = [0u32; 4];
+            let mut inp = inputs(m, &reqs, &z, &none, 1);
+            inp.prompt_tokens = 2176;
+            inp.head_blocks = 94;
+            inp.recent = Some(0);
+            assert_eq!(
+                choose(&p, &inp).0 == 0,
+                stays,
+                "follow, pd {}",
+                m.pd.is_some()
+            );
+        }
+    }
+
+    #[test]
+    fn a_prefix_every_worker_holds_leaves_queued_work_to_decide() {
+        // Every worker holds the 10-block opening, nobody more: it adds the same seconds
+        // everywhere, so the work queued ahead decides (workers 0 and 1 each run a request), and
+        // the rendezvous order spreads the ties between 2 and 3.
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let (reqs, z) = ([1u32, 1, 0, 0], [0u32; 4]);
+        let matched = [10u32; 4];
+        let mut seen = [0usize; 4];
+        for key in 0..64 {
+            let (w, reason) = choose(&p, &inputs(&m, &reqs, &z, &matched, key));
+            assert!(w == 2 || w == 3, "key {key}: {w}");
+            assert_eq!(reason, Reason::PrefixHit);
+            seen[w] += 1;
+        }
+        assert!(seen[2] > 8 && seen[3] > 8, "ties spread: {seen:?}");
+        // Prefill queued on worker 2: worker 3.
+        let tokens = [0u32, 0, 50, 0];
+        assert_eq!(choose(&p, &inputs(&m, &reqs, &tokens, &matched, 1)).0, 3);
+    }
+
+    #[test]
+    fn a_short_prefix_on_busy_holders_spreads_prompts_to_idle_workers() {
+        // Four of eight workers hold the first 2 blocks (32 tokens) of a 1600-token prompt and
+        // run 6 requests each: recomputing and copying 32 tokens elsewhere (64) costs less than
+        // the work queued ahead on a holder (0.25 x 6 x 64 = 96), so new prompts go to the idle
+        // half, spread by rendezvous.
+        let m = model(8);
+        let p = PolicyConfig::default();
+        let (reqs, z) = ([6u32, 6, 6, 6, 0, 0, 0, 0], [0u32; 8]);
+        let matched = [2u32, 2, 2, 2, 0, 0, 0, 0];
+        let mut seen = [0usize; 8];
+        for key in 0..64 {
+            let (w, _) = choose(&p, &inputs(&m, &reqs, &z, &matched, key));
+            seen[w] += 1;
+        }
+        assert_eq!(seen[..4].iter().sum::<usize>(), 0, "{seen:?}");
+        assert!(seen[4..].iter().all(|&n| n > 4), "{seen:?}");
+        // Idle holders keep it: the prefix is then worth more than nothing.
+        let idle = [0u32; 8];
+        let (w, r) = choose(&p, &inputs(&m, &idle, &z, &matched, 3));
+        assert!(w < 4 && r == Reason::PrefixHit, "{w} {r:?}");
+    }
+
+    #[test]
+    fn a_shared_prefix_respects_the_load_bound() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        // The non-holder worker 3 has 4 requests right now: share 2*(5+1)/4 = 3, cap 4: over.
+        let (reqs, z) = ([1u32, 0, 0, 4], [0u32; 4]);
+        let matched = [10u32, 10, 10, 0];
+        let (w, _) = choose(&p, &inputs(&m, &reqs, &z, &matched, 9));
+        assert!(w == 1 || w == 2, "{w}");
+    }
+
+    #[test]
+    fn prefix_holder_wins_when_lightly_loaded() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let (w, r) = choose(
+            &p,
+            &inputs(&m, &[1, 1, 1, 1], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
+        );
+        assert_eq!((w, r), (0, Reason::PrefixHit));
+        // The load bound is strict: with eps = 0.25 and one request in flight among 4 idle
+        // workers, a second one on the same worker would exceed (1+eps)*mean+1, so it spills
+        // (with load_slack 1; the default 3 lets a hot prefix take a few requests first).
+        let strict = PolicyConfig {
+            load_eps: 0.25,
+            load_slack: 1.0,
+            ..PolicyConfig::default()
+        };
+        let (w, r) = choose(
+            &strict,
+            &inputs(&m, &[1, 0, 0, 0], &[100, 0, 0, 0], &[90, 0, 0, 0], 7),
+        );
+        assert!(w != 0 && r == Reason::LoadSpill);
+    }
+
+    #[test]
+    fn a_holder_busy_decoding_with_no_prefill_queue_keeps_its_conversation() {
+        let m = model(8);
+        let p = PolicyConfig::default();
+        // 20 requests decoding on the holder of 90% of a 4000-token conversation (queued prefill
+        // 0), the rest of the fleet idle: far over the fleet-relative bound, well under the
+        // holder's own capacity (32).
+        let (reqs, tokens) = ([20, 0, 0, 0, 0, 0, 0, 0], [0u32; 8]);
+        let (matched, cap) = ([90, 0, 0, 0, 0, 0, 0, 0], [32u32; 8]);
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 4000;
+        inp.capacity = &cap;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+        // The same holder without a reported capacity: the fleet-relative bound stands in.
+        inp.capacity = &[];
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+        // The holder at its capacity (a new request would wait for a slot): it spills.
+        let full = [20u32; 8];
+        inp.capacity = &full;
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+    }
+
+    #[test]
+    fn a_deep_prefill_queue_loses_a_new_conversation_but_keeps_a_long_follow_up() {
+        let m = model(8);
+        let p = PolicyConfig::default();
+        // Worker 0 holds the shared opening (10% of a 4000-token prompt) with 6000 tokens of
+        // prefill queued: recomputing 400 tokens elsewhere is cheaper than waiting.
+        let tokens = vec![6000, 0, 0, 0, 0, 0, 0, 0];
+        let reqs = vec![3, 1, 1, 1, 1, 1, 1, 1];
+        let cap = vec![32u32; 8];
+        let mut matched = vec![0u32; 8];
+        matched[0] = 10;
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 4000;
+        inp.capacity = &cap;
+        assert_ne!(choose(&p, &inp).0, 0, "new conversation leaves the queue");
+        // A follow-up whose 40k-token history the holder holds (99%): waiting for 6000 queued
+        // tokens beats recomputing 39.6k.
+        matched[0] = 99;
+        let mut inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        inp.prompt_tokens = 40_000;
+        inp.capacity = &cap;
+        assert_eq!(choose(&p, &inp), (0, Reason::PrefixHit));
+    }
+
+    #[test]
+    fn a_holder_with_a_deep_queue_keeps_a_long_history_and_loses_a_short_one() {
+        // The case from the trace replay: a ~12k-token follow-up (98 blocks) whose holder
+        // reports 5 of 16 requests and 19,564 queued prefill tokens; the rest of the fleet idle.
+        let m = model(8);
+        let p = PolicyConfig::default();
+        let tokens = [19_564u32, 0, 0, 0, 0, 0, 0, 0];
+        let reqs = [5u32, 1, 1, 1, 1, 1, 1, 1];
+        let cap = [16u32; 8];
+        let ask = |matched| Inputs {
+            prompt_tokens: 12_000,
+            total_blocks: 98,
+            capacity: &cap,
+            ..inputs(&m, &reqs, &tokens, matched, 7)
+        };
+        let c = Cost::new(&p);
+        let cases = [(10u32, false), (26, true), (80, true), (97, true)].map(|(history, stays)| {
+            let mut matched = [0u32; 8];
+            matched[0] = history;
+            (history, stays, matched)
+        });
+        for (history, stays, matched) in &cases {
+            let (history, stays) = (*history, *stays);
+            let inp = ask(matched);
+            let (w, r) = choose(&p, &inp);
+            // What the seconds say: the holder against an idle worker.
+            let h = deepest_held(&inp);
+            let (holder, idle) = (seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
+            assert_eq!(holder < idle, stays, "history {history}");
+            assert_eq!(w == 0, stays, "history {history}: {w} {r:?}");
+            // The general (weighted) path agrees.
+            let mut g = model(8);
+            g.uniform_weights = false;
+            let inp = Inputs { model: &g, ..inp };
+            assert_eq!(choose(&p, &inp).0, w);
+        }
+        // A holder at the capacity it reports cannot start the turn: it is left.
+        let full = [5u32, 16, 16, 16, 16, 16, 16, 16];
+        let matched = [97u32, 0, 0, 0, 0, 0, 0, 0];
+        let inp = Inputs {
+            capacity: &full,
+            ..ask(&matched)
+        };
+        assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
+    }
+
+    #[test]
+    fn a_faster_worker_drains_the_same_queue_sooner() {
+        // Two workers hold the same prefix with the same prefill queued; worker 1 has been
+        // measured at twice the configured rate: its queue is half the seconds.
+        let m = model(2);
+        let p = PolicyConfig::default();
+        let (reqs, tokens, matched) = ([0u32; 2], [3000u32; 2], [50u32; 2]);
+        for (rate, want) in [([0.0f32, 60_000.0], 1), ([60_000.0, 0.0], 0)] {
+            let inp = Inputs {
+                rate: &rate,
+                ..inputs(&m, &reqs, &tokens, &matched, 7)
+            };
+            assert_eq!(choose(&p, &inp), (want, Reason::PrefixHit));
+        }
+        // Unknown rates: the configured one (× weight), so equal here: the rendezvous order.
+        let inp = inputs(&m, &reqs, &tokens, &matched, 7);
+        let c = Cost::new(&p);
+        let h = deepest_held(&inp);
+        assert_eq!(seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
+    }
+
+    #[test]
+    fn chat_and_completions_forms_of_a_follow_up_get_the_same_decision() {
+        // The same conversation as a chat (opening message 10 blocks, its own rendezvous keys)
+        // and as one completions text (no message structure, keys of its first blocks): only
+        // what the workers hold and their loads enter the cost, so the choice is the same.
+        let m = model(8);
+        let p = PolicyConfig::default();
+        let cap = [32u32; 8];
+        let fleets: [([u32; 8], [u32; 8], [u32; 8]); 6] = [
+            (
+                [60, 10, 10, 10, 0, 0, 0, 0],
+                [6000, 0, 0, 0, 0, 0, 0, 0],
+                [4, 1, 1, 1, 1, 1, 1, 1],
+            ),
+            (
+                [95, 10, 10, 10, 0, 0, 0, 0],
+                [6000, 0, 0, 0, 0, 0, 0, 0],
+                [4, 1, 1, 1, 1, 1, 1, 1],
+            ),
+            (
+                [30, 30, 10, 10, 10, 10, 10, 10],
+                [0, 900, 0, 0, 0, 0, 0, 0],
+                [2, 0, 1, 1, 1, 1, 1, 1],
+            ),
+            (
+                [30, 0, 0, 0, 0, 0, 0, 0],
+                [2000, 0, 0, 0, 0, 0, 0, 0],
+                [1; 8],
+            ),
+            ([80, 0, 0, 0, 0, 0, 0, 0], [0; 8], [20, 0, 0, 0, 0, 0, 0, 0]),
+            (
+                [10, 10, 10, 10, 10, 10, 10, 70],
+                [0, 0, 0, 0, 0, 0, 0, 30_000],
+                [1; 8],
+            ),
+        ];
+        for (matched, tokens, reqs) in &fleets {
+            let completions = Inputs {
+                prompt_tokens: 4000,
+                capacity: &cap,
+                ..inputs(&m, reqs, tokens, matched, 11)
+            };
+            let chat = Inputs {
+                head_blocks: 10,
+                affinity: 0xC4A7,
+                group: 0x5EED,
+                ..completions
+            };
+            let (a, b) = (choose(&p, &chat), choose(&p, &completions));
+            // Equal seconds; between workers exactly as cheap, each form's own rendezvous key.
+            let c = Cost::new(&p);
+            let h = deepest_held(&chat);
+            assert_eq!(a.1, b.1, "{matched:?}");
+            assert_eq!(
+                seconds(&c, &chat, h, a.0),
+                seconds(&c, &completions, h, b.0),
+                "{matched:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn heavy_queue_outweighs_small_reuse() {
+        let m = model(2);
+        let p = PolicyConfig::default();
+        // Worker 0 holds 10% of the prompt but has 20k tokens queued.
+        let (w, r) = choose(&p, &inputs(&m, &[1, 0], &[20_000, 0], &[10, 0], 7));
+        assert_eq!((w, r), (1, Reason::LoadSpill));
+    }
+
+    #[test]
+    fn load_bound_holds_under_a_hot_prefix() {
+        // Every request carries the same hot prefix held by worker 0; requests never finish.
+        for n in [2usize, 4, 8, 16] {
+            let m = model(n);
+            let p = PolicyConfig::default();
+            let mut reqs = vec![0u32; n];
+            let tokens = vec![0u32; n];
+            let mut matched = vec![0u32; n];
+            matched[0] = 100;
+            for _ in 0..1000 {
+                let (w, _) = choose(&p, &inputs(&m, &reqs, &tokens, &matched, 42));
+                let total: u32 = reqs.iter().sum();
+                let bound = (1.0 + p.load_eps) * f64::from(total + 1) / n as f64 + p.load_slack;
+                assert!(f64::from(reqs[w] + 1) <= bound, "n={n} reqs={reqs:?}");
+                reqs[w] += 1;
+                matched[w] = 100; // the worker now holds the prefix too
+            }
+            let max = *reqs.iter().max().unwrap() as f64;
+            let mean = 1000.0 / n as f64;
+            assert!(
+                max <= (1.0 + p.load_eps) * mean + p.load_slack,
+                "n={n} reqs={reqs:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn rendezvous_moves_about_one_nth_when_a_worker_is_added() {
+        let m8 = model(8);
+        let m9 = model(9);
+        let p = PolicyConfig::default();
+        let (z8, z9) = (vec![0u32; 8], vec![0u32; 9]);
+        let mut moved = 0;
+        let mut counts = [0u32; 8];
+        let trials = 20_000u64;
+        for k in 0..trials {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            let (a, ra) = choose(&p, &inputs(&m8, &z8, &z8, &z8, key));
+            let (b, _) = choose(&p, &inputs(&m9, &z9, &z9, &z9, key));
+            assert_eq!(ra, Reason::HashAffinity);
+            counts[a] += 1;
+            if m8.workers[a].cluster != m9.workers[b].cluster {
+                moved += 1;
+                assert_eq!(m9.workers[b].cluster, "w8", "only moves to the new worker");
+            }
+        }
+        let frac = f64::from(moved) / trials as f64;
+        assert!((frac - 1.0 / 9.0).abs() < 0.02, "moved {frac}");
+        // And removing a worker moves only that worker's keys.
+        let m7 = model(7);
+        let z7 = vec![0u32; 7];
+        for k in 0..2000u64 {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            let (a, _) = choose(&p, &inputs(&m8, &z8, &z8, &z8, key));
+            let (b, _) = choose(&p, &inputs(&m7, &z7, &z7, &z7, key));
+            if a != 7 {
+                assert_eq!(a, b);
+            }
+        }
+        let mean = trials as f64 / 8.0;
+        assert!(
+            counts
+                .iter()
+                .all(|&c| (f64::from(c) - mean).abs() < 0.1 * mean),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn weighted_rendezvous_follows_weights() {
+        let m =
+            Config::from_json(br#"{"models":{"m":{"workers":["a",{"cluster":"b","weight":3}]}}}"#)
+                .unwrap()
+                .models
+                .remove(0);
+        let p = PolicyConfig::default();
+        let z = [0u32; 2];
+        let mut b = 0;
+        for k in 0..8000u64 {
+            let key = crate::blocks::digest(&k.to_le_bytes());
+            if choose(&p, &inputs(&m, &z, &z, &z, key)).0 == 1 {
+                b += 1;
+            }
+        }
+        let frac = f64::from(b) / 8000.0;
+        assert!((frac - 0.75).abs() < 0.03, "{frac}");
+    }
+
+    #[test]
+    fn equally_deep_prefill_workers_share_a_prompt_group_by_its_opening_not_by_load() {
+        // PD prefill workers 0 and 1 hold the same 80 of 100 blocks (1280 of 1600 tokens); the
+        // group's rendezvous favourite gets every request of the group while its extra queued
+        // work costs less than the 1280 tokens it holds.
+        let m = pd_model(2);
+        let p = PolicyConfig::default();
+        let matched = [80u32, 80];
+        let z = [0u32; 2];
+        for group in [7u64, 8, 9] {
+            let fav = (0..2usize)
+                .max_by_key(|&i| mix(group, m.workers[i].id))
+                .unwrap();
+            // The favourite has two more requests and 1000 more in-flight tokens: cost +628.
+            let mut reqs = [0u32; 2];
+            let mut tokens = [0u32; 2];
+            reqs[fav] = 2;
+            tokens[fav] = 1000;
+            let inp = Inputs {
+                reqs: &reqs,
+                tokens: &tokens,
+                ..inputs(&m, &z, &z, &matched, 7)
+            };
+            // The group's opening message: a shared prompt, not one conversation's history.
+            let inp = Inputs {
+                group,
+                head_blocks: 80,
+                ..inp
+            };
+            assert_eq!(choose(&p, &inp), (fav, Reason::PrefixHit), "group {group}");
+            // Queued work above what it holds (+2628 > 1280): the other copy.
+            let mut tokens2 = tokens;
+            tokens2[fav] = 5000;
+            let inp2 = Inputs {
+                tokens: &tokens2,
+                ..inp
+            };
+            assert_eq!(choose(&p, &inp2), (1 - fav, Reason::PrefixHit));
+            // Plain workers: the cost alone, the less loaded copy.
+            let plain = model(2);
+            let inp3 = Inputs {
+                model: &plain,
+                ..inp
+            };
+            assert_eq!(choose(&p, &inp3), (1 - fav, Reason::PrefixHit));
+        }
+    }
+
+    #[test]
+    fn a_new_prompt_goes_to_the_runner_up_when_the_top_was_sent_a_prompt_more() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        let (a, r) = choose(&p, &inputs(&m, &z, &z, &z, 42));
+        assert_eq!(r, Reason::HashAffinity);
+        // The runner-up: the top when `a` is over the load bound.
+        let mut reqs = [0u32; 4];
+        reqs[a] = 9;
+        let (b, _) = choose(&p, &inputs(&m, &reqs, &z, &z, 42));
+        assert_ne!(a, b);
+        // `a` was sent 2000 uncached tokens more than `b` lately, more than this 1600-token
+        // prompt: `b`, still reported as placement (not a spill).
+        let mut placed = [0.0f32; 4];
+        placed[a] = 2000.0;
+        let skewed = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &skewed), (b, Reason::HashAffinity));
+        // Within a prompt: the rendezvous top.
+        placed[a] = 1500.0;
+        let close = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &close), (a, Reason::HashAffinity));
+        // Only the runner-up is compared: a worker with a large footprint stays eligible as the
+        // runner-up of other prompts.
+        placed[a] = 0.0;
+        placed[b] = 1e9;
+        let big = Inputs {
+            placed: &placed,
+            ..inputs(&m, &z, &z, &z, 42)
+        };
+        assert_eq!(choose(&p, &big).0, a);
+    }
+
+    #[test]
+    fn a_sibling_follows_its_recent_placement_within_the_load_bound() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        let (top, _) = choose(&p, &inputs(&m, &z, &z, &z, 5));
+        let other = (top + 1) % 4;
+        let inp = Inputs {
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(choose(&p, &inp), (other, Reason::HashAffinity));
+        // Over the bound (4 of 4 in flight there): rendezvous as usual.
+        let mut reqs = [0u32; 4];
+        reqs[other] = 4;
+        let busy = Inputs {
+            reqs: &reqs,
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(choose(&p, &busy).0, top);
+        // Only for prompts nobody holds.
+        let matched = [3u32; 4];
+        let held = Inputs {
+            recent: Some(other),
+            ..inputs(&m, &z, &z, &matched, 5)
+        };
+        assert_ne!(choose(&p, &held), (other, Reason::HashAffinity));
+    }
+
+    #[test]
+    fn new_pd_prompts_avoid_a_prefill_worker_with_queued_prefills() {
+        let pd = pd_model(4);
+        let plain = model(4);
+        let p = PolicyConfig::default();
+        let (z, placed) = ([0u32; 4], [0f32; 4]);
+        for (m, moves) in [(&plain, false), (&pd, true)] {
+            let idle = Inputs {
+                placed: &placed,
+                ..inputs(m, &z, &z, &z, 5)
+            };
+            let (top, _) = choose(&p, &idle);
+            // Two prompts' worth of prefill queued on the top (one request in flight each way).
+            let mut tokens = [0u32; 4];
+            tokens[top] = 3200;
+            let reqs = [1u32; 4];
+            let busy = Inputs {
+                tokens: &tokens,
+                reqs: &reqs,
+                placed: &placed,
+                ..inputs(m, &z, &z, &z, 5)
+            };
+            let (w, reason) = choose(&p, &busy);
+            assert_eq!(w != top, moves, "pd {}", m.pd.is_some());
+            assert_eq!(reason, Reason::HashAffinity);
+        }
+    }
+
+    #[test]
+    fn a_follower_is_charged_past_what_its_sibling_computes() {
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        // 1600 tokens in 100 blocks, the opening message 90 of them.
+        let follow = Inputs {
+            recent: Some(2),
+            head_blocks: 90,
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(crate::policy::charged_tokens(&p, &follow, 2), 160);
+        // Anywhere else, or without a sibling, the whole prompt.
+        assert_eq!(crate::policy::charged_tokens(&p, &follow, 1), 1600);
+        let alone = Inputs {
+            head_blocks: 90,
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(crate::policy::charged_tokens(&p, &alone, 2), 1600);
+        // No opening message: the rendezvous blocks (4 of 100).
+        let blocks = Inputs {
+            recent: Some(2),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(crate::policy::charged_tokens(&p, &blocks, 2), 1536);
+    }
+
+    #[test]
+    fn uniform_fast_path_matches_the_general_policy() {
+        use proptest::prelude::*;
+        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+            cases: 2000,
+            ..Default::default()
+        });
+        let models: Vec<Model> = [1usize, 2, 3, 4, 7, 16, 64]
+            .iter()
+            .map(|&n| model(n))
+            .collect();
+        let strat = (
+            0usize..7,
+            proptest::collection::vec(
+                // Depths from a few values, so equally deep holders (`stick`) are common.
+                (
+                    0u32..12,
+                    0u32..20_000,
+                    prop_oneof![Just(0u32), Just(40u32), Just(80u32), 1u32..100],
+                ),
+                64,
+            ),
+            any::<u64>(),
+            prop_oneof![Just(0.0), Just(0.25), Just(1.0), 0.0f64..3.0],
+            prop_oneof![Just(1.0), Just(3.0), 0.0f64..5.0],
+            any::<bool>(),
+            prop_oneof![Just(0u32), Just(8192u32), 1u32..4000],
+            any::<bool>(),
+            // Reported capacities: none, or per worker (0 = this one does not report).
+            prop_oneof![Just(None), Just(Some(8u32)), (0u32..16).prop_map(Some)],
+        );
+        runner
+            .run(
+                &strat,
+                |(mi, rows, key, eps, slack, miss, full, footprint, cap)| {
+                    let m = &models[mi];
+                    let n = m.workers.len();
+                    let reqs: Vec<u32> = rows[..n].iter().map(|r| r.0).collect();
+                    let tokens: Vec<u32> = rows[..n].iter().map(|r| r.1).collect();
+                    let matched: Vec<u32> = rows[..n]
+                        .iter()
+                        .map(|r| if miss { 0 } else { r.2 })
+                        .collect();
+                    let p = PolicyConfig {
+                        load_eps: eps,
+                        load_slack: slack,
+                        slack_full_tokens: full,
+                        ..PolicyConfig::default()
+                    };
+                    // Footprints: the in-flight tokens reused as placed tokens (any spread will do).
+                    let placed: Vec<f32> = if footprint {
+                        tokens.iter().map(|&t| t as f32).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let capacity: Vec<u32> = match cap {
+                        None => Vec::new(),
+                        Some(c) => (0..n as u32).map(|i| (c + i * 5) % 17).collect(),
+                    };
+                    // Learned rates for some workers (0: the configured rate).
+                    let rates: Vec<f32> = tokens
+                        .iter()
+                        .map(|&t| if t % 3 == 0 { (t % 50_000) as f32 } else { 0.0 })
+                        .collect();
+                    let mut inp = inputs(m, &reqs, &tokens, &matched, key);
+                    inp.rate = &rates;
+                    inp.placed = &placed;
+                    inp.capacity = &capacity;
+                    inp.group = key.rotate_left(17);
+                    prop_assert_eq!(choose_uniform(&p, &inp), choose_general(&p, &inp));
+                    Ok(())
+                },
+            )
+            .unwrap();
+    }
+}
