@@ -12,7 +12,7 @@ runs (envoy/*.yaml, the test and benchmark Envoys, load/compare).
 `python -m prkit.envoy_config` (or `envoy/gen`) is the command line over the same functions.
 
 Modules: `options` (constants, `Options`, profiles, validation, value parsers), `plugin` (the
-filter's configuration), `sections` (the Envoy sections, `config`, `render`), `yaml` (`dump`),
+filter's configuration), `clusters` (the clusters), `sections` (the other Envoy sections, `config`, `render`), `yaml` (`dump`),
 `cli` (`main`, `options_from_args`), `local` (`local_demo`, `plain_proxy`). Every name is
 re-exported here: `ec.<name>` is the API.
 
