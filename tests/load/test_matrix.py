@@ -61,4 +61,6 @@ def test_matrix_smoke_one_cell(repo_root, tmp_path):
         assert 0 < r["pooled_lru_bound"] < 1 and 0 <= r["share_of_pooled_lru"] <= 1.5
         assert r["lateness_p99"] >= 0 and 0 < r["ttft_p50"] <= r["ttft_p99"]
     md = (out / "matrix.md").read_text()
-    assert "Command: `load/compare --matrix" in md and "p99 / smg's" in md
+    # The command line as run (prefixed by the build variables it ran with, e.g. PREFIX_ROUTER_WASM).
+    command = next(line for line in md.splitlines() if line.startswith("Command: `"))
+    assert "load/compare --matrix" in command and "p99 / smg's" in md
