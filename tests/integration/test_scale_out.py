@@ -1,6 +1,6 @@
 """Scale-out through real Envoy processes: 3 replicas of one router in front of 6 fake workers.
 
-Each replica is an `envoy/gen` config, built as load/compare.py builds them: loopback listeners, no
+Each replica is an `envoy/gen` config, built as load/routers.py builds them: loopback listeners, no
 rate limit, no stats listener, plus the debug header, its own peer listener, `--peers` naming all
 three peer listeners (itself included), one shared `--peer-secret` and `--load-poll-ms 50`. Each
 Envoy gets its own `--base-id` (prkit.envoy.Envoy). The fake workers carry the names of gen's worker

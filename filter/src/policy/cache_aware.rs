@@ -10,7 +10,7 @@
 //!   of piling onto one (bounded-load consistent hashing), while at low concurrency a holder may
 //!   take a few requests more before its cached prefix is recomputed elsewhere.
 //! * **No worker holds any prefix** (`deepest == 0`): rendezvous (highest-random-weight) hashing
-//!   of the prompt's rendezvous key (`router.rs`) picks the top eligible worker. Sibling
+//!   of the prompt's rendezvous key (`router/mod.rs`) picks the top eligible worker. Sibling
 //!   requests and separate Envoy replicas make the same choice with no shared state, and adding or
 //!   removing a worker moves only ~1/n of the prefixes. Weighted workers use `-w / ln(u)`. The
 //!   runner-up replaces the top when this VM lately sent the top more than one such prompt's
@@ -263,7 +263,7 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     if inp.deepest == 0 {
         if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
             let total = total_reqs(inp) as f64;
-            // A PD prefill worker is about to hold the siblings' opening (router.rs keys PD
+            // A PD prefill worker is about to hold the siblings' opening (router/mod.rs keys PD
             // siblings by it); elsewhere the sibling is the same conversation: slack 1.
             let slack = if inp.model.pd.is_some() {
                 follow_slack(p, inp)
