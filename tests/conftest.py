@@ -23,6 +23,7 @@ QUIET = (
     "tests/reliability/test_config_change.py",  # hot restart under a closed-loop load
     "tests/reliability/test_slow_clients.py",  # timeouts measured against trickled bytes
     "tests/sim/test_sim_sse.py::test_stream_headers_arrive_with_first_token",  # prefill timing
+    "tests/sim/test_sim_cost.py::test_follow_up_on_a_long_history_prefills_slower_per_token",  # TTFT ratio
 )
 
 
