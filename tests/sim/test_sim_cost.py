@@ -47,6 +47,7 @@ def test_follow_up_on_a_long_history_prefills_slower_per_token(sim_factory):
                         "--max-total-tokens", "131072", "--chunked-prefill-size", "-1",
                         "--max-prefill-tokens", "65536", "--prefill-context-per-1k-tokens", k,
                         worker_id=f"sim-ctx-{k}")
+        _ttft(s.base, "".join(tok[27990:]))  # a first request pays for the connection
         fresh = _ttft(s.base, new_a)
         _ttft(s.base, history)
         follow = _ttft(s.base, history + new_b)
