@@ -103,6 +103,13 @@ class Worker:
                 n = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(n) if n else b""
 
+            def _reply(self, status: int, content_type: str, payload: bytes):
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
             def _loads(self) -> bool:
                 """SGLang's load endpoints as the filter's poller asks them (authority = the worker's
                 cluster name): answered with the worker's load and not counted as client traffic."""
@@ -114,11 +121,7 @@ class Worker:
                     with worker.lock:
                         worker.stats.metric_reads += 1
                     payload = b"sglang:prompt_tokens_total 0.0\nsglang:cached_tokens_total 0.0\n"
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/plain")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._reply(200, "text/plain", payload)
                     return True
                 if self.command == "GET" and path in ("/get_server_info", "/server_info") and poll:
                     with worker.lock:
@@ -126,11 +129,7 @@ class Worker:
                         info = {"model_path": "fake", "max_total_num_tokens": 100000,
                                 "max_running_requests": worker.capacity or None}
                     payload = json.dumps(info).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._reply(200, "application/json", payload)
                     return True
                 if self.command != "GET" or path not in ("/v1/loads", "/get_load") or not poll:
                     return False
@@ -149,11 +148,7 @@ class Worker:
                     time.sleep(delay)
                 if status != 200:
                     payload = json.dumps({"error": "load endpoint failed"}).encode()
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    self._reply(status, "application/json", payload)
                     return True
                 if path == "/v1/loads":
                     rank = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": 0,
@@ -164,11 +159,7 @@ class Worker:
                 else:
                     payload = json.dumps([{"dp_rank": 0, "num_reqs": running, "num_waiting_reqs": 0,
                                            "num_tokens": 0}]).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                self._reply(200, "application/json", payload)
                 return True
 
             def _handle(self):
