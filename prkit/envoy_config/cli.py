@@ -141,6 +141,10 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="use the experimental native build (libprefix_router.so, an Envoy dynamic module: "
                     "cargo build -p prefix-router --release --features dynamic-module) instead of the .wasm; "
                     "start Envoy with ENVOY_DYNAMIC_MODULES_SEARCH_PATH naming the .so's directory")
+    ap.add_argument("--native-lb", action="store_true",
+                    help="with --native: the pool clusters' load balancer is the native module too (a prototype, "
+                    "docs/performance.md) instead of override_host; each attempt goes to the next host the filter "
+                    "listed that is healthy and not yet tried")
     dbg = ap.add_mutually_exclusive_group()
     dbg.add_argument("--debug-header", dest="debug_header", action="store_const", const=True,
                      help="enable the x-prefix-router-decision response header")
@@ -375,6 +379,10 @@ def options_from_args(argv: list[str]) -> Options:
         if a.wasm is not None:
             raise ConfigError("--native", "the native build loads no .wasm: drop --wasm")
         over["dynamic_module"] = NATIVE_MODULE
+    if a.native_lb:
+        if not a.native:
+            raise ConfigError("--native-lb", "the load balancer is the native module: add --native")
+        over["native_lb"] = True
     over["command"] = command_line(argv)
     opts = profile(a.profile, **over)
     pc = plugin.get("passthrough_cluster")

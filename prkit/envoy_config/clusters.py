@@ -4,6 +4,7 @@ and discovery they share. `sections.py` assembles them with the listeners."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from .options import (
@@ -140,6 +141,22 @@ def override_host_policy(fallback: bool = True) -> dict:
         "name": "envoy.load_balancing_policies.override_host", "typed_config": oh}}]}
 
 
+def native_lb_policy(module: str) -> dict:
+    """The native module as the cluster's load balancer (Envoy 1.40
+    `envoy.load_balancing_policies.dynamic_modules`, filter/src/native/lb/): every attempt goes
+    to the first host named in DESTINATION_HEADER that is healthy and not yet tried by this
+    request (previous_hosts), past the last one to the least busy healthy host."""
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.dynamic_modules.v3."
+                     "DynamicModulesLoadBalancerConfig",
+            "dynamic_module_config": {"name": module, "do_not_close": True},
+            "lb_policy_name": "prefix_router",
+            "lb_policy_config": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                 "value": json.dumps({"header": DESTINATION_HEADER})}}}}]}
+
+
 def _pool_membership(p: Pool) -> dict:
     """A pool's membership: the EDS file (Envoy follows it when it is replaced by a rename into
     its directory) or a DNS name re-resolved every 2 s."""
@@ -191,9 +208,14 @@ def pool_cluster(o: Options, model: str, p: Pool) -> dict:
         c["ignore_health_on_host_removal"] = True
     else:
         c["per_connection_buffer_limit_bytes"] = MIB16
-    c["#lb"] = (f"override_host: the hosts named in {DESTINATION_HEADER} that are members, in order, whatever\n"
-                "their health (Envoy 1.40: the filter names healthy ones); else least request over healthy hosts.")
-    c["load_balancing_policy"] = override_host_policy()
+    if o.native_lb and o.dynamic_module:
+        c["#lb"] = (f"The native module picks each attempt: the hosts named in {DESTINATION_HEADER}, in order,\n"
+                    "skipping unhealthy ones and those this request tried; else the least busy healthy host.")
+        c["load_balancing_policy"] = native_lb_policy(o.dynamic_module)
+    else:
+        c["#lb"] = (f"override_host: the hosts named in {DESTINATION_HEADER} that are members, in order, whatever\n"
+                    "their health (Envoy 1.40: the filter names healthy ones); else least request over healthy hosts.")
+        c["load_balancing_policy"] = override_host_policy()
     c.update(_pool_endpoints(p))
     return c
 

@@ -158,6 +158,9 @@ class Options:
     # ENVOY_DYNAMIC_MODULES_SEARCH_PATH of the Envoy process) run in place of the Wasm filter with
     # the same plugin configuration: benches only (benches/dm-floor); prefix-router ships as Wasm
     dynamic_module: str | None = None
+    # the pool clusters' load balancer is the same dynamic module (Envoy 1.40's
+    # envoy.load_balancing_policies.dynamic_modules) instead of override_host: a prototype, native only
+    native_lb: bool = False
     debug_header: bool = False
     access_log: bool = True
     rate_limit: int = 1000  # requests/s per Envoy replica; 0 = no global bucket
