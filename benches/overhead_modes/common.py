@@ -71,7 +71,7 @@ def ensure_tools(kinds: list[str] | None = None, sim: bool = True):
         sh(build_floor, cwd=REPO_ROOT)
     if "dm_floor" in want:
         sh(["cargo", "build", "-p", "dm-floor", "--release"], cwd=REPO_ROOT)
-    if want & {"prefix_router_dm", "prefix_router_dm_nopoll"}:
+    if want & {"prefix_router_dm", "prefix_router_dm_nopoll", *DM_POOL_KINDS}:
         sh(["cargo", "build", "-p", "prefix-router", "--release", "--features", "dynamic-module"], cwd=REPO_ROOT)
     if sim and "SGLANG_SIM_BIN" not in os.environ:
         sh(["cargo", "build", "-p", "sglang-sim", "--release"], cwd=REPO_ROOT)
@@ -154,6 +154,8 @@ def envoy_yaml(mode: str, port: int, admin: int, upstream: int | list[int], plug
         return ec.dump(ec.plain_proxy(listen, admin_addr, pools, http_filters=filters, log=False))
     if mode in POOL_KINDS:
         return pool_yaml(mode, listen, admin_addr, tmp)
+    if mode in DM_POOL_KINDS:
+        return dm_pool_yaml(mode, listen, admin_addr, ups, tmp)
     wasm = WASM_OF[mode]
     if mode.endswith("_nopoll"):
         # The same filter without its load polls (a per-second cost, not a per-request one).
@@ -196,6 +198,26 @@ def pool_yaml(mode: str, listen, admin_addr, tmp: Path | None) -> str:
                    admin=admin_addr, wasm=str(WASM), membership_ms=POOL_KINDS[mode], pool_max_workers=POOL_HOSTS,
                    default_model="llama", load_poll_ms=60000, hit_check_ms=0,
                    plugin={"load_poll": {"no_traffic_interval_ms": 60000}})
+    return ec.render(o)
+
+
+# The native build with ONE pool model of the WORKERS upstreams (a file-based EDS file; the filter
+# reads membership every 1 s), its pool cluster's load balancer override_host (envoy/gen's default)
+# or the native module (`--native-lb`, filter/src/native/lb/): their difference is the LB's cost.
+DM_POOL_KINDS = {"prefix_router_dm_pool": False, "prefix_router_dm_pool_lb": True}
+
+
+def dm_pool_yaml(mode: str, listen, admin_addr, ups: list[int], tmp: Path | None) -> str:
+    if tmp is None:
+        raise ValueError(f"{mode}: needs a directory for its EDS file")
+    d = tmp / f"eds-{mode}"
+    d.mkdir(exist_ok=True)
+    eds = d / "llama.json"
+    hosts = ["127.0.0.1"] * WORKERS if len(set(ups)) == WORKERS else [f"127.0.0.{i + 1}" for i in range(WORKERS)]
+    write_eds(eds, "llama", list(zip(hosts, ups)), time_ns())
+    o = ec.profile("bench", models={}, pools={"llama": ec.Pool("llama", "eds", path=str(eds))}, listen=listen,
+                   admin=admin_addr, dynamic_module=DM_ROUTER, native_lb=DM_POOL_KINDS[mode],
+                   default_model="llama", pool_max_workers=WORKERS)
     return ec.render(o)
 
 
@@ -272,13 +294,15 @@ KINDS = [("envoy", "(i) Envoy, plain route"), ("envoy_buffer", "(ii) Envoy + buf
          ("prefix_router_nopoll", "(iii) without load polls"),
          ("prefix_router_dm_nopoll", "(vii) without load polls"),
          ("prefix_router_pool64", f"(iii) pool of {POOL_HOSTS}, membership every 1 s"),
-         ("prefix_router_pool64_nomembership", f"(iii) pool of {POOL_HOSTS}, membership off")]
+         ("prefix_router_pool64_nomembership", f"(iii) pool of {POOL_HOSTS}, membership off"),
+         ("prefix_router_dm_pool", f"(vii) pool of {WORKERS}, override_host"),
+         ("prefix_router_dm_pool_lb", f"(vii) pool of {WORKERS}, the native LB")]
 # Measured only when named in --kinds: the filter without its per-second load polls, the pools.
-OPTIONAL = ("prefix_router_nopoll", "prefix_router_dm_nopoll", *POOL_KINDS)
+OPTIONAL = ("prefix_router_nopoll", "prefix_router_dm_nopoll", *POOL_KINDS, *DM_POOL_KINDS)
 # The .wasm each Wasm mode loads.
 WASM_OF = {"prefix_router": WASM, "wasm_floor": FLOOR_WASM, "wasm_floor_sdk": FLOOR_SDK_WASM,
            "dm_floor": WASM, "prefix_router_dm": WASM, "prefix_router_nopoll": WASM,
-           "prefix_router_dm_nopoll": WASM, **{k: WASM for k in POOL_KINDS}}
+           "prefix_router_dm_nopoll": WASM, **{k: WASM for k in POOL_KINDS}, **{k: WASM for k in DM_POOL_KINDS}}
 
 
 @contextlib.contextmanager

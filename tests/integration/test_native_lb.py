@@ -8,85 +8,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 
 import pytest
 
-from prkit import envoy_config as ec
-from prkit.build import cargo_build
-from prkit.client import Client
-from prkit.eds import write_eds
-from prkit.envoy import Envoy
-from prkit.fake_workers import Worker
-from prkit.paths import target_dir
-from prkit.ports import free_port
+from prkit.native_pool import NativePool, next_turn, opening
 from prkit.wait import wait_until
-
-from . import workload as wl
-
-MODEL = "m"
-LB_STAT = "prefix_router.lb."
-
-
-class NativePool:
-    """Three fake workers as one EDS pool behind the native filter, with the pool's load balancer
-    the native module (`native_lb`) or override_host. `membership_ms`: how often the filter reads
-    the pool's healthy hosts from Envoy's admin."""
-
-    def __init__(self, tmp: Path, native_lb: bool, membership_ms: int = 200):
-        cargo_build("prefix-router", release=True, features=["dynamic-module"])
-        so = target_dir() / "release" / "libprefix_router.so"
-        self.workers = [Worker(f"p{i}") for i in range(3)]
-        self.addr = {f"127.0.0.1:{w.port}": w.name for w in self.workers}
-        path = tmp / "eds" / "m.yaml"
-        path.parent.mkdir()
-        write_eds(path, MODEL, [("127.0.0.1", w.port) for w in self.workers], 1)
-        listen, admin = free_port(), free_port()
-        args = ["--model", f"{MODEL}=eds:{path}", "--listen", f"127.0.0.1:{listen}", "--admin",
-                f"127.0.0.1:{admin}", "--stats-listen", "none", "--rate-limit", "0", "--hash-key", "k" * 32,
-                "--native", "--membership-ms", str(membership_ms), "--health-interval", "1s",
-                "--debug-header", "--fallbacks", "1"]
-        text = ec.run_gen(*args, *(["--native-lb"] if native_lb else []))
-        assert ("envoy.load_balancing_policies.dynamic_modules" in text) == native_lb
-        self.envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp,
-                           env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)}).start()
-        self.client = Client(listen)
-        wait_until(lambda: self.healthy() == {"p0", "p1", "p2"}, lambda: f"healthy: {self.healthy()}", 30)
-        # The filter names hosts once it has read the pool's membership (Envoy's admin).
-        wait_until(lambda: "worker" in self.chat(opening())[1], "the filter naming pool hosts", 30, 0.1)
-
-    def healthy(self) -> set[str]:
-        """The pool's hosts Envoy's admin shows healthy."""
-        _, body = self.envoy.admin_get("/clusters")
-        out = set()
-        for line in body.splitlines():
-            parts = line.split("::")
-            if len(parts) == 4 and parts[0] == MODEL and parts[2] == "health_flags" and parts[3] == "healthy":
-                out.add(self.addr.get(parts[1], parts[1]))
-        return out
-
-    def lb_stats(self) -> dict[str, int]:
-        """The LB's counters (`<namespace>.prefix_router.lb.<name>`) by name."""
-        _, body = self.envoy.admin_get("/stats?filter=prefix_router\\.lb\\.")
-        out = {}
-        for line in body.splitlines():
-            name, _, v = line.partition(": ")
-            if LB_STAT in name and v.strip().isdigit():
-                out[name.split(LB_STAT, 1)[1]] = int(v)
-        return out
-
-    def chat(self, msgs: list[dict]):
-        rep = self.client.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
-        assert rep.status == 200, (rep.status, rep.body[:300])
-        d = {k: self.addr.get(v, v) if isinstance(v, str) else v for k, v in rep.decision.items()}
-        attempts = int((rep.headers.get("x-envoy-attempt-count") or ["1"])[0])
-        return rep.worker, d, attempts
-
-    def close(self):
-        self.envoy.stop()
-        for w in self.workers:
-            w.close()
 
 
 @pytest.fixture
@@ -94,10 +21,8 @@ def make_pool():
     made = []
     tmp = Path(tempfile.mkdtemp(prefix="prefix-router-native-lb-"))
 
-    def make(native_lb: bool, membership_ms: int = 200) -> NativePool:
-        d = tmp / str(len(made))
-        d.mkdir()
-        made.append(NativePool(d, native_lb, membership_ms))
+    def make(native_lb: bool, **kw) -> NativePool:
+        made.append(NativePool(tmp / str(len(made)), native_lb, **kw))
         return made[-1]
 
     try:
@@ -106,17 +31,6 @@ def make_pool():
         for p in made:
             p.close()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def opening() -> list[dict]:
-    r = wl.rng(uuid.uuid4().hex)
-    return [{"role": "system", "content": f"{uuid.uuid4().hex} " + wl.text(r, 2000)},
-            {"role": "user", "content": wl.text(r, 200)}]
-
-
-def next_turn(msgs: list[dict]) -> list[dict]:
-    r = wl.rng(str(len(msgs)))
-    return msgs + [{"role": "assistant", "content": wl.text(r, 100)}, {"role": "user", "content": wl.text(r, 100)}]
 
 
 def test_the_lb_sends_the_first_attempt_to_the_filters_choice(make_pool):
@@ -134,20 +48,21 @@ def test_the_lb_sends_the_first_attempt_to_the_filters_choice(make_pool):
 
 
 def test_a_retry_goes_to_the_next_listed_host_and_never_the_one_that_failed(make_pool):
-    pool = make_pool(native_lb=True)
+    pool = make_pool(native_lb=True, n=4, fallbacks=2)
     msgs = opening()
     holder, _, _ = pool.chat(msgs)
-    next(w for w in pool.workers if w.name == holder).close()  # refused; health checks not yet aware
+    pool.worker(holder).close()  # refused; health checks not yet aware
     before = pool.lb_stats()
     msgs = next_turn(msgs)
-    worker, d, attempts = pool.chat(msgs)
-    assert worker != holder and d["worker"] == worker and d.get("chosen") == holder, d
+    worker, d, attempts = pool.chat(msgs, tag="retry")
+    listed = pool.listed("retry")
+    assert listed[0] == holder and len(listed) == 3, listed
+    # The retry went to the filter's next holder, not to the least busy or any other host.
+    assert worker == listed[1] and d["worker"] == worker and d.get("chosen") == holder, (d, listed)
     assert attempts == 2, attempts
     after = pool.lb_stats()
-    # The retry went to the listed fallback (the filter's next holder), not to the least busy host.
-    assert after.get("listed_fallback", 0) == before.get("listed_fallback", 0) + 1, (before, after)
-    assert after.get("unlisted", 0) == before.get("unlisted", 0), (before, after)
-    assert after.get("panics", 0) == 0
+    assert after["listed_fallback"] == before["listed_fallback"] + 1, (before, after)
+    assert after["unlisted"] == before["unlisted"] and after["panics"] == 0, (before, after)
 
 
 @pytest.mark.parametrize("native_lb", [True, False], ids=["native_lb", "override_host"])
@@ -159,7 +74,7 @@ def test_a_listed_host_envoy_holds_unhealthy(make_pool, native_lb):
     pool = make_pool(native_lb=native_lb, membership_ms=4000)
     msgs = opening()
     holder, _, _ = pool.chat(msgs)
-    next(w for w in pool.workers if w.name == holder).close()
+    pool.worker(holder).close()
     wait_until(lambda: holder not in pool.healthy(), f"Envoy's health checks failing {holder}", 30, 0.02)
     msgs = next_turn(msgs)
     worker, d, attempts = pool.chat(msgs)
