@@ -204,6 +204,8 @@ def pool_yaml(mode: str, listen, admin_addr, tmp: Path | None) -> str:
 # The native build with ONE pool model of the WORKERS upstreams (a file-based EDS file; the filter
 # reads membership every 1 s), its pool cluster's load balancer override_host (envoy/gen's default)
 # or the native module (`--native-lb`, filter/src/native/lb/): their difference is the LB's cost.
+# Load polls every 60 s (the filter reads membership only while polls are on; the per-second
+# polls of four workers would otherwise dwarf the difference and vary with the request rate).
 DM_POOL_KINDS = {"prefix_router_dm_pool": False, "prefix_router_dm_pool_lb": True}
 
 
@@ -217,7 +219,8 @@ def dm_pool_yaml(mode: str, listen, admin_addr, ups: list[int], tmp: Path | None
     write_eds(eds, "llama", list(zip(hosts, ups)), time_ns())
     o = ec.profile("bench", models={}, pools={"llama": ec.Pool("llama", "eds", path=str(eds))}, listen=listen,
                    admin=admin_addr, dynamic_module=DM_ROUTER, native_lb=DM_POOL_KINDS[mode],
-                   default_model="llama", pool_max_workers=WORKERS)
+                   default_model="llama", pool_max_workers=WORKERS, load_poll_ms=60000, hit_check_ms=0,
+                   plugin={"load_poll": {"no_traffic_interval_ms": 60000}})
     return ec.render(o)
 
 

@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from prkit import envoy_config as ec
+from prkit.envoy_config.cli import options_from_args
+from prkit.build import cargo_build
+from prkit.eds import write_eds
+from prkit.envoy import check_config
+from prkit.paths import target_dir
 from prkit.native_pool import NativePool, next_turn, opening
 from prkit.wait import wait_until
 
@@ -81,3 +87,23 @@ def test_a_listed_host_envoy_holds_unhealthy(make_pool, native_lb):
     # the filter named the dead holder first
     assert worker != holder and d.get("chosen") == holder, d
     assert attempts == (1 if native_lb else 2), (attempts, d)
+
+
+def test_gen_writes_the_native_lb_only_with_the_native_build_and_envoy_accepts_it(tmp_path, monkeypatch):
+    """`--native-lb` needs `--native`; with it every pool cluster (EDS or DNS) gets the module as
+    its load balancer, static workers keep theirs, and Envoy 1.40 validates the config."""
+    common = ["--stats-listen", "none", "--hash-key", "k" * 32]
+    r = ec.gen_result("--model", "m=eds:/tmp/m.yaml", "--native-lb", *common)
+    assert r.returncode != 0 and "--native-lb" in r.stderr and "--native" in r.stderr, r.stderr
+    write_eds(tmp_path / "m.yaml", "m", [("127.0.0.1", 30002)], 1)
+    o = options_from_args(["--model", f"m=eds:{tmp_path / 'm.yaml'}", "--model", "d=dns:workers.local:30000",
+                           "--model", "s=127.0.0.1:30001", "--native", "--native-lb", *common])
+    cfg = ec.config(o)
+    lbs = {c["name"]: c.get("load_balancing_policy", {}).get("policies", [{}])[0]
+           .get("typed_extension_config", {}).get("name") for c in cfg["static_resources"]["clusters"]}
+    assert lbs["m"] == lbs["d"] == "envoy.load_balancing_policies.dynamic_modules", lbs
+    assert lbs["m_load"] == "envoy.load_balancing_policies.override_host", lbs  # polls name one host
+    assert lbs.get("s") != "envoy.load_balancing_policies.dynamic_modules", lbs
+    cargo_build("prefix-router", release=True, features=["dynamic-module"])
+    monkeypatch.setenv("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", str(target_dir() / "release"))
+    check_config(ec.render(o), tmp_path, "native-lb.yaml")
