@@ -7,6 +7,7 @@ attempt (override_host tries it: Envoy 1.40 uses a named member whatever its hea
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from prkit import envoy_config as ec
 from prkit.envoy_config.cli import options_from_args
-from prkit.build import cargo_build
+from prkit.build import cargo_build, envoy_executable
 from prkit.eds import write_eds
 from prkit.envoy import check_config
 from prkit.paths import target_dir
@@ -107,3 +108,25 @@ def test_gen_writes_the_native_lb_only_with_the_native_build_and_envoy_accepts_i
     cargo_build("prefix-router", release=True, features=["dynamic-module"])
     monkeypatch.setenv("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", str(target_dir() / "release"))
     check_config(ec.render(o), tmp_path, "native-lb.yaml")
+
+
+LB_HOOKS = {f"envoy_dynamic_module_on_lb_{h}" for h in (
+    "config_new", "config_destroy", "new", "choose_host", "on_host_membership_update", "destroy")}
+
+
+def test_the_module_exports_every_lb_hook_and_imports_only_what_envoy_exports():
+    """Envoy resolves all six LB hooks when it creates the LB config (a missing one fails it); the
+    LB callbacks the module calls must be ones this Envoy exports (else the module fails to load)."""
+    cargo_build("prefix-router", release=True, features=["dynamic-module"])
+    so = target_dir() / "release" / "libprefix_router.so"
+
+    def symbols(path, flag):
+        out = subprocess.run(["nm", "-D", flag, str(path)], check=True, capture_output=True, text=True).stdout
+        return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+    exports = symbols(so, "--defined-only")
+    assert LB_HOOKS <= exports, LB_HOOKS - exports
+    imports = {s for s in symbols(so, "--undefined-only") if s.startswith("envoy_dynamic_module_callback_lb_")}
+    assert imports, "the LB calls back into Envoy: its imports must show"
+    missing = imports - symbols(envoy_executable(), "--defined-only")
+    assert not missing, missing
