@@ -47,17 +47,20 @@ class NativePool:
     """`n` fake workers p0.. as one EDS pool behind the native filter (`--fallbacks`
     `fallbacks`), the pool's load balancer the native module (`native_lb`) or override_host.
     `membership_ms`: how often the filter reads the pool's healthy hosts from Envoy's admin;
-    `health_interval`: Envoy's active health checks."""
+    `health_interval`: Envoy's active health checks; `listed`: how many of the workers the EDS
+    file lists at the start (all by default; `listen` changes it)."""
 
     def __init__(self, tmp: Path, native_lb: bool, *, n: int = 3, fallbacks: int = 1, membership_ms: int = 200,
-                 health_interval: str = "1s"):
+                 health_interval: str = "1s", listed: int | None = None):
         cargo_build("prefix-router", release=True, features=["dynamic-module"])
         so = target_dir() / "release" / "libprefix_router.so"
         self.workers = [Worker(f"p{i}") for i in range(n)]
         self.addr = {f"127.0.0.1:{w.port}": w.name for w in self.workers}
         path = tmp / "eds" / "m.yaml"
         path.parent.mkdir(parents=True)
-        write_eds(path, MODEL, [("127.0.0.1", w.port) for w in self.workers], 1)
+        self.eds, self.version = path, 0
+        names = [w.name for w in self.workers][:listed]
+        self.listen(names)
         listen, admin = free_port(), free_port()
         args = ["--model", f"{MODEL}=eds:{path}", "--listen", f"127.0.0.1:{listen}", "--admin",
                 f"127.0.0.1:{admin}", "--stats-listen", "none", "--rate-limit", "0", "--hash-key", "k" * 32,
@@ -69,10 +72,14 @@ class NativePool:
         self.envoy = Envoy(text, listener_port=listen, admin_port=admin, workdir=tmp,
                            env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(so.parent)}).start()
         self.client = Client(listen)
-        names = {w.name for w in self.workers}
-        wait_until(lambda: self.healthy() == names, lambda: f"healthy: {self.healthy()}", 30)
+        wait_until(lambda: self.healthy() == set(names), lambda: f"healthy: {self.healthy()}", 30)
         # The filter names hosts once it has read the pool's membership (Envoy's admin).
         wait_until(lambda: "worker" in self.chat(opening())[1], "the filter naming pool hosts", 30, 0.1)
+
+    def listen(self, names: list[str]):
+        """The EDS file lists the workers `names` from now on (Envoy follows the rename)."""
+        self.version += 1
+        write_eds(self.eds, MODEL, [("127.0.0.1", w.port) for w in self.workers if w.name in names], self.version)
 
     def worker(self, name: str) -> Worker:
         return next(w for w in self.workers if w.name == name)

@@ -130,3 +130,26 @@ def test_the_module_exports_every_lb_hook_and_imports_only_what_envoy_exports():
     assert imports, "the LB calls back into Envoy: its imports must show"
     missing = imports - symbols(envoy_executable(), "--defined-only")
     assert not missing, missing
+
+
+def test_a_worker_that_joins_the_pool_is_picked_where_the_filter_names_it(make_pool):
+    """A host added to the EDS file: Envoy's membership event reaches every thread's LB instance,
+    and once Envoy's first health check of the new worker passed (the LB can answer only with
+    hosts Envoy holds healthy; until then a conversation the filter places there goes to its next
+    listed host), a conversation the filter places on it goes there on its first attempt."""
+    pool = make_pool(native_lb=True, n=3, listed=2)
+    pool.listen(["p0", "p1", "p2"])
+
+    def placed_on_p2():
+        msgs = opening()
+        worker, d, attempts = pool.chat(msgs)
+        assert attempts == 1, (d, attempts)
+        # "chosen" is there only when another worker than the filter's choice served
+        return worker == "p2" and "chosen" not in d and msgs
+
+    msgs = wait_until(placed_on_p2, "a new conversation placed on, and served by, the joined worker p2", 60, 0)
+    before = pool.lb_stats()
+    worker, d, attempts = pool.chat(next_turn(msgs))
+    assert worker == "p2" and d["reason"] == "prefix_hit" and "chosen" not in d and attempts == 1, d
+    after = pool.lb_stats()
+    assert after["listed_fallback"] == before["listed_fallback"] and after["panics"] == 0, (before, after)
