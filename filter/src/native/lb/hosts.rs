@@ -8,11 +8,15 @@
 //!   when a lookup cannot be trusted (below): never in steady state;
 //! - a lookup is a binary search, then one call to check that the healthy position still holds
 //!   that address (health changes reorder healthy hosts without a membership event); a stale
-//!   position or a host the table saw unhealthy rebuilds the table once per pick, so a host
-//!   that became healthy is seen at its first listing.
+//!   position rebuilds the table (at most once per pick);
+//! - a host the table saw unhealthy costs one call (the healthy count): the table is rebuilt
+//!   when the count moved, so a host that became healthy is seen at its first listing; an
+//!   address the table does not know costs one call (the member count), rebuilt when it moved.
 //!
 //! Invariant: after [`Table::find`] returns `Some`, the slot's positions were right at the time
-//! of the call (checked against Envoy, or just rebuilt from it).
+//! of the call (checked against Envoy, or just rebuilt from it). A `None` is right unless one
+//! host left the healthy set and another joined it between two builds (the count did not move):
+//! then the joined one is skipped until a position check fails, which the left one's causes.
 
 /// Envoy as the LB sees it during one `choose_host` (priority 0 only: pool clusters have one).
 pub(crate) trait LbHost {
@@ -54,6 +58,8 @@ pub(crate) struct Table {
     members_of_healthy: Vec<u32>,
     /// Rebuild before the next lookup (a membership change, or never built).
     stale: bool,
+    /// Envoy's member count at the last build.
+    members: usize,
 }
 
 impl Table {
@@ -104,8 +110,8 @@ impl Table {
                 Some(e) if e.healthy != UNHEALTHY => {
                     h.healthy_address(e.healthy as usize) == Some(address)
                 }
-                // An unhealthy or unknown host may have changed since the build.
-                _ => *rebuilt,
+                Some(_) => *rebuilt || h.healthy_count() == self.members_of_healthy.len(),
+                None => *rebuilt || h.hosts_count() == self.members,
             };
             if trusted {
                 return found.filter(|e| e.healthy != UNHEALTHY).map(|e| Slot {
@@ -125,6 +131,7 @@ impl Table {
         self.entries.clear();
         self.members_of_healthy.clear();
         let n = h.hosts_count().min(u32::MAX as usize - 1);
+        self.members = n;
         for i in 0..n {
             if let Some(a) = h.host_address(i) {
                 self.entries.push(Entry {

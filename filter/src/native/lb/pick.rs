@@ -223,6 +223,41 @@ mod tests {
     }
 
     #[test]
+    fn an_unhealthy_or_unknown_listed_host_costs_one_call_not_a_rebuild() {
+        let mut f = lb(&["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]);
+        f.unhealthy.insert(0);
+        f.header = Some("10.0.0.1:80,10.0.0.9:80,10.0.0.2:80".into());
+        let mut t = Table::new();
+        assert_eq!(
+            pick(&f, &mut t, H),
+            Pick::Listed {
+                healthy: 0,
+                rank: 2
+            }
+        );
+        let reads = f.address_reads.get();
+        for _ in 0..10 {
+            assert_eq!(
+                pick(&f, &mut t, H),
+                Pick::Listed {
+                    healthy: 0,
+                    rank: 2
+                }
+            );
+        }
+        assert_eq!(f.address_reads.get() - reads, 10); // the one check of 10.0.0.2
+                                                       // A member added without a membership event is still found (the member count moved).
+        f.hosts.push("10.0.0.9:80".into());
+        assert_eq!(
+            pick(&f, &mut t, H),
+            Pick::Listed {
+                healthy: 2,
+                rank: 1
+            }
+        );
+    }
+
+    #[test]
     fn steady_state_picks_do_not_rebuild_the_table() {
         let mut f = lb(&["10.0.0.1:80", "10.0.0.2:80"]);
         f.header = Some("10.0.0.2:80,10.0.0.1:80".into());
