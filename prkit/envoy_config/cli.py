@@ -142,9 +142,9 @@ def arg_parser() -> argparse.ArgumentParser:
                     "cargo build -p prefix-router --release --features dynamic-module) instead of the .wasm; "
                     "start Envoy with ENVOY_DYNAMIC_MODULES_SEARCH_PATH naming the .so's directory")
     ap.add_argument("--native-lb", action="store_true",
-                    help="with --native: the pool clusters' load balancer is the native module too (a prototype, "
-                    "docs/performance.md) instead of override_host; each attempt goes to the next host the filter "
-                    "listed that is healthy and not yet tried")
+                    help="with --native: the pool clusters' load balancer is the native module too (opt-in; LB modules "
+                    "are alpha in Envoy 1.40; docs/performance.md) instead of override_host; each attempt goes to "
+                    "the next host the filter listed that is healthy and not yet tried")
     dbg = ap.add_mutually_exclusive_group()
     dbg.add_argument("--debug-header", dest="debug_header", action="store_const", const=True,
                      help="enable the x-prefix-router-decision response header")

@@ -159,7 +159,7 @@ class Options:
     # the same plugin configuration: benches only (benches/dm-floor); prefix-router ships as Wasm
     dynamic_module: str | None = None
     # the pool clusters' load balancer is the same dynamic module (Envoy 1.40's
-    # envoy.load_balancing_policies.dynamic_modules) instead of override_host: a prototype, native only
+    # envoy.load_balancing_policies.dynamic_modules) instead of override_host: opt-in, native only
     native_lb: bool = False
     debug_header: bool = False
     access_log: bool = True

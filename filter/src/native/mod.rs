@@ -28,7 +28,7 @@
 //! - [`guard`]: the panic guard, and what each hook does after a panic;
 //! - [`exports`]: the hooks Envoy calls, and `noop_hooks` the ones it requires but the module
 //!   does not use (shared with `benches/dm-floor`);
-//! - [`lb`]: the same module as a pool cluster's load balancer (a prototype, opt-in).
+//! - [`lb`]: the same module as a pool cluster's load balancer (opt-in: `envoy/gen --native-lb`).
 //!
 //! Threads: Envoy calls the config hooks on its main thread and the stream hooks on its worker
 //! threads. Each worker thread keeps its own glue root per filter config (what a Wasm VM is per

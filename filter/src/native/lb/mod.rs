@@ -1,6 +1,6 @@
 //! The native module as the pool cluster's load balancer (Envoy 1.40's
-//! `envoy.load_balancing_policies.dynamic_modules`; alpha in Envoy, a prototype here, opt-in
-//! with `envoy/gen --native --native-lb`): Envoy asks it for a host on every attempt, and it
+//! `envoy.load_balancing_policies.dynamic_modules`, alpha in Envoy; opt-in with
+//! `envoy/gen --native --native-lb`): Envoy asks it for a host on every attempt, and it
 //! answers from the hosts the filter listed (its choice, then the next holders by cached
 //! prefix) in the destination header, skipping hosts the request already tried and hosts Envoy
 //! holds unhealthy (`pick.rs`). Same `.so` as the filter (`libprefix_router.so`).
