@@ -18,7 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Node-id prefixes (relative to the repository root) of the tests that run alone.
 QUIET = (
-    "tests/load/",  # k6 against several routers: CPU-bound comparisons
+    # k6 against several routers: CPU-bound comparisons of hit rates, spreads and timings
+    "tests/load/test_compare_smoke.py",
+    "tests/load/test_pd_compare_smoke.py",
+    "tests/load/test_replay.py::test_replay_against_a_simulated_worker_records_every_request",  # send spacing
     "tests/reliability/test_worker_faults.py",  # detection under load, a slow worker's share
     "tests/reliability/test_config_change.py",  # hot restart under a closed-loop load
     "tests/reliability/test_slow_clients.py",  # timeouts measured against trickled bytes

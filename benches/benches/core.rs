@@ -84,9 +84,23 @@ fn index_view(entries: usize) -> Index<'static> {
     }
 }
 
+/// The index sizes benched: 100k and 1M entries. In criterion's test mode (`cargo test --bench`,
+/// as `scripts/test` runs it: no `--bench` argument, each bench runs once to show it works) 1/100
+/// of them: the same code runs, and warming ten 1M-entry indexes in the unoptimised test build
+/// took ~45 s of the test command's time.
+fn index_sizes() -> [usize; 2] {
+    let args: Vec<String> = std::env::args().collect();
+    let test_mode = !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test");
+    if test_mode {
+        [1_000, 10_000]
+    } else {
+        [100_000, 1_000_000]
+    }
+}
+
 fn index(c: &mut Criterion) {
     let mut g = c.benchmark_group("index/match");
-    for entries in [100_000usize, 1_000_000] {
+    for entries in index_sizes() {
         for n in WORKERS {
             let ids: Vec<u32> = worker_names(n).iter().map(|w| worker_id(w)).collect();
             let (s, recent) = warm_index(entries, &ids);
@@ -113,7 +127,7 @@ fn index(c: &mut Criterion) {
     }
     g.finish();
     let mut g = c.benchmark_group("index/insert");
-    for entries in [100_000usize, 1_000_000] {
+    for entries in index_sizes() {
         let ids: Vec<u32> = worker_names(64).iter().map(|w| worker_id(w)).collect();
         let (s, _) = warm_index(entries, &ids);
         let ix = index_view(entries);

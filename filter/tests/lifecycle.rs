@@ -4,11 +4,13 @@
 //! client's routing headers stripped, the debug header, and streams of an unconfigured root.
 
 mod common;
-use common::{answer, configured, request, request_header, response_header};
+use common::{
+    answer, configured, request, request_header, response_header, set_request, shared_load, step,
+    ticks,
+};
 use prefix_router::config::Config;
 use prefix_router::glue::{Action, Root, Stream};
 use prefix_router::host::FakeHost;
-use prefix_router::load;
 use prefix_router::policy::Reason;
 use prefix_router::records::ById;
 use prefix_router::store::Store;
@@ -40,14 +42,7 @@ fn loads(h: &FakeHost, cfg: &str) -> Vec<u32> {
 
 /// Every worker's `(requests, tokens)` in shared data (all leases).
 fn loads_and_tokens(h: &FakeHost, cfg: &str) -> (Vec<u32>, Vec<u32>) {
-    let c = Config::from_json(cfg.as_bytes()).expect("config");
-    let m = &c.models[0];
-    let mut buf = Vec::new();
-    h.get(&m.load_key, &mut buf);
-    let (mut reqs, mut tokens) = (Vec::new(), Vec::new());
-    let ids = ById::new(m.workers.iter().map(|w| w.id));
-    load::decode(&buf, &ids, m.workers.len(), &mut reqs, &mut tokens);
-    (reqs, tokens)
+    shared_load(h, &Config::from_json(cfg.as_bytes()).expect("config"), 0)
 }
 
 #[test]
@@ -227,12 +222,7 @@ fn worker_token_counters_are_read_at_the_metrics_interval_and_published() {
             .map(|c| (c.token, c.upstream.clone()))
             .collect()
     };
-    let tick = |root: &mut Root, ms: u64| {
-        for _ in 0..ms / 50 {
-            h.state.borrow_mut().now_nanos += 50_000_000;
-            root.on_tick(&h);
-        }
-    };
+    let tick = |root: &mut Root, ms: u64| ticks(&h, root, ms);
     tick(&mut root, 50);
     let first = metric_calls(&h);
     assert_eq!(
@@ -274,10 +264,7 @@ fn worker_token_counters_are_read_at_the_metrics_interval_and_published() {
     );
     // Off: no reads at all.
     let (h, mut root) = configured(&config(r#","load_poll":{"metrics_interval_ms":0}"#));
-    for _ in 0..40 {
-        h.state.borrow_mut().now_nanos += 50_000_000;
-        root.on_tick(&h);
-    }
+    ticks(&h, &mut root, 2000);
     assert!(h.state.borrow().calls.iter().all(is_load_poll));
 }
 
@@ -287,8 +274,7 @@ fn worker_token_counters_are_read_at_the_metrics_interval_and_published() {
 fn a_counter_read_in_flight_at_a_reconfiguration_is_not_filed_under_the_new_workers() {
     let old = config(r#","load_poll":{"metrics_interval_ms":1000}"#);
     let (h, mut root) = configured(&old);
-    h.state.borrow_mut().now_nanos += 50_000_000;
-    root.on_tick(&h);
+    step(&h, &mut root);
     let (token, upstream) = h
         .state
         .borrow()
@@ -330,11 +316,8 @@ fn a_model_without_traffic_is_polled_at_the_no_traffic_interval_and_traffic_brin
     let rounds_in = |root: &mut Root, ms: u64| {
         let before = h.state.borrow().calls.len();
         for _ in 0..ms / 50 {
-            h.state.borrow_mut().now_nanos += 50_000_000;
-            let seen = h.state.borrow().calls.len();
-            root.on_tick(&h);
             // Each worker answers at once (a call still awaiting its answer is not re-sent).
-            let tokens: Vec<u32> = h.state.borrow().calls[seen..]
+            let tokens: Vec<u32> = step(&h, root)
                 .iter()
                 .filter(|c| is_load_poll(c))
                 .map(|c| c.token)
@@ -420,15 +403,8 @@ fn request_headers_are_read_in_one_call_and_spoofed_routing_headers_removed() {
     let (h, root) = configured(&config(r#","debug_header":"x-debug""#));
     let body = chat("one call");
     let mut st = root.new_stream().expect("stream");
-    {
-        let mut s = h.state.borrow_mut();
-        s.request_headers = vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/v1/chat/completions".into()),
-            ("x-other".into(), "kept".into()),
-        ];
-        s.request_body = body.as_bytes().to_vec();
-    }
+    let path = "/v1/chat/completions";
+    set_request(&h, "POST", path, &[("x-other", "kept")], body.as_bytes());
     let calls = h.calls();
     assert_eq!(st.on_request_headers(&h, false), Action::Pause);
     assert_eq!(
@@ -446,15 +422,7 @@ fn request_headers_are_read_in_one_call_and_spoofed_routing_headers_removed() {
         ("x-other", "kept"),
     ];
     let mut st = root.new_stream().expect("stream");
-    {
-        let mut s = h.state.borrow_mut();
-        s.request_headers = vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/v1/chat/completions".into()),
-        ];
-        s.request_headers
-            .extend(spoof.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    }
+    set_request(&h, "POST", path, &spoof, body.as_bytes());
     let calls = h.calls();
     assert_eq!(st.on_request_headers(&h, false), Action::Pause);
     assert_eq!(
@@ -681,11 +649,7 @@ fn tick_for(h: &FakeHost, root: &mut Root, ms: u64, lost: &dyn Fn(&str) -> bool)
     use prefix_router::config::PEER_PATH;
     let mut sent = Sent::default();
     for _ in 0..ms / 50 {
-        h.state.borrow_mut().now_nanos += 50_000_000;
-        let seen = h.state.borrow().calls.len();
-        root.on_tick(h);
-        let new: Vec<_> = h.state.borrow().calls[seen..].to_vec();
-        for c in new {
+        for c in step(h, root) {
             if path_of(&c) == "/metrics" {
                 continue; // the self-check's counter reads (their own test above)
             }

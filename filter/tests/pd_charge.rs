@@ -3,24 +3,15 @@
 //! guard, which then lets the stream end) leaks nothing (issue 36 #9c).
 
 mod common;
-use common::configured;
+use common::{configured, set_request, shared_load};
 use prefix_router::config::Config;
-use prefix_router::load;
-use prefix_router::records::ById;
-use prefix_router::store::Store;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 const PD: &str = r#"{"models":{"m":{"prefill":[{"cluster":"p0","bootstrap_host":"10.0.0.1","bootstrap_port":9001},{"cluster":"p1","bootstrap_host":"10.0.0.2","bootstrap_port":9001}],"decode":["d0","d1"]}},"load_poll":{"interval_ms":0}}"#;
 
 /// In-flight requests per worker of model `mi` in shared data (all leases).
 fn requests(h: &prefix_router::host::FakeHost, cfg: &Config, mi: usize) -> Vec<u32> {
-    let m = &cfg.models[mi];
-    let mut buf = Vec::new();
-    h.get(&m.load_key, &mut buf);
-    let (mut reqs, mut tokens) = (Vec::new(), Vec::new());
-    let ids = ById::new(m.workers.iter().map(|w| w.id));
-    load::decode(&buf, &ids, m.workers.len(), &mut reqs, &mut tokens);
-    reqs
+    shared_load(h, cfg, mi).0
 }
 
 #[test]
@@ -30,14 +21,7 @@ fn a_panic_while_the_decode_worker_is_charged_leaks_no_prefill_charge() {
     let prefill = cfg.models.iter().position(|m| m.name == "m").unwrap();
     let decode = cfg.models[prefill].pd.as_ref().unwrap().decode_model;
     let body = r#"{"model":"m","prompt":"a prompt for the prefill worker, long enough"}"#;
-    {
-        let mut s = h.state.borrow_mut();
-        s.request_headers = vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/v1/completions".into()),
-        ];
-        s.request_body = body.as_bytes().to_vec();
-    }
+    set_request(&h, "POST", "/v1/completions", &[], body.as_bytes());
     let mut st = root.new_stream().unwrap();
     st.on_request_headers(&h, false);
     // The decode worker's charge (the load CAS of the decode model) panics.

@@ -4,7 +4,7 @@
 //! timestamp within the window), never applied twice, and each sender has a record budget.
 
 mod common;
-use common::configured;
+use common::{configured, request};
 use prefix_router::glue::{Action, Root};
 use prefix_router::host::FakeHost;
 
@@ -45,18 +45,7 @@ fn send_one(h: &FakeHost, root: &mut Root, user: &str) -> Batch {
         "{user} {}",
         "a prompt long enough for a few blocks. ".repeat(40)
     ));
-    {
-        let mut s = h.state.borrow_mut();
-        s.request_headers = vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/v1/chat/completions".into()),
-        ];
-        s.request_body = body.as_bytes().to_vec();
-        s.response_headers.clear();
-    }
-    let mut st = root.new_stream().expect("configured");
-    assert_eq!(st.on_request_headers(h, false), Action::Pause);
-    st.on_request_body(h, body.len(), true);
+    let (mut st, _) = request(h, root, "POST", "/v1/chat/completions", &[], &body);
     h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
     st.on_response_headers(h);
     st.on_done(h);

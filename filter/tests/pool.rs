@@ -5,14 +5,14 @@
 //! a request a fallback served credits that worker.
 
 mod common;
-use common::{answer, configured, request, request_header, response_header};
+use common::{
+    answer, configured, request, request_header, respond, response_header, set_request,
+    shared_load, step, ticks,
+};
 use prefix_router::config::Config;
-use prefix_router::glue::Root;
+use prefix_router::glue::{Root, Stream};
 use prefix_router::host::FakeHost;
-use prefix_router::load;
-use prefix_router::records::ById;
 use prefix_router::served::SAMPLE_EVERY;
-use prefix_router::store::Store;
 
 const POOL: &str = r#"{"models":{"m":{"pool":{"cluster":"m","load_cluster":"m_load","fallbacks":1}}},
     "debug_header":"x-debug","load_poll":{"metrics_interval_ms":0}}"#;
@@ -33,11 +33,7 @@ fn admin_answer(hosts: &[(&str, &str)]) -> String {
 fn tick(h: &FakeHost, root: &mut Root, ms: u64, hosts: &[(&str, &str)]) -> Vec<(String, String)> {
     let mut polls = Vec::new();
     for _ in 0..ms / 50 {
-        h.state.borrow_mut().now_nanos += 50_000_000;
-        let seen = h.state.borrow().calls.len();
-        root.on_tick(h);
-        let new: Vec<_> = h.state.borrow().calls[seen..].to_vec();
-        for c in new {
+        for c in step(h, root) {
             let path = c.headers.iter().find(|(k, _)| k == ":path");
             if path.is_some_and(|(_, p)| p == "/clusters") {
                 assert_eq!(c.upstream, "admin");
@@ -56,6 +52,11 @@ fn tick(h: &FakeHost, root: &mut Root, ms: u64, hosts: &[(&str, &str)]) -> Vec<(
     polls
 }
 
+/// A chat completion request's stream, its request callbacks run.
+fn post(h: &FakeHost, root: &Root, body: &str) -> Stream {
+    request(h, root, "POST", "/v1/chat/completions", &[], body).0
+}
+
 fn chat(user: &str) -> String {
     format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{user}"}}]}}"#)
 }
@@ -67,14 +68,10 @@ fn long_chat(user: &str) -> String {
 /// Sends `body`, answers 200 from `served` (the chosen host when `None`), ends the stream;
 /// returns (destination header, debug header).
 fn served(h: &FakeHost, root: &Root, body: &str, served: Option<&str>) -> (String, String) {
-    let (mut s, _) = request(h, root, "POST", "/v1/chat/completions", &[], body);
+    let mut s = post(h, root, body);
     let dest = request_header(h, DEST).unwrap_or_default();
     let first = dest.split(',').next().unwrap_or_default().to_string();
-    {
-        let mut st = h.state.borrow_mut();
-        st.response_headers = vec![(":status".into(), "200".into())];
-        st.upstream_address = Some(served.map_or(first, str::to_string));
-    }
+    respond(h, "200", Some(served.unwrap_or(&first)));
     s.on_response_headers(h);
     let debug = response_header(h, "x-debug").unwrap_or_default();
     s.on_done(h);
@@ -85,7 +82,7 @@ fn served(h: &FakeHost, root: &Root, body: &str, served: Option<&str>) -> (Strin
 fn a_pool_routes_to_its_healthy_hosts_through_the_destination_header() {
     let (h, mut root) = configured(POOL);
     // No host known yet: the pool cluster's own fallback policy picks, nothing is named.
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("a"));
+    let mut s = post(&h, &root, &chat("a"));
     assert_eq!(
         request_header(&h, "x-prefix-router-cluster").as_deref(),
         Some("m")
@@ -107,14 +104,7 @@ fn a_pool_routes_to_its_healthy_hosts_through_the_destination_header() {
     assert!(!polls.iter().any(|(_, d)| d.starts_with("10.0.0.3")));
     let mut seen = Vec::new();
     for i in 0..40 {
-        let (mut s, _) = request(
-            &h,
-            &root,
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            &chat(&i.to_string()),
-        );
+        let mut s = post(&h, &root, &chat(&i.to_string()));
         assert_eq!(
             request_header(&h, "x-prefix-router-cluster").as_deref(),
             Some("m")
@@ -167,12 +157,12 @@ fn a_conversation_keeps_its_host_and_a_host_that_left_and_came_back_loses_its_ol
     // same address): its entries from before it left are not trusted.
     let other = both.iter().find(|h| h.0 != holder).unwrap().0;
     tick(&h, &mut root, 2000, &[(other, "healthy")]);
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    let mut s = post(&h, &root, &body);
     assert_eq!(request_header(&h, DEST).as_deref(), Some(other));
     s.on_done(&h);
     tick(&h, &mut root, 2000, &both);
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
-    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    let mut s = post(&h, &root, &body);
+    respond(&h, "200", None);
     s.on_response_headers(&h);
     let debug = response_header(&h, "x-debug").unwrap();
     assert!(
@@ -185,13 +175,7 @@ fn a_conversation_keeps_its_host_and_a_host_that_left_and_came_back_loses_its_ol
 
 /// Every worker's in-flight requests in shared data (all leases), by the given config.
 fn loads(h: &FakeHost, cfg: &Config) -> Vec<u32> {
-    let m = &cfg.models[0];
-    let mut buf = Vec::new();
-    h.get(&m.load_key, &mut buf);
-    let (mut reqs, mut tokens) = (Vec::new(), Vec::new());
-    let ids = ById::new(m.workers.iter().map(|w| w.id));
-    load::decode(&buf, &ids, m.workers.len(), &mut reqs, &mut tokens);
-    reqs
+    shared_load(h, cfg, 0).0
 }
 
 #[test]
@@ -203,15 +187,11 @@ fn a_request_a_fallback_served_credits_the_fallback_with_its_load_and_records() 
     let parsed = Config::from_json(cfg.as_bytes()).unwrap();
     let (h, mut root) = configured(cfg);
     let body = long_chat("fallback");
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    let mut s = post(&h, &root, &body);
     let chosen = request_header(&h, "x-prefix-router-cluster").unwrap();
     let (ci, fi) = if chosen == "w0" { (0, 1) } else { (1, 0) };
     let fallback_addr = ["10.0.0.1:30000", "10.0.0.2:30000"][fi];
-    {
-        let mut st = h.state.borrow_mut();
-        st.response_headers = vec![(":status".into(), "200".into())];
-        st.upstream_address = Some(fallback_addr.into());
-    }
+    respond(&h, "200", Some(fallback_addr));
     s.on_response_headers(&h);
     let debug = response_header(&h, "x-debug").unwrap();
     assert!(debug.starts_with(&format!("worker=w{fi};")), "{debug}");
@@ -226,22 +206,19 @@ fn a_request_a_fallback_served_credits_the_fallback_with_its_load_and_records() 
     assert_eq!(loads(&h, &parsed), vec![0, 0]);
     // The prompt's records name the fallback: the next turn goes there, as a prefix hit.
     h.state.borrow_mut().upstream_address = None;
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+    let mut s = post(&h, &root, &body);
     assert_eq!(
         request_header(&h, "x-prefix-router-cluster").as_deref(),
         Some(["w0", "w1"][fi])
     );
-    h.state.borrow_mut().response_headers = vec![(":status".into(), "200".into())];
+    respond(&h, "200", None);
     s.on_response_headers(&h);
     assert!(response_header(&h, "x-debug")
         .unwrap()
         .contains("reason=prefix_hit"));
     s.on_done(&h);
     // Batched counters reach Envoy at the timer's next metrics flush.
-    for _ in 0..4 {
-        h.state.borrow_mut().now_nanos += 50_000_000;
-        root.on_tick(&h);
-    }
+    ticks(&h, &mut root, 200);
     assert_eq!(h.metric("prefix_router.served_by_fallback"), Some(1));
 }
 
@@ -254,7 +231,7 @@ fn a_pool_learns_its_hosts_with_load_polls_off() {
     let (h, mut root) = configured(&cfg);
     let polls = tick(&h, &mut root, 2000, &[("10.0.0.1:30000", "healthy")]);
     assert!(polls.is_empty(), "no load polls: {polls:?}");
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &chat("off"));
+    let mut s = post(&h, &root, &chat("off"));
     assert_eq!(request_header(&h, DEST).as_deref(), Some("10.0.0.1:30000"));
     s.on_done(&h);
 }
@@ -269,20 +246,9 @@ fn workers_sharing_an_address_keep_their_requests() {
         "debug_header":"x-debug","load_poll":{"interval_ms":0,"metrics_interval_ms":0}}"#;
     let (h, root) = configured(cfg);
     for i in 0..8 {
-        let (mut s, _) = request(
-            &h,
-            &root,
-            "POST",
-            "/v1/chat/completions",
-            &[],
-            &chat(&i.to_string()),
-        );
+        let mut s = post(&h, &root, &chat(&i.to_string()));
         let chosen = request_header(&h, "x-prefix-router-cluster").unwrap();
-        {
-            let mut st = h.state.borrow_mut();
-            st.response_headers = vec![(":status".into(), "200".into())];
-            st.upstream_address = Some("10.0.0.1:30000".into());
-        }
+        respond(&h, "200", Some("10.0.0.1:30000"));
         s.on_response_headers(&h);
         let debug = response_header(&h, "x-debug").unwrap();
         assert!(
@@ -297,14 +263,7 @@ fn workers_sharing_an_address_keep_their_requests() {
 /// details.
 fn deliver(h: &FakeHost, root: &Root, body: &[u8]) -> (u32, String) {
     let n = h.state.borrow().replies.len();
-    {
-        let mut s = h.state.borrow_mut();
-        s.request_headers = vec![
-            (":method".into(), "POST".into()),
-            (":path".into(), "/prefix-router/v1/records".into()),
-        ];
-        s.request_body = body.to_vec();
-    }
+    set_request(h, "POST", "/prefix-router/v1/records", &[], body);
     let mut st = root.new_stream().expect("configured");
     st.on_request_headers(h, false);
     st.on_request_body(h, body.len(), true);
@@ -376,14 +335,10 @@ fn a_conversation_started_before_membership_keeps_its_host() {
     }
     // One more whose answer comes after membership is known.
     let late = long_chat("in flight across the first read");
-    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &late);
+    let mut s = post(&h, &root, &late);
     assert_eq!(request_header(&h, DEST), None);
     tick(&h, &mut root, 2000, &both);
-    {
-        let mut st = h.state.borrow_mut();
-        st.response_headers = vec![(":status".into(), "200".into())];
-        st.upstream_address = Some(both[1].0.into());
-    }
+    respond(&h, "200", Some(both[1].0));
     s.on_response_headers(&h);
     s.on_done(&h);
     convs.push((late, both[1].0));
@@ -407,14 +362,7 @@ fn a_long_stream_keeps_its_load_across_membership_changes() {
     let two = [("10.0.0.1:30000", "healthy"), ("10.0.0.2:30000", "healthy")];
     let three = [two[0], two[1], ("10.0.0.3:30000", "healthy")];
     tick(&h, &mut root, 2000, &two);
-    let (mut s, _) = request(
-        &h,
-        &root,
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        &chat("long"),
-    );
+    let mut s = post(&h, &root, &chat("long"));
     let load = |h: &FakeHost| h.metric("prefix_router.load.requests").unwrap_or(-1);
     tick(&h, &mut root, 500, &two);
     assert_eq!(load(&h), 1);
@@ -444,14 +392,10 @@ fn the_served_address_is_read_when_records_or_a_fallback_are_at_stake() {
     let addr = ["10.0.0.1:30000", "10.0.0.2:30000"];
     // One request served by its chosen worker or the other: (chosen, address reads made).
     let run = |by_other: bool| {
-        let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &body);
+        let mut s = post(&h, &root, &body);
         let ci = usize::from(request_header(&h, "x-prefix-router-cluster").unwrap() == "w1");
         let before = h.state.borrow().address_reads;
-        {
-            let mut st = h.state.borrow_mut();
-            st.response_headers = vec![(":status".into(), "200".into())];
-            st.upstream_address = Some(addr[ci ^ usize::from(by_other)].into());
-        }
+        respond(&h, "200", Some(addr[ci ^ usize::from(by_other)]));
         s.on_response_headers(&h);
         s.on_done(&h);
         (ci, h.state.borrow().address_reads - before)
@@ -485,10 +429,7 @@ fn the_served_address_is_read_when_records_or_a_fallback_are_at_stake() {
     assert_eq!(run(false).1, 1);
     let reads: u64 = (0..2 * every).map(|_| run(false).1).sum();
     assert!((1..=2).contains(&reads), "{reads}");
-    for _ in 0..4 {
-        h.state.borrow_mut().now_nanos += 50_000_000;
-        root.on_tick(&h);
-    }
+    ticks(&h, &mut root, 200);
     assert_eq!(
         h.metric("prefix_router.served_by_fallback"),
         Some(1 + 2 * every as i64)

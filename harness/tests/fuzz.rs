@@ -14,7 +14,7 @@
 //! CI runs a bounded slice (20,000 bodies by default). The full run:
 //!
 //! ```sh
-//! PREFIX_ROUTER_FUZZ_BODIES=1000000 cargo test --release -p proxy-wasm-host --test fuzz -- --nocapture
+//! PREFIX_ROUTER_FUZZ_BODIES=1000000 cargo test --release -p proxy-wasm-host --test filter fuzz:: -- --nocapture
 //! ```
 //! (`PREFIX_ROUTER_FUZZ_SEED` picks another sequence.)
 

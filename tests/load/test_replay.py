@@ -31,10 +31,17 @@ def test_replay_against_a_simulated_worker_records_every_request():
             assert {r.worker for r in res.records} == {"w-replay"}
             assert all(r.out_tokens == 4 for r in res.records)  # ceil(128 * 16 / 512)
             assert all(0 < r.ttft_ms <= r.e2e_ms for r in res.records)
-            # sent in plan order, at the plan's spacing (each send time = due + lateness)
+            # sent in plan order, at the plan's spacing: each send time = due + lateness, so
+            # every send's offset from the first is its due offset plus the difference of their
+            # lateness (5 ms: the send time and the lateness are two clock reads). The first send
+            # may be late too: it once was by 5.01 ms, which a bare span >= 39 x 25 - 5 failed.
             t0 = [r.sent_unix_ms for r in res.records]
             assert t0 == sorted(t0)
-            assert t0[-1] - t0[0] >= 39 * 25.0 - 5
+            first = res.records[0]
+            for r, s in zip(res.records, sends):
+                want = (s.t_ms - sends[0].t_ms) + (r.late_ms - first.late_ms)
+                assert abs((r.sent_unix_ms - first.sent_unix_ms) - want) <= 5.0, (r.i, r.late_ms, first.late_ms)
+            assert sends[-1].t_ms - sends[0].t_ms == 39 * 25.0
             s = res.summary()
             assert s["requests"] == 40 and s["errors"] == 0 and s["out_tokens"] == 160
             assert set(s["lateness_ms"]) == {"avg", "min", "med", "p(90)", "p(99)", "max"}

@@ -18,6 +18,8 @@ pub mod cost;
 pub mod cost_aware;
 pub mod random;
 pub mod round_robin;
+#[cfg(test)]
+pub(crate) mod shared_tests;
 
 pub use cache_aware::choose;
 
@@ -214,6 +216,34 @@ mod tests {
             let w = least_loaded(&[1, 0, 1], &[0, 0, 0], start);
             assert_eq!(w, 1);
         }
+    }
+
+    #[test]
+    fn a_follower_is_charged_past_what_its_sibling_computes() {
+        use shared_tests::{inputs, model};
+        let m = model(4);
+        let p = PolicyConfig::default();
+        let z = [0u32; 4];
+        // 1600 tokens in 100 blocks, the opening message 90 of them.
+        let follow = Inputs {
+            recent: Some(2),
+            head_blocks: 90,
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(charged_tokens(&p, &follow, 2), 160);
+        // Anywhere else, or without a sibling, the whole prompt.
+        assert_eq!(charged_tokens(&p, &follow, 1), 1600);
+        let alone = Inputs {
+            head_blocks: 90,
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(charged_tokens(&p, &alone, 2), 1600);
+        // No opening message: the rendezvous blocks (4 of 100).
+        let blocks = Inputs {
+            recent: Some(2),
+            ..inputs(&m, &z, &z, &z, 5)
+        };
+        assert_eq!(charged_tokens(&p, &blocks, 2), 1536);
     }
 
     #[test]

@@ -32,31 +32,16 @@ impl Policy for RoundRobin {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
+    use crate::policy::shared_tests::{inputs, model};
 
     #[test]
     fn rotation_stays_in_range_and_in_order_from_any_state() {
-        let c = Config::from_json(br#"{"models":{"m":{"workers":["a","b","c"]}}}"#).unwrap();
-        let inp = Inputs {
-            model: &c.models[0],
-            reqs: &[0; 3],
-            tokens: &[0; 3],
-            capacity: &[],
-            matched: &[0; 3],
-            deepest: 0,
-            total_blocks: 0,
-            prompt_tokens: 0,
-            affinity: 0,
-            group: 0,
-            conversation_blocks: 0,
-            head_blocks: 0,
-            busy: &[],
-            rate: &[],
-            placed: &[],
-            recent: None,
-        };
+        let m = model(3);
+        let z = [0u32; 3];
+        let inp = inputs(&m, &z, &z, &z, 0);
         let mut rr = RoundRobin { next: usize::MAX };
-        let seq: Vec<usize> = (0..6).map(|_| rr.choose(&c.policy, &inp).0).collect();
+        let p = PolicyConfig::default();
+        let seq: Vec<usize> = (0..6).map(|_| rr.choose(&p, &inp).0).collect();
         // usize::MAX % 3 == 0 on both 32- and 64-bit targets: the next is 1, then in turn.
         assert_eq!(seq, vec![1, 2, 0, 1, 2, 0]);
     }
