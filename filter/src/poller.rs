@@ -21,7 +21,7 @@ use crate::hits;
 use crate::host::{now_ticks, Buffer, CallRefused, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::poll::{self, PollLease, Polled, Poller, Target};
+use crate::poll::{self, Pace, PollLease, Polled, Poller, Target};
 use crate::router::Router;
 use crate::schedule::{since, Calls};
 use std::cell::RefCell;
@@ -90,6 +90,7 @@ impl Polls {
             self.read_members(h, r, m, now_ms);
             return; // no load polls, and the self-check's reads go with them
         }
+        let pace = Pace::new(lp);
         let mut targets: Vec<Target> = Vec::new();
         for mi in 0..r.cfg().models.len() {
             let activity = || r.activity(h, mi);
@@ -97,7 +98,7 @@ impl Polls {
                 .poller
                 .due(mi, now_ms, interval_ms, no_traffic_ms, activity)
             {
-                targets.extend(self.poller.round(mi));
+                targets.extend(self.poller.round(mi, now_ms, pace));
             }
         }
         let lp = &r.cfg().load_poll;
