@@ -713,6 +713,15 @@ mod tests {
         );
         decode(b"garbage", &ids, 3, &mut out);
         assert_eq!(out, vec![Polled::default(); 3]);
+        // A failure after a failure leaves the record as it is: no write (the CAS stays).
+        assert!(publish(&s, "p", ws[1].id, 1, &Polled::default(), &mut buf));
+        let cas = s.get("p", &mut buf);
+        assert!(publish(&s, "p", ws[1].id, 1, &Polled::default(), &mut buf));
+        assert_eq!(s.get("p", &mut buf), cas, "unchanged: not written");
+        assert!(publish(&s, "p", ws[1].id, 1, &known(1, 0, 11), &mut buf));
+        assert_ne!(s.get("p", &mut buf), cas);
+        decode(&buf, &ids, 3, &mut out);
+        assert_eq!(out[1], known(1, 0, 11));
     }
 
     #[test]

@@ -12,9 +12,10 @@
 //!   publishes "unknown" (never idle, see `poll.rs`).
 //!
 //! Costs: every VM that may call reads the lease each tick (the holder also renews it with a
-//! CAS). The holder makes one HTTP call per worker per round; per answer one body read, one
-//! own-load read and the publish (a read and a CAS); at a round's last answer two gauge
-//! writes. Nothing here runs on a request's path.
+//! CAS). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
+//! `poll::Pace`); per good answer one body read, one own-load read and the publish (a read and
+//! a CAS); per failed one the body read and a read (the CAS too when it was known before); at
+//! a round's last answer two gauge writes. Nothing here runs on a request's path.
 
 use crate::config::{Config, Worker};
 use crate::hits;
@@ -316,16 +317,18 @@ impl Polls {
             return;
         };
         let (mi, w) = (usize::from(t.model), usize::from(t.worker));
-        let (snap_reqs, snap_tokens) = r.own_load(h, mi, w);
         let p = match load {
-            Some(l) => Polled {
-                reqs: l.reqs,
-                tokens: l.tokens,
-                snap_reqs,
-                snap_tokens,
-                at: now.max(1),
-                capacity: l.capacity,
-            },
+            Some(l) => {
+                let (snap_reqs, snap_tokens) = r.own_load(h, mi, w);
+                Polled {
+                    reqs: l.reqs,
+                    tokens: l.tokens,
+                    snap_reqs,
+                    snap_tokens,
+                    at: now.max(1),
+                    capacity: l.capacity,
+                }
+            }
             None => Polled::default(), // failed: unknown until the next good answer
         };
         let Some(model) = r.cfg().models.get(mi) else {
