@@ -190,7 +190,8 @@ pub fn parse_load(body: &[u8]) -> Option<Load> {
 }
 
 /// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
-/// ms). The holder renews it every tick; another VM takes it over only once it expired (the
+/// ms). The holder reads it every tick and renews it once half its time is gone (every few
+/// ticks: `ttl` spans several); another VM takes it over only once it expired (the
 /// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
 /// harmless (both publish the same kind of answer).
 pub struct PollLease;
@@ -206,6 +207,13 @@ impl PollLease {
             let expires = u64::from_le_bytes(cur[8..16].try_into().unwrap_or([0; 8]));
             if owner != me && now_ms < expires {
                 return false;
+            }
+            // Ours with more than half its time left: renewed at a later tick (a CAS fewer on
+            // most ticks; the holder still renews long before anyone may take over). An expiry
+            // further than `ttl_ms` ahead (the clock stepped back) is re-anchored now.
+            let left = expires.saturating_sub(now_ms);
+            if owner == me && left > ttl_ms / 2 && left <= ttl_ms {
+                return true;
             }
         }
         let mut v = [0u8; 16];
@@ -730,13 +738,31 @@ mod tests {
         let mut b = Vec::new();
         assert!(PollLease::hold(&s, 1, 1000, 300, &mut b));
         assert!(!PollLease::hold(&s, 2, 1100, 300, &mut b));
+        let cas = s.get(LEASE_KEY, &mut b);
+        assert!(PollLease::hold(&s, 1, 1100, 300, &mut b));
+        assert_eq!(
+            s.get(LEASE_KEY, &mut b),
+            cas,
+            "more than half left: not renewed yet"
+        );
         assert!(PollLease::hold(&s, 1, 1200, 300, &mut b), "renewal");
+        assert_ne!(s.get(LEASE_KEY, &mut b), cas);
         assert!(!PollLease::hold(&s, 2, 1499, 300, &mut b));
         assert!(
             PollLease::hold(&s, 2, 1500, 300, &mut b),
             "expired: taken over"
         );
         assert!(!PollLease::hold(&s, 1, 1600, 300, &mut b));
+        // The clock steps back 600 ms: the holder re-anchors its expiry at once, so a holder
+        // that dies after a step is taken over within a ttl, not a ttl plus the step.
+        assert!(PollLease::hold(&s, 2, 1600, 300, &mut b));
+        let cas = s.get(LEASE_KEY, &mut b);
+        assert!(PollLease::hold(&s, 2, 1000, 300, &mut b));
+        assert_ne!(s.get(LEASE_KEY, &mut b), cas, "re-anchored");
+        assert!(
+            PollLease::hold(&s, 1, 1301, 300, &mut b),
+            "taken over at 1000 + ttl"
+        );
     }
 
     #[test]
