@@ -24,7 +24,8 @@
 //! When no worker is known, the decision uses the own counts alone (polling off, or all down).
 //!
 //! Costs: the poller makes one HTTP call per worker per interval (per `no_traffic_interval_ms`
-//! for a model without traffic, see [`Poller`]) and one CAS per answer; every VM re-reads each
+//! for a model without traffic, see [`Poller`], and at most that often to a worker whose polls
+//! keep failing, see [`Pace`]) and one CAS per answer that changes what was published; every VM re-reads each
 //! model's published value once per tick (50 ms), so a decision pays no host call for polled
 //! load. Staleness: at most interval + tick + the worker's answer time (the no-traffic interval
 //! instead of the interval for a model's first request after a quiet spell).
@@ -354,7 +355,8 @@ pub struct Activity {
 /// model without traffic is polled every `no_traffic_ms` instead (as Envoy's health checks use
 /// `no_traffic_interval`): its view stays fresh for the next request (answers younger than
 /// `stale_ms` when `no_traffic_ms + timeout_ms < stale_ms`) while an idle Envoy stops costing
-/// its own CPU and every worker's load endpoint ten calls a second. Cost: one shared-data get
+/// its own CPU and every worker's load endpoint ten calls a second. Within a round, a worker
+/// whose polls keep failing is skipped until its [`Pace`] period passed. Cost: one shared-data get
 /// per model per tick between the two periods. A round that lies in the future (the wall clock
 /// stepped back) makes the next one due at once ([`crate::schedule`]).
 #[derive(Default)]
