@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 from .common import KINDS, all_proxies, body_of_size, meter, rotated
@@ -29,7 +30,9 @@ def sequential(url: str, body: bytes, n: int):
 def run_count_table(args, tmp: Path, upstream: int):
     """`--callgrind`: Envoy's instructions per request (all its threads, so the main thread's
     timers and load polls count too), `--requests` requests sent one after another after 50
-    warm-up requests; each round counts every kind once, in a rotated order."""
+    warm-up requests; each round counts every kind once, in a rotated order. Each line also
+    prints the window's requests per second under valgrind: the per-second costs are divided
+    by it, so it moves with the machine's load."""
     kinds = [k for k, _ in KINDS if k in args.kinds]
     labels = dict(KINDS)
     runs: dict = {}
@@ -43,10 +46,14 @@ def run_count_table(args, tmp: Path, upstream: int):
                     start, stop = meters[kind]
                     sequential(url, body, 50)
                     start()
+                    t0 = time.monotonic()
                     sequential(url, body, args.requests)
+                    secs = time.monotonic() - t0
                     per = stop() / args.requests
                     runs.setdefault((kind, kb), []).append(per)
-                    print(f"round {r + 1} {labels[kind]:52s} {kb:3d} KB  {per:10,.0f} instructions/request", flush=True)
+                    # The window's rate: per-second costs (timers, load polls) are divided by it.
+                    print(f"round {r + 1} {labels[kind]:52s} {kb:3d} KB  {per:10,.0f} instructions/request"
+                          f"  ({args.requests / secs:,.0f} requests/s)", flush=True)
     med = statistics.median
     print()
     print(f"Envoy instructions per request, medians over {args.rounds} round(s); (x): median of each round's "

@@ -462,6 +462,21 @@ impl Ledger {
         }
     }
 
+    /// Undoes part of a charge in this VM's totals only: it rides on the model's next write
+    /// (usually the same stream's end, milliseconds later for a non-streamed response, or the
+    /// next decision) or on the next tick at the latest. For a part that ends while the rest of
+    /// the stream runs on (a request's queued prompt tokens at its first response headers), so
+    /// a short response writes its lease once instead of twice (two shared-data host calls
+    /// fewer); other threads see the part released up to one tick (50 ms) late, this VM at once.
+    /// Only where a timer runs (the Wasm host); see [`Ledger::release`].
+    pub fn release_later(&mut self, cfg: &Config, mi: usize, w: usize, reqs: u32, tokens: u32) {
+        if (reqs == 0 && tokens == 0) || cfg.models.get(mi).and_then(|m| m.workers.get(w)).is_none()
+        {
+            return;
+        }
+        self.bump(mi, w, -i64::from(reqs), -i64::from(tokens));
+    }
+
     /// The VM's timer, every `elapsed_ms` at clock `now` (100 ms units): decides from the
     /// decisions since the last tick whether releases are deferred, writes every model with
     /// unpublished changes or a heartbeat due, re-reads the polled loads and, every 200 ms (and

@@ -24,7 +24,8 @@
 //! When no worker is known, the decision uses the own counts alone (polling off, or all down).
 //!
 //! Costs: the poller makes one HTTP call per worker per interval (per `no_traffic_interval_ms`
-//! for a model without traffic, see [`Poller`]) and one CAS per answer; every VM re-reads each
+//! for a model without traffic, see [`Poller`], and at most that often to a worker whose polls
+//! keep failing, see [`Pace`]) and one CAS per answer that changes what was published; every VM re-reads each
 //! model's published value once per tick (50 ms), so a decision pays no host call for polled
 //! load. Staleness: at most interval + tick + the worker's answer time (the no-traffic interval
 //! instead of the interval for a model's first request after a quiet spell).
@@ -190,7 +191,8 @@ pub fn parse_load(body: &[u8]) -> Option<Load> {
 }
 
 /// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
-/// ms). The holder renews it every tick; another VM takes it over only once it expired (the
+/// ms). The holder reads it every tick and renews it once half its time is gone (every few
+/// ticks: `ttl` spans several); another VM takes it over only once it expired (the
 /// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
 /// harmless (both publish the same kind of answer).
 pub struct PollLease;
@@ -206,6 +208,13 @@ impl PollLease {
             let expires = u64::from_le_bytes(cur[8..16].try_into().unwrap_or([0; 8]));
             if owner != me && now_ms < expires {
                 return false;
+            }
+            // Ours with more than half its time left: renewed at a later tick (a CAS fewer on
+            // most ticks; the holder still renews long before anyone may take over). An expiry
+            // further than `ttl_ms` ahead (the clock stepped back) is re-anchored now.
+            let left = expires.saturating_sub(now_ms);
+            if owner == me && left > ttl_ms / 2 && left <= ttl_ms {
+                return true;
             }
         }
         let mut v = [0u8; 16];
@@ -243,6 +252,55 @@ impl Target {
     }
 }
 
+/// The doublings of a failing worker's poll period are capped here (the period is capped by
+/// [`Pace::bound_ms`] long before).
+const MAX_BACKOFF: u8 = 16;
+
+/// How often each worker of a model in a round is asked: every round (`interval_ms`) while its
+/// load polls succeed, or once its last one succeeded; after failures in a row its period
+/// doubles per further failure up to `bound_ms`.
+///
+/// Why: a worker that is down, restarting or answering something that is not a load answer
+/// stays unknown (`merge`) whatever the poll rate, and asking it ten times a second costs this
+/// Envoy an HTTP call, a body read and a publish each time (~0.2 M instructions, see
+/// docs/performance.md) and the worker's endpoint a request. The first failure after a good
+/// answer is asked again at the next round (one lost answer is not an outage); a worker back
+/// after an outage is seen within `bound_ms` plus the answer's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pace {
+    pub interval_ms: u32,
+    /// `no_traffic_interval_ms`, at least `interval_ms` (the no-traffic period: the schedule's
+    /// slowest).
+    pub bound_ms: u32,
+}
+
+impl Pace {
+    pub fn new(lp: &LoadPollConfig) -> Pace {
+        Pace {
+            interval_ms: lp.interval_ms,
+            bound_ms: lp.no_traffic_interval_ms.max(lp.interval_ms),
+        }
+    }
+
+    /// The poll period after `backoff` doublings (ms).
+    fn period_ms(&self, backoff: u8) -> u64 {
+        (u64::from(self.interval_ms) << backoff.min(MAX_BACKOFF)).min(u64::from(self.bound_ms))
+    }
+
+    /// Whether a worker asked at `asked_ms`, `backoff` doublings in, is due in a round at
+    /// `now_ms`. Rounds come on 50 ms ticks at least `interval_ms` apart, so a period is met
+    /// within half an interval (a round a few ms early must not wait a whole interval more).
+    fn due(&self, asked_ms: Option<u64>, backoff: u8, now_ms: u64) -> bool {
+        match asked_ms {
+            Some(at) if backoff > 0 => {
+                let since = crate::schedule::since(at, now_ms);
+                since.saturating_add(u64::from(self.interval_ms / 2)) >= self.period_ms(backoff)
+            }
+            _ => true,
+        }
+    }
+}
+
 /// What the poller knows of one worker's endpoints.
 #[derive(Debug, Clone, Copy, Default)]
 struct Endpoint {
@@ -257,6 +315,11 @@ struct Endpoint {
     info_fallback: bool,
     /// The last load poll failed.
     down: bool,
+    /// Failed load polls in a row, less one: each doubles the worker's poll period (up to
+    /// [`Pace::bound_ms`]); a good answer resets it.
+    backoff: u8,
+    /// When its last load poll was sent (ms); `None` before the first.
+    asked_ms: Option<u64>,
     /// `max_running_requests` from the server info; 0: unknown.
     capacity: u32,
     /// Whether every load answer since the last counter sample showed requests waiting (`None`:
@@ -292,7 +355,8 @@ pub struct Activity {
 /// model without traffic is polled every `no_traffic_ms` instead (as Envoy's health checks use
 /// `no_traffic_interval`): its view stays fresh for the next request (answers younger than
 /// `stale_ms` when `no_traffic_ms + timeout_ms < stale_ms`) while an idle Envoy stops costing
-/// its own CPU and every worker's load endpoint ten calls a second. Cost: one shared-data get
+/// its own CPU and every worker's load endpoint ten calls a second. Within a round, a worker
+/// whose polls keep failing is skipped until its [`Pace`] period passed. Cost: one shared-data get
 /// per model per tick between the two periods. A round that lies in the future (the wall clock
 /// stepped back) makes the next one due at once ([`crate::schedule`]).
 #[derive(Default)]
@@ -347,12 +411,13 @@ impl Poller {
         true
     }
 
-    /// Targets of model `mi`'s round, skipping workers whose previous call is still in flight
-    /// (a slow worker is asked at most once at a time; the call's timeout bounds it, and
-    /// [`Poller::expire`] a call whose answer never comes). A worker whose load answers report no
-    /// capacity (an older SGLang's `/get_load`) is also asked for its server info, once, and
-    /// again after a failed load poll.
-    pub fn round(&self, mi: usize) -> impl Iterator<Item = Target> + '_ {
+    /// Targets of model `mi`'s round at `now_ms`, skipping workers whose previous call is still
+    /// in flight (a slow worker is asked at most once at a time; the call's timeout bounds it,
+    /// and [`Poller::expire`] a call whose answer never comes) and failing workers whose period
+    /// ([`Pace`]) has not passed. A worker whose load answers report no capacity (an older
+    /// SGLang's `/get_load`) is also asked for its server info, once, and again after a failed
+    /// load poll.
+    pub fn round(&self, mi: usize, now_ms: u64, pace: Pace) -> impl Iterator<Item = Target> + '_ {
         self.endpoints
             .get(mi)
             .into_iter()
@@ -364,12 +429,14 @@ impl Poller {
                         fallback: e.fallback,
                         info: false,
                     };
+                    let load = pace.due(e.asked_ms, e.backoff, now_ms).then_some(load);
                     let info = (e.wants_info && !e.info_done).then_some(Target {
+                        model: mi as u16,
+                        worker: w as u16,
                         fallback: e.info_fallback,
                         info: true,
-                        ..load
                     });
-                    std::iter::once(load).chain(info)
+                    load.into_iter().chain(info)
                 })
             })
             .filter(|t| {
@@ -380,8 +447,19 @@ impl Poller {
             })
     }
 
+    fn endpoint(&mut self, t: Target) -> Option<&mut Endpoint> {
+        self.endpoints
+            .get_mut(usize::from(t.model))
+            .and_then(|m| m.get_mut(usize::from(t.worker)))
+    }
+
     /// A call dispatched at `now_ms` (wall clock).
     pub fn sent(&mut self, token: u32, t: Target, now_ms: u64) {
+        if !t.info {
+            if let Some(e) = self.endpoint(t) {
+                e.asked_ms = Some(now_ms);
+            }
+        }
         self.inflight.push(token, now_ms, t);
     }
 
@@ -454,6 +532,7 @@ impl Poller {
                     e.info_fallback = false;
                 }
                 e.down = false;
+                e.backoff = 0;
                 if l.capacity == 0 {
                     e.wants_info = true;
                     l.capacity = e.capacity;
@@ -461,6 +540,11 @@ impl Poller {
                 Some((t, Some(l)))
             }
             None => {
+                // The first failure after a good answer is asked again next round; each
+                // further one doubles the period ([`Pace`]).
+                if e.down {
+                    e.backoff = e.backoff.saturating_add(1).min(MAX_BACKOFF);
+                }
                 self.failures += 1;
                 e.down = true;
                 e.backlogged = Some(false);
@@ -527,6 +611,12 @@ mod tests {
             })
             .collect()
     }
+
+    /// Every worker asked in every round (no back-off).
+    const EVERY: Pace = Pace {
+        interval_ms: 100,
+        bound_ms: 100,
+    };
 
     fn known(reqs: u32, snap: u32, at: u32) -> Polled {
         Polled {
@@ -633,6 +723,15 @@ mod tests {
         );
         decode(b"garbage", &ids, 3, &mut out);
         assert_eq!(out, vec![Polled::default(); 3]);
+        // A failure after a failure leaves the record as it is: no write (the CAS stays).
+        assert!(publish(&s, "p", ws[1].id, 1, &Polled::default(), &mut buf));
+        let cas = s.get("p", &mut buf);
+        assert!(publish(&s, "p", ws[1].id, 1, &Polled::default(), &mut buf));
+        assert_eq!(s.get("p", &mut buf), cas, "unchanged: not written");
+        assert!(publish(&s, "p", ws[1].id, 1, &known(1, 0, 11), &mut buf));
+        assert_ne!(s.get("p", &mut buf), cas);
+        decode(&buf, &ids, 3, &mut out);
+        assert_eq!(out[1], known(1, 0, 11));
     }
 
     #[test]
@@ -641,13 +740,31 @@ mod tests {
         let mut b = Vec::new();
         assert!(PollLease::hold(&s, 1, 1000, 300, &mut b));
         assert!(!PollLease::hold(&s, 2, 1100, 300, &mut b));
+        let cas = s.get(LEASE_KEY, &mut b);
+        assert!(PollLease::hold(&s, 1, 1100, 300, &mut b));
+        assert_eq!(
+            s.get(LEASE_KEY, &mut b),
+            cas,
+            "more than half left: not renewed yet"
+        );
         assert!(PollLease::hold(&s, 1, 1200, 300, &mut b), "renewal");
+        assert_ne!(s.get(LEASE_KEY, &mut b), cas);
         assert!(!PollLease::hold(&s, 2, 1499, 300, &mut b));
         assert!(
             PollLease::hold(&s, 2, 1500, 300, &mut b),
             "expired: taken over"
         );
         assert!(!PollLease::hold(&s, 1, 1600, 300, &mut b));
+        // The clock steps back 600 ms: the holder re-anchors its expiry at once, so a holder
+        // that dies after a step is taken over within a ttl, not a ttl plus the step.
+        assert!(PollLease::hold(&s, 2, 1600, 300, &mut b));
+        let cas = s.get(LEASE_KEY, &mut b);
+        assert!(PollLease::hold(&s, 2, 1000, 300, &mut b));
+        assert_ne!(s.get(LEASE_KEY, &mut b), cas, "re-anchored");
+        assert!(
+            PollLease::hold(&s, 1, 1301, 300, &mut b),
+            "taken over at 1000 + ttl"
+        );
     }
 
     #[test]
@@ -691,7 +808,7 @@ mod tests {
         assert!(q.due(0, 0, 300, 100, quiet) && !q.due(0, 200, 300, 100, quiet));
         assert!(q.due(0, 300, 300, 100, quiet));
         assert!(!q.due(5, 0, 100, 500, quiet));
-        assert_eq!(q.round(5).count(), 0);
+        assert_eq!(q.round(5, 0, EVERY).count(), 0);
     }
 
     #[test]
@@ -703,11 +820,11 @@ mod tests {
         };
         assert!(p.due(0, 0, 100, 500, busy));
         assert!(!p.due(0, 50, 100, 500, busy));
-        let ts: Vec<Target> = p.round(0).collect();
+        let ts: Vec<Target> = p.round(0, 0, EVERY).collect();
         assert_eq!(ts.len(), 2);
         p.sent(7, ts[0], 0);
         p.sent(8, ts[1], 0);
-        assert_eq!(p.round(0).count(), 0, "both still in flight");
+        assert_eq!(p.round(0, 0, EVERY).count(), 0, "both still in flight");
         assert!(!p.settled(0) && p.settled(1));
         assert!(
             p.answer(7, Some(404), b"").is_none(),
@@ -719,7 +836,7 @@ mod tests {
         assert_eq!(l.map(|l| (l.reqs, l.tokens)), Some((3, 0)));
         assert!(p.answer(8, Some(200), b"").is_none(), "unknown token");
         assert!(p.settled(0), "both answered");
-        let next: Vec<Target> = p.round(0).filter(|t| !t.info).collect();
+        let next: Vec<Target> = p.round(0, 0, EVERY).filter(|t| !t.info).collect();
         assert!(next[0].fallback && !next[1].fallback);
         assert_eq!((p.answers, p.failures), (1, 0));
         p.sent(9, next[1], 0);
@@ -729,17 +846,87 @@ mod tests {
     }
 
     #[test]
+    fn a_failing_worker_is_asked_less_often_and_every_round_again_once_it_answers() {
+        let lp = LoadPollConfig::default();
+        let pace = Pace::new(&lp);
+        assert_eq!((pace.interval_ms, pace.bound_ms), (100, 500));
+        let mut p = Poller::new([2usize].into_iter());
+        let ok = br#"[{"num_running_reqs":3,"num_waiting_reqs":0,"max_running_requests":8}]"#;
+        let mut token = 0u32;
+        // Rounds every 100 ms (on 50 ms ticks, one a tick late); worker 0 fails from 1000 ms
+        // (a 200 that is not a load answer) to 3000 ms, worker 1 always answers.
+        let mut asked: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        let mut now = 0;
+        while now <= 4000 {
+            let ts: Vec<Target> = p.round(0, now, pace).collect();
+            for t in ts {
+                token += 1;
+                p.sent(token, t, now);
+                asked[usize::from(t.worker)].push(now);
+                let bad = t.worker == 0 && (1000..3000).contains(&now);
+                let got = p.answer(token, Some(200), if bad { b"{}" } else { ok });
+                assert_eq!(got.map(|(_, l)| l.is_some()), Some(!bad), "{now} {t:?}");
+            }
+            now += if now == 2000 { 150 } else { 100 };
+        }
+        let between = |v: &[u64], a, b| {
+            v.iter()
+                .filter(|&&t| a <= t && t < b)
+                .copied()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(asked[1].len(), 40, "the answering worker: every round");
+        assert_eq!(
+            between(&asked[0], 0, 1000).len(),
+            10,
+            "every round while it answers"
+        );
+        // First failure at 1000, asked again at once (1100), then after 200, 400, 500 ms (the
+        // round at 2150 is 450 ms after 1700: within half an interval of the period).
+        assert_eq!(
+            between(&asked[0], 1000, 3000),
+            [1000, 1100, 1300, 1700, 2150, 2650]
+        );
+        // Back at the first poll after 3000: every round from its first good answer.
+        let back = between(&asked[0], 3000, 4001);
+        assert_eq!(back[0], 3150);
+        assert_eq!(back.windows(2).filter(|w| w[1] - w[0] != 100).count(), 0);
+        assert_eq!(p.failures, 6);
+        // A clock stepped back: the failing worker is due at once (`schedule::since`).
+        let t = p.round(0, 4050, pace).find(|t| t.worker == 0).unwrap();
+        token += 1;
+        p.sent(token, t, 9000);
+        p.answer(token, Some(503), b"");
+        token += 1;
+        p.sent(token, t, 9000);
+        p.answer(token, Some(503), b"");
+        assert_eq!(
+            p.round(0, 9100, pace).filter(|t| t.worker == 0).count(),
+            0,
+            "backing off"
+        );
+        assert_eq!(
+            p.round(0, 5000, pace).filter(|t| t.worker == 0).count(),
+            1,
+            "stepped back"
+        );
+    }
+
+    #[test]
     fn a_call_without_an_answer_expires_and_its_worker_is_asked_again() {
         let mut p = Poller::new([2usize].into_iter());
-        let ts: Vec<Target> = p.round(0).collect();
+        let ts: Vec<Target> = p.round(0, 0, EVERY).collect();
         p.sent(1, ts[0], 10_000);
         p.sent(2, ts[1], 10_000);
         assert!(p.answer(2, Some(503), b"").is_some());
         let limit = 250 + crate::schedule::EXPIRY_MARGIN_MS;
         assert_eq!(p.expire(10_000 + limit, 250), 0);
-        assert_eq!(p.round(0).map(|t| t.worker).collect::<Vec<_>>(), [1]);
+        assert_eq!(
+            p.round(0, 0, EVERY).map(|t| t.worker).collect::<Vec<_>>(),
+            [1]
+        );
         assert_eq!(p.expire(10_000 + limit + 1, 250), 1);
-        assert_eq!(p.round(0).count(), 2, "asked again");
+        assert_eq!(p.round(0, 0, EVERY).count(), 2, "asked again");
         assert!(p.settled(0));
         assert_eq!(p.failures, 2);
         // Its answer, late: ignored, counted nowhere.
@@ -762,23 +949,27 @@ mod tests {
         };
         let old = br#"[{"dp_rank":0,"num_reqs":20,"num_waiting_reqs":0,"num_tokens":0}]"#;
         // Worker 0: no /v1/loads, then /get_load without a capacity.
-        let t = p.round(0).next().unwrap();
+        let t = p.round(0, 0, EVERY).next().unwrap();
         assert!(ask(&mut p, t, 404, b"").is_none());
-        let t = p.round(0).next().unwrap();
+        let t = p.round(0, 0, EVERY).next().unwrap();
         assert_eq!(t.path(&lp), "/get_load");
         let (_, l) = ask(&mut p, t, 200, old).unwrap();
         assert_eq!(l.map(|l| l.capacity), Some(0));
         // Its server info is asked next round: /get_server_info, else /server_info.
-        let info: Vec<Target> = p.round(0).filter(|t| t.info).collect();
+        let info: Vec<Target> = p.round(0, 0, EVERY).filter(|t| t.info).collect();
         assert_eq!(info.len(), 1);
         assert_eq!(info[0].path(&lp), "/get_server_info");
         assert!(ask(&mut p, info[0], 404, b"").is_none());
-        let t = p.round(0).find(|t| t.info).unwrap();
+        let t = p.round(0, 0, EVERY).find(|t| t.info).unwrap();
         assert_eq!(t.path(&lp), "/server_info");
         let body = br#"{"max_running_requests":32,"max_total_num_tokens":100000}"#;
         assert!(ask(&mut p, t, 200, body).is_none());
-        assert_eq!(p.round(0).filter(|t| t.info).count(), 0, "read once");
-        let t = p.round(0).next().unwrap();
+        assert_eq!(
+            p.round(0, 0, EVERY).filter(|t| t.info).count(),
+            0,
+            "read once"
+        );
+        let t = p.round(0, 0, EVERY).next().unwrap();
         let (_, l) = ask(&mut p, t, 200, old).unwrap();
         let l = l.unwrap();
         assert_eq!(l.capacity, 32);
@@ -842,16 +1033,16 @@ mod tests {
         reqs[0] = 32;
         assert_eq!(inp(&reqs, &cap).1, Reason::LoadSpill);
         // A failed poll (a restart?) and a good answer: the server info is read again.
-        let t = p.round(0).next().unwrap();
+        let t = p.round(0, 0, EVERY).next().unwrap();
         assert_eq!(ask(&mut p, t, 503, b"").map(|(_, l)| l), Some(None));
-        assert_eq!(p.round(0).filter(|t| t.info).count(), 0);
-        let t = p.round(0).next().unwrap();
+        assert_eq!(p.round(0, 0, EVERY).filter(|t| t.info).count(), 0);
+        let t = p.round(0, 0, EVERY).next().unwrap();
         ask(&mut p, t, 200, old).unwrap();
-        let t = p.round(0).find(|t| t.info).unwrap();
+        let t = p.round(0, 0, EVERY).find(|t| t.info).unwrap();
         assert_eq!(t.path(&lp), "/get_server_info");
         // Answers that are not server info leave the capacity unknown.
         assert!(ask(&mut p, t, 200, b"{}").is_none());
-        let t = p.round(0).next().unwrap();
+        let t = p.round(0, 0, EVERY).next().unwrap();
         assert_eq!(ask(&mut p, t, 200, old).unwrap().1.unwrap().capacity, 0);
     }
 
@@ -860,7 +1051,7 @@ mod tests {
         let mut p = Poller::new([1usize].into_iter());
         let mut token = 0;
         let mut answer = |p: &mut Poller, waiting: u32| {
-            let t = p.round(0).find(|t| !t.info).unwrap();
+            let t = p.round(0, 0, EVERY).find(|t| !t.info).unwrap();
             token += 1;
             p.sent(token, t, 0);
             let body = format!(

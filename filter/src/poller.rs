@@ -12,16 +12,17 @@
 //!   publishes "unknown" (never idle, see `poll.rs`).
 //!
 //! Costs: every VM that may call reads the lease each tick (the holder also renews it with a
-//! CAS). The holder makes one HTTP call per worker per round; per answer one body read, one
-//! own-load read and the publish (a read and a CAS); at a round's last answer two gauge
-//! writes. Nothing here runs on a request's path.
+//! CAS). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
+//! `poll::Pace`); per good answer one body read, one own-load read and the publish (a read and
+//! a CAS); per failed one the body read and a read (the CAS too when it was known before); at
+//! a round's last answer two gauge writes. Nothing here runs on a request's path.
 
 use crate::config::{Config, Worker};
 use crate::hits;
 use crate::host::{now_ticks, Buffer, CallRefused, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::poll::{self, PollLease, Polled, Poller, Target};
+use crate::poll::{self, Pace, PollLease, Polled, Poller, Target};
 use crate::router::Router;
 use crate::schedule::{since, Calls};
 use std::cell::RefCell;
@@ -90,6 +91,7 @@ impl Polls {
             self.read_members(h, r, m, now_ms);
             return; // no load polls, and the self-check's reads go with them
         }
+        let pace = Pace::new(lp);
         let mut targets: Vec<Target> = Vec::new();
         for mi in 0..r.cfg().models.len() {
             let activity = || r.activity(h, mi);
@@ -97,7 +99,7 @@ impl Polls {
                 .poller
                 .due(mi, now_ms, interval_ms, no_traffic_ms, activity)
             {
-                targets.extend(self.poller.round(mi));
+                targets.extend(self.poller.round(mi, now_ms, pace));
             }
         }
         let lp = &r.cfg().load_poll;
@@ -315,16 +317,18 @@ impl Polls {
             return;
         };
         let (mi, w) = (usize::from(t.model), usize::from(t.worker));
-        let (snap_reqs, snap_tokens) = r.own_load(h, mi, w);
         let p = match load {
-            Some(l) => Polled {
-                reqs: l.reqs,
-                tokens: l.tokens,
-                snap_reqs,
-                snap_tokens,
-                at: now.max(1),
-                capacity: l.capacity,
-            },
+            Some(l) => {
+                let (snap_reqs, snap_tokens) = r.own_load(h, mi, w);
+                Polled {
+                    reqs: l.reqs,
+                    tokens: l.tokens,
+                    snap_reqs,
+                    snap_tokens,
+                    at: now.max(1),
+                    capacity: l.capacity,
+                }
+            }
             None => Polled::default(), // failed: unknown until the next good answer
         };
         let Some(model) = r.cfg().models.get(mi) else {

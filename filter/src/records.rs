@@ -55,7 +55,8 @@ pub fn slot(b: &mut Vec<u8>, rec: usize, id: u32, hint: usize) -> usize {
 
 /// Writes worker `id`'s record in the value at `key` with a CAS read-modify-write: `fill` gets
 /// the value and the record's offset. For values with one writer (the poll lease holder), so
-/// conflicts are rare; false if all 8 tries lost.
+/// conflicts are rare; false if all 8 tries lost. A record that `fill` leaves as it was (a
+/// failed poll after a failed poll) is not written again: the value holds it already.
 pub fn publish<S: crate::store::Store>(
     store: &S,
     key: &str,
@@ -66,10 +67,22 @@ pub fn publish<S: crate::store::Store>(
     fill: impl Fn(&mut [u8], usize),
 ) -> bool {
     for _ in 0..8 {
-        let cas = store.get(key, buf).unwrap_or(0);
+        let cas = store.get(key, buf);
+        let len = buf.len();
         let o = slot(buf, rec, id, hint);
+        let mut before = [0u8; 64];
+        let old = match buf.get(o..o + rec) {
+            Some(r) if cas.is_some() && buf.len() == len && rec <= before.len() => {
+                before[..rec].copy_from_slice(r);
+                Some(&before[..rec])
+            }
+            _ => None,
+        };
         fill(buf, o);
-        if store.set(key, buf, cas).is_ok() {
+        if old.is_some() && old == buf.get(o..o + rec) {
+            return true;
+        }
+        if store.set(key, buf, cas.unwrap_or(0)).is_ok() {
             return true;
         }
     }

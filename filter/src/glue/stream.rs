@@ -8,7 +8,9 @@
 //! once per 100 ms; at the response headers the queued-prefill release, when the decision
 //! planned records 1 `:status` read (the writes only for a 2xx), and the `upstream.address`
 //! read only on the responses `served.rs` picks; at the end the release (`load.rs`: 1 load
-//! read + 1 CAS, or parked on a busy thread).
+//! read + 1 CAS, or parked on a busy thread). The queued-prefill part released at the response
+//! headers makes no host call in the Wasm build: it rides on the end's write (or the next
+//! decision or tick, `Ledger::release_later`).
 
 use super::{Action, Installed};
 use crate::charge::{Charge, Due};
@@ -253,10 +255,17 @@ impl Stream {
             return; // nothing charged, or released already: no host call
         }
         let s = &*self.state;
+        // What ends at the first response headers rides on the stream's end (or the next
+        // decision or tick) where a timer runs: one lease write per short response, not two.
+        let later = at == Due::Answer && !h.eager_flush();
         for d in parts.iter().flatten() {
             // Borrowed only if a callback re-entered the glue: the gauges still move.
             if let Ok(mut r) = s.router.try_borrow_mut() {
-                r.release(h, d);
+                if later {
+                    r.release_later(d);
+                } else {
+                    r.release(h, d);
+                }
             }
             s.metrics.inflight(d, -1);
         }

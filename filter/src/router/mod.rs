@@ -664,6 +664,18 @@ impl Router {
         );
     }
 
+    /// Gives back a part of a charge with the model's next write or tick (see
+    /// [`Ledger::release_later`]).
+    pub fn release_later(&mut self, d: &Decision) {
+        self.ledger.release_later(
+            &self.cfg,
+            usize::from(d.model),
+            usize::from(d.worker),
+            d.charged_reqs,
+            d.charged_tokens,
+        );
+    }
+
     /// The VM's timer at clock `now` (100 ms units; see [`Ledger::tick`]).
     pub fn tick<S: Store>(&mut self, store: &S, elapsed_ms: u32, now: u32) {
         self.ledger.tick(store, &self.cfg, elapsed_ms, now);
