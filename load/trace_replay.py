@@ -125,6 +125,7 @@ def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int
         "api": api,
         "plan": plan,
         "hash_seqs": [r.hash_ids for r in reqs],
+        "seqs": seqs,
         "prompt_tokens": prompts,
         "out_tokens": outs,
         "infinite": tr.infinite_cache_hits(seqs),
@@ -193,6 +194,7 @@ def trace_stats(row: dict, t: dict) -> dict:
             states[g][_holder_state(r.get("d"))] += 1
     free_followed, free_not = states["followed"]["free"], states["not_followed"]["free"]
     total = sum(t["prompt_tokens"])
+    routed = sum(tr.routed_cache_hits(t["seqs"], workers)) / total if "seqs" in t else 0.0
     inf = sum(t["infinite"]) / total
     lru = sum(t["pooled_lru"]) / total
     late = [r["late"] for r in recs.values()]
@@ -201,6 +203,10 @@ def trace_stats(row: dict, t: dict) -> dict:
         "pooled_lru_bound": lru,
         "share_of_infinite": row["hit_rate"] / inf if inf else 0.0,
         "share_of_pooled_lru": row["hit_rate"] / lru if lru else 0.0,
+        # Reuse the routing left reachable (each worker an infinite cache of what it served),
+        # and the share of it the workers' real caches delivered: routing loss vs eviction loss.
+        "routed_bound": routed,
+        "share_of_routed": row["hit_rate"] / routed if routed else 0.0,
         "planned_prompt_tokens": total,
         "records": len(recs),
         "served": hf.served,
