@@ -193,6 +193,9 @@ def trace_stats(row: dict, t: dict) -> dict:
         if g != "not_eligible":
             states[g][_holder_state(r.get("d"))] += 1
     free_followed, free_not = states["followed"]["free"], states["not_followed"]["free"]
+    # Issue 35's target: follow where the holder was under its capacity (free or queued).
+    under_followed = free_followed + states["followed"]["queued"]
+    under_not = free_not + states["not_followed"]["queued"]
     total = sum(t["prompt_tokens"])
     routed = sum(tr.routed_cache_hits(t["seqs"], workers)) / total if "seqs" in t else 0.0
     inf = sum(t["infinite"]) / total
@@ -218,6 +221,8 @@ def trace_stats(row: dict, t: dict) -> dict:
         "holder_states": {g: dict(c.most_common()) for g, c in states.items()},
         "free_eligible": free_followed + free_not,
         "follow_free": free_followed / (free_followed + free_not) if free_followed + free_not else 0.0,
+        "under_eligible": under_followed + under_not,
+        "follow_under_capacity": under_followed / (under_followed + under_not) if under_followed + under_not else 0.0,
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
         "lateness_max_ms": max(late, default=0.0),
