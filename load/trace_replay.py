@@ -125,6 +125,7 @@ def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int
         "api": api,
         "plan": plan,
         "hash_seqs": [r.hash_ids for r in reqs],
+        "seqs": seqs,
         "prompt_tokens": prompts,
         "out_tokens": outs,
         "infinite": tr.infinite_cache_hits(seqs),
@@ -192,7 +193,11 @@ def trace_stats(row: dict, t: dict) -> dict:
         if g != "not_eligible":
             states[g][_holder_state(r.get("d"))] += 1
     free_followed, free_not = states["followed"]["free"], states["not_followed"]["free"]
+    # Issue 35's target: follow where the holder was under its capacity (free or queued).
+    under_followed = free_followed + states["followed"]["queued"]
+    under_not = free_not + states["not_followed"]["queued"]
     total = sum(t["prompt_tokens"])
+    routed = sum(tr.routed_cache_hits(t["seqs"], workers)) / total if "seqs" in t else 0.0
     inf = sum(t["infinite"]) / total
     lru = sum(t["pooled_lru"]) / total
     late = [r["late"] for r in recs.values()]
@@ -201,6 +206,10 @@ def trace_stats(row: dict, t: dict) -> dict:
         "pooled_lru_bound": lru,
         "share_of_infinite": row["hit_rate"] / inf if inf else 0.0,
         "share_of_pooled_lru": row["hit_rate"] / lru if lru else 0.0,
+        # Reuse the routing left reachable (each worker an infinite cache of what it served),
+        # and the share of it the workers' real caches delivered: routing loss vs eviction loss.
+        "routed_bound": routed,
+        "share_of_routed": row["hit_rate"] / routed if routed else 0.0,
         "planned_prompt_tokens": total,
         "records": len(recs),
         "served": hf.served,
@@ -212,6 +221,8 @@ def trace_stats(row: dict, t: dict) -> dict:
         "holder_states": {g: dict(c.most_common()) for g, c in states.items()},
         "free_eligible": free_followed + free_not,
         "follow_free": free_followed / (free_followed + free_not) if free_followed + free_not else 0.0,
+        "under_eligible": under_followed + under_not,
+        "follow_under_capacity": under_followed / (under_followed + under_not) if under_followed + under_not else 0.0,
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
         "lateness_max_ms": max(late, default=0.0),

@@ -59,6 +59,8 @@ class Record:
     ttft_ms: float | None = None
     e2e_ms: float | None = None
     out_tokens: int = 0
+    #: Prompt tokens the worker reported cached (`usage.prompt_tokens_details.cached_tokens`); None: not reported.
+    cached_tokens: int | None = None
     sent_unix_ms: float = 0.0
     done_unix_ms: float = 0.0
     err: str | None = None
@@ -71,7 +73,7 @@ class Record:
         """The shape load/trace.js prints (`TRACE {...}`), plus send / end times (Unix ms)."""
         return {"i": self.i, "w": self.worker, "d": self.decision, "s": self.status if self.err is None else 0,
                 "late": self.late_ms, "ttft": self.ttft_ms, "e2e": self.e2e_ms,
-                "t0": self.sent_unix_ms, "t1": self.done_unix_ms, "err": self.err}
+                "t0": self.sent_unix_ms, "t1": self.done_unix_ms, "err": self.err, "c": self.cached_tokens}
 
 
 @dataclass
@@ -134,6 +136,7 @@ def fnv1a(s: str) -> int:
 
 
 _USAGE_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 class _Conns:
@@ -258,6 +261,11 @@ async def _read_response(r: asyncio.StreamReader, rec: Record, sent: float, loop
         pass
     if m is not None:
         rec.out_tokens = int(m.group(1))
+    m = None
+    for m in _CACHED_RE.finditer(tail):
+        pass
+    if m is not None:
+        rec.cached_tokens = int(m.group(1))
     return keep
 
 

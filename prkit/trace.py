@@ -228,6 +228,24 @@ def infinite_cache_hits(seqs: Sequence[Sequence[Block]]) -> list[int]:
     return out
 
 
+def routed_cache_hits(seqs: Sequence[Sequence[Block]], workers: Sequence[str | None]) -> list[int]:
+    """Per request, the tokens an infinite prefix cache on the worker that served it would serve:
+    the longest prefix of its blocks that an earlier request served by the same worker started
+    with. Beside `infinite_cache_hits` it separates what a router's choices lose (sending a
+    request away from the prefix it shares) from what the workers' finite caches lose (evicting
+    a prefix before it is asked again). `workers[i]` None: a failed request (0, not inserted)."""
+    roots: dict[str, _Node] = {}
+    out = []
+    for blocks, w in zip(seqs, workers):
+        if w is None:
+            out.append(0)
+            continue
+        root = roots.setdefault(w, _Node())
+        out.append(_match(root, blocks)[0])
+        _insert(root, blocks)
+    return out
+
+
 def pooled_lru_hits(seqs: Sequence[Sequence[Block]], capacity_tokens: int) -> list[int]:
     """Per request, the tokens one LRU prefix cache of `capacity_tokens` would serve: a request
     matches its longest cached prefix, then its prompt blocks are inserted (outputs are not) and

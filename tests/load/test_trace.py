@@ -92,6 +92,15 @@ def test_shape_head_is_always_reused_and_tail_only_by_identical_prompts():
     assert tr.infinite_cache_hits(seqs) == [0, 4 + 4, 4 + 8 + 6]
 
 
+def test_routed_cache_counts_only_what_the_same_worker_served_before():
+    seqs = [blocks(1, 2, 3), blocks(1, 2, 4), blocks(1, 2, 3), blocks(1, 2, 3, 5), blocks(1, 2)]
+    # One worker: the infinite cache. Request 2 sent elsewhere finds nothing; 3 finds 0's blocks.
+    assert tr.routed_cache_hits(seqs, ["a"] * 5) == tr.infinite_cache_hits(seqs)
+    assert tr.routed_cache_hits(seqs, ["a", "a", "b", "a", None]) == [0, 8, 0, 12, 0]
+    # A failed request (None) neither hits nor is inserted.
+    assert tr.routed_cache_hits(seqs, [None, "a", "a", "a", "a"]) == [0, 0, 8, 12, 8]
+
+
 def test_pooled_lru_large_enough_equals_infinite_and_zero_reuses_nothing():
     seqs = [blocks(1, 2, 3), blocks(1, 2, 4), blocks(1, 5), blocks(1, 2, 3)]
     assert tr.pooled_lru_hits(seqs, 10**6) == tr.infinite_cache_hits(seqs) == [0, 8, 4, 12]
