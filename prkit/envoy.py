@@ -200,6 +200,16 @@ class Envoy:
                 return line.rsplit("::", 1)[1]
         return None
 
+    def healthy_hosts(self, cluster: str) -> set[str]:
+        """The addresses (`IP:PORT`) of the cluster's hosts that /clusters lists healthy."""
+        _, text = self.admin_get("/clusters")
+        out = set()
+        for line in text.splitlines():
+            parts = line.split("::")
+            if len(parts) == 4 and parts[0] == cluster and parts[2] == "health_flags" and parts[3] == "healthy":
+                out.add(parts[1])
+        return out
+
     # -- logs ---------------------------------------------------------------------------------
 
     def log_text(self) -> str:

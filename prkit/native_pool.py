@@ -86,13 +86,7 @@ class NativePool:
 
     def healthy(self) -> set[str]:
         """The pool's hosts Envoy's admin shows healthy."""
-        _, body = self.envoy.admin_get("/clusters")
-        out = set()
-        for line in body.splitlines():
-            parts = line.split("::")
-            if len(parts) == 4 and parts[0] == MODEL and parts[2] == "health_flags" and parts[3] == "healthy":
-                out.add(self.addr.get(parts[1], parts[1]))
-        return out
+        return {self.addr.get(a, a) for a in self.envoy.healthy_hosts(MODEL)}
 
     def lb_stats(self) -> dict[str, int]:
         """The native LB's counters (`<namespace>.prefix_router.lb.<name>`) by name."""

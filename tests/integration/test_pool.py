@@ -61,13 +61,7 @@ class EdsPool:
     def known(self) -> set[str]:
         """The pool's healthy hosts as Envoy's admin lists them: what the filter's membership read
         sees."""
-        _, body = self.envoy.admin_get("/clusters")
-        out = set()
-        for line in body.splitlines():
-            parts = line.split("::")
-            if len(parts) == 4 and parts[0] == MODEL and parts[2] == "health_flags" and parts[3] == "healthy":
-                out.add(self.addr.get(parts[1], parts[1]))
-        return out
+        return {self.addr.get(a, a) for a in self.envoy.healthy_hosts(MODEL)}
 
     def rebuilds(self) -> float:
         return self.stat(REBUILDS)
