@@ -13,9 +13,10 @@
 //! content-part arrays, `name` / `tool_calls` / `tool_call_id`, `tools`, `tool_choice`,
 //! `chat_template_kwargs`, `response_format`, list prompts, a second `messages` / `prompt`.
 //!
-//! Costs: one pass over the body; strings are checked 8 bytes at a time (a word's quote,
-//! backslash, control and high-bit bytes found with a few ALU operations), UTF-8 validated only
-//! when a kept string has a non-ASCII byte; no allocation (the sink's buffers are reused), no
+//! Costs: one pass over the body; strings are checked 16 bytes at a time for a quote,
+//! backslash, control or non-ASCII byte (one Wasm SIMD check in the shipped `.wasm`, two 8-byte
+//! words of ALU operations natively), UTF-8 validated only when a kept string has a non-ASCII
+//! byte; no allocation (the sink's buffers are reused), no
 //! recursion beyond [`MAX_DEPTH`] frames.
 
 use super::{Endpoint, Limit, Parsed, PromptKind, Sink, MSG, ROLE_END};
@@ -115,13 +116,52 @@ struct Reader<'a> {
     p: usize,
 }
 
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 const ONES: u64 = 0x0101_0101_0101_0101;
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 const HIGH: u64 = 0x8080_8080_8080_8080;
 
 /// High bit set in every byte of `w` that is zero (and possibly above one that is): exact as
 /// "some byte is zero".
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 fn zero_bytes(w: u64) -> u64 {
     w.wrapping_sub(ONES) & !w & HIGH
+}
+
+/// Whether no byte of `run` is a quote, a backslash, a control character or non-ASCII: one Wasm
+/// SIMD check (the shipped `.wasm`, `.cargo/config.toml`).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn plain(run: &[u8; 16]) -> bool {
+    use core::arch::wasm32::*;
+    // SAFETY: `run` is 16 readable bytes; `v128_load` needs no alignment.
+    let v = unsafe { v128_load(run.as_ptr().cast()) };
+    let special = v128_or(
+        v128_or(
+            u8x16_eq(v, u8x16_splat(b'"')),
+            u8x16_eq(v, u8x16_splat(b'\\')),
+        ),
+        // Below 0x20 unsigned: control; below 0 signed: 0x80 and above.
+        v128_or(u8x16_lt(v, u8x16_splat(0x20)), i8x16_lt(v, i8x16_splat(0))),
+    );
+    !v128_any_true(special)
+}
+
+/// [`plain`] elsewhere (native builds, unit tests): two 8-byte words, a few ALU operations each.
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+#[inline(always)]
+fn plain(run: &[u8; 16]) -> bool {
+    let (Some(a), Some(b)) = (run.first_chunk::<8>(), run.last_chunk::<8>()) else {
+        return false;
+    };
+    [a, b].into_iter().all(|w| {
+        let w = u64::from_le_bytes(*w);
+        zero_bytes(w ^ (ONES * u64::from(b'"')))
+            | zero_bytes(w ^ (ONES * u64::from(b'\\')))
+            | (w.wrapping_sub(ONES * 0x20) & !w & HIGH)
+            | (w & HIGH)
+            == 0
+    })
 }
 
 impl<'a> Reader<'a> {
@@ -159,17 +199,12 @@ impl<'a> Reader<'a> {
         let start = self.p;
         let mut high = false;
         loop {
-            // Whole words with no quote, backslash, control or high byte: skip.
-            while let Some(w) = self.b.get(self.p..self.p + 8) {
-                let w = u64::from_le_bytes(w.try_into().ok()?);
-                let special = zero_bytes(w ^ (ONES * u64::from(b'"')))
-                    | zero_bytes(w ^ (ONES * u64::from(b'\\')))
-                    | (w.wrapping_sub(ONES * 0x20) & !w & HIGH)
-                    | (w & HIGH);
-                if special != 0 {
-                    break;
+            // Whole 16-byte runs with no quote, backslash, control or high byte: skip.
+            while let Some(run) = self.b.get(self.p..self.p + 16) {
+                match <&[u8; 16]>::try_from(run) {
+                    Ok(run) if plain(run) => self.p += 16,
+                    _ => break,
                 }
-                self.p += 8;
             }
             let c = self.peek()?;
             self.p += 1;
@@ -187,8 +222,11 @@ impl<'a> Reader<'a> {
     }
     /// A string the router keeps: no escapes, valid UTF-8, borrowed from the body.
     fn str(&mut self) -> Option<&'a str> {
-        let (bytes, _) = self.raw_str(false)?;
-        std::str::from_utf8(bytes).ok()
+        match self.raw_str(false)? {
+            (bytes, true) => std::str::from_utf8(bytes).ok(),
+            // SAFETY: `raw_str` saw no byte >= 0x80 in `bytes`: ASCII, hence valid UTF-8.
+            (bytes, false) => Some(unsafe { std::str::from_utf8_unchecked(bytes) }),
+        }
     }
     /// A skipped string: escapes allowed, non-ASCII only as valid UTF-8 (serde_json does not
     /// check a skipped string's UTF-8; declining one it would take is safe, the converse not).
