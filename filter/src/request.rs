@@ -27,9 +27,10 @@
 //! (each id's decimal digits and `,`), at most [`ids::MAX_ID_BYTES`] bytes per id. Batched
 //! prompts (a list of strings or of token lists) are routed by their first element.
 //!
-//! [`parse_fast`] (what the router calls) reads a token prompt's id array with the hand-written
-//! scanner in `ids.rs` and lets serde parse the rest; it returns exactly what
-//! [`parse_with_bounds`] returns for every body (tested on valid and damaged ones).
+//! [`parse_fast`] (what the router calls) reads the common chat / completions text body with the
+//! hand-written reader in `request/text.rs`, and a token prompt's id array with the scanner in
+//! `ids.rs` (serde parsing the rest); it returns exactly what [`parse_with_bounds`] returns for
+//! every body (tested on valid and damaged ones), falling back to serde on anything unusual.
 
 use crate::ids;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -39,6 +40,7 @@ use std::fmt;
 
 mod fast;
 mod path;
+mod text;
 
 pub use fast::{parse_fast, IdBuffers};
 pub use path::{normalize_path, Endpoint, MAX_CLASSIFIED_PATH};

@@ -4,6 +4,7 @@
 //! files' tests run in parallel in one process sharing the compiled module. One file's tests:
 //! `cargo test -p proxy-wasm-host --test filter fuzz::`.
 
+mod chat_text;
 mod envoy_like;
 mod exports;
 mod fuzz;

@@ -42,9 +42,10 @@ impl IdBuffers {
 const MARKER_DIGITS: &[u8] = b"4294967295";
 const PLACEHOLDER: &[u8] = b"[4294967295]";
 
-/// [`parse_with_bounds`] with the token-id fast path: same result for every body (same canonical
-/// bytes, counts and model, an error exactly when serde errs, with serde's own message), faster
-/// for `input_ids` / integer `prompt` bodies.
+/// [`parse_with_bounds`] with the text and token-id fast paths: same result for every body (same
+/// canonical bytes, counts and model, an error exactly when serde errs, with serde's own
+/// message), faster for plain chat / completions text bodies (`request/text.rs`) and for
+/// `input_ids` / integer `prompt` bodies.
 ///
 /// How: [`ids::locate`] finds the prompt's flat id array (the value of the first prompt key, or
 /// that value's first element for a batch) and [`ids::scan`] reads it into `scratch.ids`. Serde
@@ -69,6 +70,10 @@ pub fn parse_fast<'a>(
     limit: impl Into<Limit>,
 ) -> Result<Parsed<'a>, ParseError> {
     let limit = limit.into();
+    scratch.ends_valid = false;
+    if let Some(p) = super::text::parse_text(endpoint, body, canon, bounds, limit) {
+        return Ok(p);
+    }
     if let Some(p) = fast(endpoint, body, canon, bounds, scratch, limit) {
         return Ok(p);
     }

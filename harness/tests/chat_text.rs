@@ -1,0 +1,71 @@
+//! Chat text prompts through the real `.wasm`, whose text fast path (`filter/src/request/text.rs`)
+//! checks 16 content bytes per Wasm SIMD step and declines to serde on any escape or odd byte.
+//! The same text must make the same prompt blocks whether a body takes the fast path or serde:
+//! each case first sends a body whose content spells one character as a `\u` escape (serde,
+//! since the fast path declines every escape), then the same text as the fast path reads it,
+//! or with a one-letter escape at that offset, which the SIMD step must notice; then the
+//! serde body again. The middle request must match exactly as much as the repeat does.
+
+use proxy_wasm_host::{Host, Options, Vm};
+
+const CONFIG: &str = r#"{"models":{"llama":{"workers":["w0","w1","w2","w3"]}},
+  "default_model":"llama","debug_header":"x-dbg"}"#;
+
+/// Sends a chat body, answers 200 and returns `(matched, total)` from the debug header.
+fn route(vm: &mut Vm, body: &str) -> (u32, u32) {
+    let r = vm
+        .request("POST", "/v1/chat/completions", &[], body.as_bytes())
+        .expect("request");
+    assert!(r.header("x-prefix-router-cluster").is_some(), "{body:.80}");
+    let hdrs = vm.finish(r.context, &[]).expect("finish");
+    let dbg = hdrs
+        .iter()
+        .find(|e| e.0 == "x-dbg")
+        .map(|e| e.1.clone())
+        .expect("debug header");
+    let field = |k: &str| -> u32 {
+        dbg.split("; ")
+            .find_map(|kv| kv.strip_prefix(k))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{k} in {dbg}"))
+    };
+    (field("matched="), field("total="))
+}
+
+fn body(content: &str) -> String {
+    format!(
+        r#"{{"model":"llama","messages":[{{"role":"system","content":"be brief"}},{{"role":"user","content":"{content}"}}],"max_tokens":8}}"#
+    )
+}
+
+#[test]
+fn the_same_text_makes_the_same_blocks_on_both_paths() {
+    let h = Host::filter(Options::default()).expect("load prefix_router.wasm");
+    h.set_clock(1_700_000_000_000_000_000);
+    let mut vm = h.vm(CONFIG).expect("vm");
+    // (as serde reads it, as the fast path or its SIMD step must): an escaped letter vs the
+    // letter, `\u` vs one-letter escapes of a newline, a quote and a backslash, and a
+    // non-ASCII letter (the SIMD step hands it to the byte loop and UTF-8 check).
+    let forms = [
+        ("\\u0041", "A"),
+        ("\\u000a", "\\n"),
+        ("\\u0022", "\\\""),
+        ("\\u005c", "\\\\"),
+        ("\\u00e9", "é"),
+    ];
+    let text = "the model cache prefix routing worker token ".repeat(12);
+    for (case, at) in (0..40).chain([200, 300, 500]).enumerate() {
+        for (k, (serde_form, fast_form)) in forms.iter().enumerate() {
+            let head = format!("case {case} form {k} ");
+            let (a, b) = text.split_at(at.min(text.len()));
+            let serde_body = body(&format!("{head}{a}{serde_form}{b}"));
+            let fast_body = body(&format!("{head}{a}{fast_form}{b}"));
+            let first = route(&mut vm, &serde_body);
+            assert_eq!(first.0, 0, "{case} {k}: first sight");
+            let fast = route(&mut vm, &fast_body);
+            let again = route(&mut vm, &serde_body);
+            assert!(again.0 > 0, "{case} {k}: a repeat matches");
+            assert_eq!(fast, again, "{case} {k} at {at}: fast path vs serde");
+        }
+    }
+}
