@@ -16,6 +16,32 @@ mod pd;
 mod reload;
 mod token_ids;
 
+/// A four-worker plugin config whose debug header (`x-dbg`) reports each decision's match.
+pub(crate) const DEBUG_CONFIG: &str = r#"{"models":{"llama":{"workers":["w0","w1","w2","w3"]}},
+  "default_model":"llama","debug_header":"x-dbg"}"#;
+
+/// Sends `body` to `path`, answers 200 and returns `(matched, total)` blocks from the debug
+/// header of [`DEBUG_CONFIG`].
+pub(crate) fn matched_total(vm: &mut proxy_wasm_host::Vm, path: &str, body: &str) -> (u32, u32) {
+    let r = vm
+        .request("POST", path, &[], body.as_bytes())
+        .expect("request");
+    assert!(r.header("x-prefix-router-cluster").is_some(), "{body:.80}");
+    let hdrs = vm.finish(r.context, &[]).expect("finish");
+    let dbg = hdrs
+        .iter()
+        .find(|e| e.0 == "x-dbg")
+        .map(|e| e.1.clone())
+        .expect("debug header");
+    let field = |k: &str| -> u32 {
+        dbg.split("; ")
+            .find_map(|kv| kv.strip_prefix(k))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{k} in {dbg}"))
+    };
+    (field("matched="), field("total="))
+}
+
 /// Every `.rs` file in `harness/tests/` is a module above: with `autotests = false` cargo would
 /// silently skip a new file that is not.
 #[test]

@@ -7,28 +7,10 @@
 
 use proxy_wasm_host::{Host, Options, Vm};
 
-const CONFIG: &str = r#"{"models":{"llama":{"workers":["w0","w1","w2","w3"]}},
-  "default_model":"llama","debug_header":"x-dbg"}"#;
+use crate::{matched_total, DEBUG_CONFIG as CONFIG};
 
-/// Sends a `/generate` body, answers 200 and returns `(matched, total)` from the debug header.
 fn route(vm: &mut Vm, body: &str) -> (u32, u32) {
-    let r = vm
-        .request("POST", "/generate", &[], body.as_bytes())
-        .expect("request");
-    assert!(r.header("x-prefix-router-cluster").is_some(), "{body:.80}");
-    let hdrs = vm.finish(r.context, &[]).expect("finish");
-    let dbg = hdrs
-        .iter()
-        .find(|e| e.0 == "x-dbg")
-        .map(|e| e.1.clone())
-        .expect("debug header");
-    let field = |k: &str| -> u32 {
-        dbg.split("; ")
-            .find_map(|kv| kv.strip_prefix(k))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{k} in {dbg}"))
-    };
-    (field("matched="), field("total="))
+    matched_total(vm, "/generate", body)
 }
 
 fn body(ids: &[u32], sep: impl Fn(usize) -> &'static str) -> String {
