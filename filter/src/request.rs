@@ -651,6 +651,20 @@ impl<'de> Visitor<'de> for Part<'_, '_> {
     }
 }
 
+/// Test helper: two parses of one body agree on every field the router reads (`ctx` names the
+/// case in a failure).
+#[cfg(test)]
+pub(crate) fn assert_same_parsed(w: &Parsed, g: &Parsed, ctx: &str) {
+    assert_eq!(w.model, g.model, "{ctx}");
+    assert_eq!(w.lora, g.lora, "{ctx}");
+    assert_eq!(w.cache_salt, g.cache_salt, "{ctx}");
+    assert_eq!(w.kind, g.kind, "{ctx}");
+    assert_eq!(w.tokens, g.tokens, "{ctx}");
+    assert_eq!(w.text_bytes, g.text_bytes, "{ctx}");
+    assert_eq!(w.media_parts, g.media_parts, "{ctx}");
+    assert_eq!(w.truncated, g.truncated, "{ctx}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1292,14 +1306,7 @@ mod tests {
             };
             match (&want, &got) {
                 (Ok(w), Ok(g)) => {
-                    assert_eq!(w.model, g.model, "{}", ctx());
-                    assert_eq!(w.lora, g.lora, "{}", ctx());
-                    assert_eq!(w.cache_salt, g.cache_salt, "{}", ctx());
-                    assert_eq!(w.kind, g.kind, "{}", ctx());
-                    assert_eq!(w.tokens, g.tokens, "{}", ctx());
-                    assert_eq!(w.text_bytes, g.text_bytes, "{}", ctx());
-                    assert_eq!(w.media_parts, g.media_parts, "{}", ctx());
-                    assert_eq!(w.truncated, g.truncated, "{}", ctx());
+                    assert_same_parsed(w, g, &ctx());
                     assert_eq!(ca, cb, "{}", ctx());
                     assert_eq!(ba, bb, "{}", ctx());
                     // The block ends the scan recorded give the hasher's own blocks.

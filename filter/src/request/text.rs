@@ -395,7 +395,7 @@ impl<'a> Reader<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{parse_fast, parse_with_bounds, Endpoint, IdBuffers};
+    use super::super::{assert_same_parsed, parse_fast, parse_with_bounds, Endpoint, IdBuffers};
     use super::parse_text;
     use proptest::prelude::*;
     use proptest::strategy::ValueTree;
@@ -583,14 +583,7 @@ mod tests {
             match (&want, &text) {
                 (_, None) => declined += 1,
                 (Ok(w), Some(g)) => {
-                    assert_eq!(w.model, g.model, "{}", ctx());
-                    assert_eq!(w.lora, g.lora, "{}", ctx());
-                    assert_eq!(w.cache_salt, g.cache_salt, "{}", ctx());
-                    assert_eq!(w.kind, g.kind, "{}", ctx());
-                    assert_eq!(w.tokens, g.tokens, "{}", ctx());
-                    assert_eq!(w.text_bytes, g.text_bytes, "{}", ctx());
-                    assert_eq!(w.media_parts, g.media_parts, "{}", ctx());
-                    assert_eq!(w.truncated, g.truncated, "{}", ctx());
+                    assert_same_parsed(w, g, &ctx());
                     assert_eq!(ca, cb, "{}", ctx());
                     assert_eq!(ba, bb, "{}", ctx());
                     taken += 1;
