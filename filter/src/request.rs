@@ -129,22 +129,8 @@ fn run<'a>(
     limit: Limit,
     splice: Option<Splice<'_>>,
 ) -> Result<(Parsed<'a>, Option<usize>), ParseError> {
-    canon.clear();
-    bounds.clear();
     let mut de = serde_json::Deserializer::from_slice(body);
-    let mut sink = Sink {
-        out: canon,
-        bounds,
-        splice,
-        spliced_at: None,
-        limit: limit.text,
-        token_limit: limit.tokens,
-        truncated: false,
-        tokens: 0,
-        text_bytes: 0,
-        media_parts: 0,
-        head_end: 0,
-    };
+    let mut sink = Sink::new(canon, bounds, splice, limit);
     let mut parsed = BodySeed {
         endpoint,
         sink: &mut sink,
@@ -190,7 +176,30 @@ struct Sink<'o> {
     head_end: usize,
 }
 
-impl Sink<'_> {
+impl<'o> Sink<'o> {
+    /// An empty sink over `out` and `bounds` (both cleared), writing at most `limit`.
+    fn new(
+        out: &'o mut Vec<u8>,
+        bounds: &'o mut Vec<usize>,
+        splice: Option<Splice<'o>>,
+        limit: Limit,
+    ) -> Sink<'o> {
+        out.clear();
+        bounds.clear();
+        Sink {
+            out,
+            bounds,
+            splice,
+            spliced_at: None,
+            limit: limit.text,
+            token_limit: limit.tokens,
+            truncated: false,
+            tokens: 0,
+            text_bytes: 0,
+            media_parts: 0,
+            head_end: 0,
+        }
+    }
     fn put(&mut self, bytes: &[u8]) {
         self.put_within(bytes, self.limit);
     }

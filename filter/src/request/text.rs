@@ -38,21 +38,7 @@ pub fn parse_text<'a>(
     if endpoint == Endpoint::Generate {
         return None;
     }
-    canon.clear();
-    bounds.clear();
-    let mut sink = Sink {
-        out: canon,
-        bounds,
-        splice: None,
-        spliced_at: None,
-        limit: limit.text,
-        token_limit: limit.tokens,
-        truncated: false,
-        tokens: 0,
-        text_bytes: 0,
-        media_parts: 0,
-        head_end: 0,
-    };
+    let mut sink = Sink::new(canon, bounds, None, limit);
     let mut r = Reader { b: body, p: 0 };
     let mut p = Parsed::default();
     r.ws();
