@@ -44,8 +44,12 @@
 //!   message structure has no opening message: the longest prefix held of it stands in, counted
 //!   over the workers holding exactly that much ([`is_fleet_prefix`]).
 
-use super::{least_loaded, mix, sibling_held_tokens, uncached_tokens, Inputs, Policy, Reason};
-use crate::config::{Model, PolicyConfig};
+use super::shared::{
+    by_capacity, follow_slack, hrw, reason_of, room, slack_for, total_reqs, two_choices,
+    under_bound,
+};
+use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
+use crate::config::PolicyConfig;
 use crate::index::HOLDERS;
 
 /// The default policy (stateless: everything it needs is in [`Inputs`]).
@@ -58,18 +62,6 @@ impl Policy for CacheAware {
     fn uses_index(&self) -> bool {
         true
     }
-}
-
-/// Rendezvous score of worker `i` for `key` (higher wins).
-fn hrw(model: &Model, i: usize, key: u64) -> f64 {
-    let w = &model.workers[i];
-    let h = mix(key, w.id);
-    if model.uniform_weights {
-        return h as f64;
-    }
-    // u in (0, 1): never 0 so ln is finite and negative.
-    let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-    -w.weight / u.ln()
 }
 
 /// The load bound's absolute slack for worker `i`: 1 for a worker holding none of the prompt (a
@@ -152,107 +144,10 @@ fn queued_tokens_cost(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, i: u
     p.load_weight * f64::from(inp.tokens.get(i).copied().unwrap_or(0))
 }
 
-/// The load bound's slack for a worker holding `held` tokens of the prompt (see
-/// [`holder_slack`]); the prefill workers of a PD model reach the full slack at
-/// `prefill_slack_full_tokens`.
-fn slack_for(p: &PolicyConfig, inp: &Inputs, held: u32) -> f64 {
-    let full = if inp.model.pd.is_some() {
-        p.prefill_slack_full_tokens
-    } else {
-        p.slack_full_tokens
-    };
-    if full == 0 {
-        return p.load_slack;
-    }
-    let f = (f64::from(held) / f64::from(full)).min(1.0);
-    1.0 + (p.load_slack - 1.0).max(0.0) * f
-}
-
-/// The slack of the PD prefill worker a new prompt's sibling went to moments ago: it is about
-/// to hold the part the siblings share (the opening message, else the rendezvous blocks).
-fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
-    slack_for(p, inp, sibling_held_tokens(p, inp))
-}
-
-/// Whether worker `i` starts a new request at once by its own account: fewer requests running
-/// and waiting than the `max_running_requests` it reports (`Some(false)`: saturated, the
-/// request would wait for a running one to finish). `None` when it reports no capacity (polling
-/// off, `/get_load`, a stale answer) and on PD models, whose prefill workers hold prefills only.
-fn room(inp: &Inputs, i: usize) -> Option<bool> {
-    if inp.model.pd.is_some() {
-        return None;
-    }
-    let cap = inp.capacity.get(i).copied().filter(|&c| c > 0)?;
-    Some(inp.reqs.get(i).copied().unwrap_or(0) < cap)
-}
-
-/// What the worker's own capacity says of its eligibility (module docs): a saturated worker
-/// never (`Some(false)`); a holder of some of the prompt under the capacity it reports always
-/// (`Some(true)`: its requests in flight are mostly decoding, which a new request barely waits
-/// for; only its queued prefill, in the cost, delays it). `None`: the fleet-relative load bound
-/// decides.
-fn by_capacity(inp: &Inputs, i: usize) -> Option<bool> {
-    match room(inp, i) {
-        Some(true) if inp.matched.get(i).copied().unwrap_or(0) == 0 => None,
-        r => r,
-    }
-}
-
 /// Eligibility: [`by_capacity`], else the load bound with [`holder_slack`].
 fn cap_ok(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, total: f64, i: usize) -> bool {
     by_capacity(inp, i)
         .unwrap_or_else(|| under_bound(p, inp, total, i, holder_slack(p, inp, history, i)))
-}
-
-/// `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + slack`.
-fn under_bound(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize, slack: f64) -> bool {
-    let model = inp.model;
-    let r = f64::from(inp.reqs.get(i).copied().unwrap_or(0));
-    // Same operation order as the uniform path's `share`, so both round alike.
-    let share = (1.0 + p.load_eps) * (total + 1.0) * model.workers[i].weight / model.total_weight;
-    r + 1.0 <= share + slack
-}
-
-/// Two choices for a prompt nobody holds: the rendezvous top `a` and runner-up `b` (both under
-/// the load bound). `b` wins when the uncached tokens `a` was sent lately (`footprint.rs`), per
-/// unit weight, exceed `b`'s by more than this prompt: new prefixes then fill the caches evenly
-/// (the best of two choices), while a prefix keeps its rendezvous worker whenever the two are
-/// close, so siblings and replicas still agree, and a worker left with a large footprint (a long
-/// document) only stops being the first choice. On PD prefill workers the prefills queued on
-/// each (in-flight tokens) are added to its sum (`load/pd_compare --sizes 4 --runs 5`: TTFT p99
-/// median 433 -> 356 ms, hit rate unchanged). No sums kept (policy off, tests): `a`.
-fn two_choices(inp: &Inputs, a: usize, b: Option<usize>) -> usize {
-    let Some(b) = b else {
-        return a;
-    };
-    let (Some(&fa), Some(&fb)) = (inp.placed.get(a), inp.placed.get(b)) else {
-        return a;
-    };
-    let (wa, wb) = (inp.model.workers[a].weight, inp.model.workers[b].weight);
-    // PD prefill workers: the prefills queued on each (in-flight uncached tokens, fleet-wide
-    // through the load ledger, released at the first token) count too, so a burst of new
-    // prompts spreads its prefill work over the workers rather than queueing behind one.
-    let queued = |i: usize| match inp.model.pd {
-        Some(_) => f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
-        None => 0.0,
-    };
-    let (fa, fb) = (f64::from(fa) + queued(a), f64::from(fb) + queued(b));
-    if fa / wa - fb / wb > f64::from(inp.prompt_tokens) / wb {
-        b
-    } else {
-        a
-    }
-}
-
-/// The model's requests in flight, for the load bound; a worker marked unavailable
-/// (`poll::UNAVAILABLE`) counts none, so the mark excludes that worker without raising everyone
-/// else's bound.
-fn total_reqs(inp: &Inputs) -> u64 {
-    inp.reqs
-        .iter()
-        .filter(|&&r| r < crate::poll::UNAVAILABLE)
-        .map(|&r| u64::from(r))
-        .sum()
 }
 
 /// The cache-aware choice: `(worker index, reason)`. `model.workers` must be non-empty.
@@ -519,20 +414,6 @@ fn stick(
         }
     }
     best.0
-}
-
-fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
-    if inp.deepest == 0 {
-        if chosen == top {
-            Reason::HashAffinity
-        } else {
-            Reason::LoadSpill
-        }
-    } else if inp.matched.get(chosen).copied().unwrap_or(0) >= inp.deepest {
-        Reason::PrefixHit
-    } else {
-        Reason::LoadSpill
-    }
 }
 
 /// Any weights; also the reference the uniform fast path is tested against.

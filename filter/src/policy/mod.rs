@@ -18,6 +18,7 @@ pub mod cost;
 pub mod cost_aware;
 pub mod random;
 pub mod round_robin;
+mod shared;
 #[cfg(test)]
 pub(crate) mod shared_tests;
 
