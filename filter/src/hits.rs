@@ -12,11 +12,13 @@
 //! `sglang:` or `sglang_` prefix) and publishes them with the time of the answer in one
 //! shared-data value per model (`pr/h1/<model>`, [`publish`]).
 //!
-//! **Check.** Each VM sums, per worker, the prompt blocks it sent and the blocks the index
-//! predicted the worker held (`Decision::matched_blocks`, [`Verifier::observe`]). Once a window
-//! has at least [`MIN_BLOCKS`] predicted-on blocks and [`MIN_WINDOW`] of samples, it compares
-//! the worker's reused share over the window (cached / prompt token deltas) with the predicted
-//! share ([`Verifier::check`]):
+//! **Check.** Each VM sums, per worker, the prompt blocks of the requests it routed there that
+//! were served and have ended, and the blocks the index predicted the worker held
+//! (`Decision::matched_blocks`, [`Verifier::observe`]): SGLang counts a request's tokens when it
+//! finishes, so a prediction joins when the worker counts it, and a window only holds requests
+//! its closing sample was taken after. Once a window has at least [`MIN_BLOCKS`] predicted-on
+//! blocks and [`MIN_WINDOW`] of samples, it compares the worker's reused share over the window
+//! (cached / prompt token deltas) with the predicted share ([`Verifier::check`]):
 //! - counters that went backwards: the worker restarted; every entry recorded before now is
 //!   ignored (the cutoff moves to now);
 //! - reused share below [`SHORTFALL`] of the predicted one (the index predicts hits the cache
@@ -35,8 +37,9 @@
 //!
 //! Costs: one HTTP call per worker per `metrics_interval_ms` and one scan of its page (no
 //! allocation beyond Envoy's copy of the body); per VM one shared-data get per model per second;
-//! per decision one addition and a pass over the (at most a few) matched holders. Per VM: each
-//! Envoy thread checks the requests it routed (the counters are the worker's, whoever sent).
+//! per decision a pass over the (at most a few) matched holders; per served request one addition
+//! at its end. Per VM: each Envoy thread checks the requests it routed (the counters are the
+//! worker's, whoever sent).
 
 use crate::index::age;
 use crate::records::{rd, wr, ById};
@@ -184,9 +187,15 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Sample>) {
 pub struct Window {
     /// The sample the window started at (`at` 0: not started).
     start: Sample,
-    /// Prompt blocks this VM sent the worker since, and those the index predicted it held.
+    /// Prompt blocks of the requests in this window (served and ended, and counted by a sample
+    /// since), and those the index predicted the worker held.
     total: u64,
     matched: u64,
+    /// Requests that ended before `staged_at` (a read), waiting for a sample taken after it.
+    staged: Tally,
+    staged_at: u32,
+    /// Requests that ended since the last read.
+    fresh: Tally,
     /// Entries of the worker recorded before this (100 ms units) are ignored; 0: none.
     pub cutoff: u32,
     /// When the worker last joined its pool (`membership.rs`; 0: not a pool worker or unknown):
@@ -197,6 +206,20 @@ pub struct Window {
     /// reuse.
     pub predicted_ppm: u32,
     pub actual_ppm: u32,
+}
+
+/// Prompt blocks of some ended requests, and those the index predicted held.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Tally {
+    total: u64,
+    matched: u64,
+}
+
+impl Tally {
+    fn add(&mut self, total: u64, matched: u64) {
+        self.total = self.total.saturating_add(total);
+        self.matched = self.matched.saturating_add(matched);
+    }
 }
 
 /// What a check found for one worker.
@@ -243,12 +266,12 @@ impl Verifier {
         }
     }
 
-    /// A decision sent worker `w` of model `mi` a prompt of `total` blocks, `matched` of them
-    /// predicted held.
+    /// A request worker `w` of model `mi` served has ended: a prompt of `total` blocks, `matched`
+    /// of them predicted held. It joins a window once a sample taken after it is read
+    /// ([`Verifier::check`]).
     pub fn observe(&mut self, mi: usize, w: usize, matched: u32, total: u32) {
         if let Some(win) = self.windows.get_mut(mi).and_then(|m| m.get_mut(w)) {
-            win.total = win.total.saturating_add(u64::from(total));
-            win.matched = win.matched.saturating_add(u64::from(matched));
+            win.fresh.add(u64::from(total), u64::from(matched));
         }
     }
 
@@ -334,8 +357,35 @@ impl Verifier {
         self.samples = samples;
     }
 
-    /// Checks worker `w` of model `mi` against its sample `s` (module docs).
+    /// Checks worker `w` of model `mi` against its sample `s`, read at `now` (module docs).
+    ///
+    /// A window holds only requests its closing sample has counted: those that ended before a
+    /// read (staged at it) join once a sample taken at or after that read arrives. The
+    /// samples are up to `metrics_interval_ms` plus a read period old, so without this the
+    /// requests of the last seconds would be predicted but not yet counted: when traffic
+    /// starts, its first requests (new prompts, nothing reused) are counted and their siblings
+    /// (predicted hits) not yet, and a short window reads as a shortfall.
     pub fn check(&mut self, mi: usize, w: usize, s: &Sample, now: u32, ttl: u32) -> Verdict {
+        let Some(win) = self.windows.get_mut(mi).and_then(|m| m.get_mut(w)) else {
+            return Verdict::Wait;
+        };
+        if win.staged_at != 0 && s.at != 0 && s.at.wrapping_sub(win.staged_at) < u32::MAX / 2 {
+            win.total = win.total.saturating_add(win.staged.total);
+            win.matched = win.matched.saturating_add(win.staged.matched);
+            win.staged = Tally::default();
+            win.staged_at = 0;
+        }
+        let verdict = self.check_window(mi, w, s, now, ttl);
+        if let Some(win) = self.windows.get_mut(mi).and_then(|m| m.get_mut(w)) {
+            if win.staged_at == 0 && win.fresh != Tally::default() {
+                win.staged = std::mem::take(&mut win.fresh);
+                win.staged_at = now.max(1);
+            }
+        }
+        verdict
+    }
+
+    fn check_window(&mut self, mi: usize, w: usize, s: &Sample, now: u32, ttl: u32) -> Verdict {
         let Some(win) = self.windows.get_mut(mi).and_then(|m| m.get_mut(w)) else {
             return Verdict::Wait;
         };
@@ -463,6 +513,45 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         }
     }
 
+    /// A read at `now` that brings no new sample: what ended before it waits for the next one.
+    fn stage(v: &mut Verifier, now: u32, ttl: u32) {
+        assert_eq!(v.check(0, 0, &Sample::default(), now, ttl), Verdict::Wait);
+    }
+
+    #[test]
+    fn requests_join_a_window_only_once_a_sample_has_counted_them() {
+        let mut v = Verifier::new([1usize].into_iter());
+        let ttl = 6000;
+        v.check(0, 0, &sample(0, 0, 80), 80, ttl);
+        // The first requests, new prompts (nothing reused), end; a read at 130 stages them.
+        v.observe(0, 0, 0, 300);
+        stage(&mut v, 130, ttl);
+        // Their siblings, predicted hits, end at 140. The next read brings a sample taken at
+        // 135: it counted the first requests, not the siblings, which wait for a later one.
+        v.observe(0, 0, 900, 1000);
+        assert_eq!(
+            v.check(0, 0, &sample(300 * 64, 0, 135), 160, ttl),
+            Verdict::Wait,
+            "nothing predicted was counted yet"
+        );
+        // A sample taken after them counts them, reused as predicted.
+        assert_eq!(
+            v.check(0, 0, &sample(1300 * 64, 900 * 64, 190), 200, ttl),
+            Verdict::Holds
+        );
+        assert_eq!(v.window(0, 0).unwrap().cutoff, 0);
+        // Joined at the decision instead, the same requests made a shortfall of the first
+        // sample: 69% predicted against 0% counted.
+        let mut old = Verifier::new([1usize].into_iter());
+        old.check(0, 0, &sample(0, 0, 80), 80, ttl);
+        old.observe(0, 0, 900, 1300);
+        stage(&mut old, 130, ttl);
+        assert_eq!(
+            old.check(0, 0, &sample(300 * 64, 0, 135), 160, ttl),
+            Verdict::Short
+        );
+    }
+
     #[test]
     fn a_worker_whose_reported_hits_fall_short_is_trusted_for_half_the_span() {
         let mut v = Verifier::new([2usize].into_iter());
@@ -470,6 +559,7 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         assert_eq!(v.check(0, 0, &sample(0, 0, 100), 100, ttl), Verdict::Wait);
         // Predicted 80% reuse on 1000 blocks; the worker reports 20% over 10 s.
         v.observe(0, 0, 800, 1000);
+        stage(&mut v, 120, ttl);
         assert_eq!(
             v.check(0, 0, &sample(1000, 200, 140), 140, ttl),
             Verdict::Wait,
@@ -498,6 +588,7 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         assert_eq!(v.take_changed(), (true, 1));
         // The next window is short again: half of the remaining span.
         v.observe(0, 0, 500, 1000);
+        stage(&mut v, 250, ttl);
         assert_eq!(
             v.check(0, 0, &sample(2000, 300, 300), 300, ttl),
             Verdict::Short
@@ -507,6 +598,7 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         // In line with the prediction: the cutoff stays.
         let cut = v.window(0, 0).unwrap().cutoff;
         v.observe(0, 0, 300, 1000);
+        stage(&mut v, 350, ttl);
         assert_eq!(
             v.check(0, 0, &sample(3000, 700, 400), 400, ttl),
             Verdict::Holds
@@ -553,8 +645,10 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         assert!(v.due(5));
         v.read(&s, "h", &ids, 0, 5, 6000);
         v.observe(0, 0, 1000, 1000);
-        publish(&s, "h", 11, 0, &sample(10, 0, 60), &mut buf);
         assert!(!v.due(8), "read again only after a second");
+        assert!(v.due(15));
+        v.read(&s, "h", &ids, 0, 15, 6000);
+        publish(&s, "h", 11, 0, &sample(10, 0, 60), &mut buf);
         assert!(v.due(60));
         v.read(&s, "h", &ids, 0, 60, 6000);
         assert_ne!(

@@ -8,12 +8,10 @@
 //! and each got a copy of the group's opening: measured with `load/pd_compare --sizes 4` on a
 //! tight KV cache, about 4 of 7 misses more than SGLang's router were such start-up siblings on
 //! the other Envoy thread (SGLang's router inserts into its tree when it routes). A placement
-//! here is remembered by the prompt's *sibling key* (`router/mod.rs`: for a PD model's prefill
-//! workers the opening message when it is at least `affinity_blocks` long; otherwise, and for
-//! shorter openings, the rendezvous key, so new conversations elsewhere still spread by their own
-//! keys and only the same conversation follows) for [`TICKS`], and
+//! here is remembered by the prompt's *sibling key* (`router/mod.rs`: the opening message when it
+//! is at least `affinity_blocks` long, else the rendezvous key) for [`TICKS`], and
 //! `policy/cache_aware.rs` sends a prompt nobody holds to its sibling's worker while that worker
-//! is under the load bound.
+//! is under the load bound with the slack a holder of the opening would have.
 //!
 //! Value: [`SLOTS`] slots of 16 bytes, `(key u64, worker id u32, clock u32)` little-endian, in
 //! sets of [`WAYS`] picked by key; a new key replaces its set's oldest slot (32 new prompt

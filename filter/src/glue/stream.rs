@@ -41,6 +41,8 @@ pub struct Stream {
     peer_batch: bool,
     /// Index writes of this stream's decision, made once the response status is 2xx.
     plan: Option<Plan>,
+    /// The response status was 2xx: the decision's prediction joins the self-check at the end.
+    served: bool,
     /// Value of `tenant_header` (set by Envoy after authentication); empty when not configured.
     tenant: Vec<u8>,
 }
@@ -94,6 +96,7 @@ impl Stream {
             charge: Charge::default(),
             peer_batch: false,
             plan: None,
+            served: false,
             tenant: Vec::new(),
         }
     }
@@ -439,6 +442,7 @@ impl Stream {
         let Ok(mut r) = self.state.router.try_borrow_mut() else {
             return;
         };
+        self.served = (200..300).contains(&status);
         // Stamped with the decision's time: no clock read (a host call) for it. A request sent
         // before membership named any host (worker 0) is recorded for the host that served, at
         // the response's time (after the host's join time when membership arrived meanwhile).
@@ -458,5 +462,10 @@ impl Stream {
     /// whichever way (response complete, client reset, local reply). Releases the charge.
     pub fn on_done(&mut self, h: &impl Host) {
         self.release(h, Due::End);
+        if let (true, Some(d)) = (self.served, self.decision) {
+            if let Ok(mut r) = self.state.router.try_borrow_mut() {
+                r.observe_served(&d);
+            }
+        }
     }
 }

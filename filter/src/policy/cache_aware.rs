@@ -17,8 +17,8 @@
 //!   uncached tokens more ([`two_choices`], `footprint.rs`), so new prefixes fill the caches
 //!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
 //!   sibling of a prompt placed moments ago by any thread follows it until the index has it
-//!   (`placements.rs`; within the holder slack of what it will share on PD prefill workers,
-//!   slack 1 elsewhere).
+//!   (`placements.rs`; within the load bound with the slack of a holder of the opening they
+//!   share, [`follow_slack`]).
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
@@ -158,13 +158,9 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     if inp.deepest == 0 {
         if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
             let total = total_reqs(inp) as f64;
-            // A PD prefill worker is about to hold the siblings' opening (router/mod.rs keys PD
-            // siblings by it); elsewhere the sibling is the same conversation: slack 1.
-            let slack = if inp.model.pd.is_some() {
-                follow_slack(p, inp)
-            } else {
-                1.0
-            };
+            // The sibling's worker is about to hold the opening they share (router/mod.rs keys
+            // siblings by it): the slack of a holder of that many tokens.
+            let slack = follow_slack(p, inp);
             if under_bound(p, inp, total, w, slack) {
                 return (w, Reason::HashAffinity);
             }

@@ -53,8 +53,8 @@ pub use decision::{not_found_body, Decision, HolderLoad, Outcome};
 struct Keys {
     affinity: u64,
     group: u64,
-    /// What siblings of a new prompt share (`placements.rs`): for a PD model's prefill choice
-    /// the opening message when it is at least `affinity_blocks` long, else the rendezvous key.
+    /// What siblings of a new prompt share (`placements.rs`): the opening message when it is at
+    /// least `affinity_blocks` long, else the rendezvous key.
     sibling: u64,
 }
 
@@ -383,15 +383,13 @@ impl Router {
         } as u32;
         let k = self.cfg.policy.affinity_blocks.min(self.hashes.len());
         let group = self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0);
-        // A PD model's prefill workers: a new prompt's siblings share its opening message (their
-        // conversation keys differ). Elsewhere a new conversation stays on its worker for its
-        // whole life, so start-up conversations spread by their own keys, as before the index
-        // holds their opening (`load/compare --scenario agentic`: following the opening gave
-        // TTFT p99 140-228 ms and max/mean load 1.56-1.91 against 118-122 ms and 1.47).
+        // A new prompt's siblings share its opening message (their conversation keys differ):
+        // while the first of them is prefilled, before the index has it, the others follow it
+        // within the slack the opening's tokens earn (`policy::shared::follow_slack`), as a
+        // holder would; a short opening earns little, so start-up conversations on a short
+        // system prompt still spread by their own keys.
         let sibling = match head_blocks as usize {
-            h if h >= k.max(1) && self.cfg.models[mi].pd.is_some() => {
-                self.hashes.get(h - 1).copied().unwrap_or(affinity)
-            }
+            h if h >= k.max(1) => self.hashes.get(h - 1).copied().unwrap_or(affinity),
             _ => affinity,
         };
         let keys = Keys {
@@ -556,8 +554,6 @@ impl Router {
         d.probes = self.matches.probes;
         d.holder = holder;
         if uses_index {
-            self.verifier
-                .observe(mi, w, d.matched_blocks, d.total_blocks);
             // What the worker will newly cache (the charge is the uncached estimate).
             footprint.place(mi, w, tok, cfg.policy.footprint_decay_ms());
             if follow {
@@ -649,6 +645,20 @@ impl Router {
         self.ledger
             .add(store, &self.cfg, mi, w, 1, i64::from(tokens));
         Decision::uncharged(mi, w, reason).with_charge(1, tokens)
+    }
+
+    /// A decision's request was served (its response was a 2xx) and has ended: the worker has
+    /// now counted its prompt and cached tokens (SGLang counts both when a request finishes), so
+    /// the index's prediction for it joins the self-check's window (`hits.rs`) only now. Counting
+    /// it at the decision would compare predictions with counters that lag them by the request's
+    /// queueing, prefill and decode: on a long prefill, the siblings queued behind it look like
+    /// misses and the worker's entries are aged out although it delivers them.
+    pub fn observe_served(&mut self, d: &Decision) {
+        if self.policy.uses_index() {
+            let (mi, w) = (usize::from(d.model), usize::from(d.worker));
+            self.verifier
+                .observe(mi, w, d.matched_blocks, d.total_blocks);
+        }
     }
 
     /// Undoes a decision's load charge; call exactly once when its stream ends (see
@@ -782,12 +792,14 @@ mod tests {
         }
     }
 
-    /// Routes and commits the planned index records as a 200 response does.
+    /// Routes and commits the planned index records as a 200 response does, and counts the
+    /// prediction as the stream's end does.
     fn served(r: &mut Router, s: &MemStore, ep: Endpoint, body: &[u8], now: u32) -> Decision {
         let d = routed(r.route(s, ep, body, now));
         if let Some(p) = r.take_plan() {
             r.commit(s, &p, 200, now);
         }
+        r.observe_served(&d);
         d
     }
 
@@ -857,7 +869,9 @@ mod tests {
             assert_eq!((usize::from(d.worker), d.reason), (x, Reason::PrefixHit));
         }
         // The worker reports almost none of those hits (it evicted them): half of the TTL span
-        // is trusted from now on, and these records are older than that.
+        // is trusted from now on, and these records are older than that. (The read at 390
+        // stages the ended requests; the sample taken at 400 has counted them.)
+        r.tick(&s, 50, 390);
         counters(&r, &s, x, 100_000, 1_000, 400);
         r.tick(&s, 50, 400);
         assert_eq!(r.take_hit_checks(), (true, 1));
@@ -892,6 +906,68 @@ mod tests {
         let mut other = Router::new(cfg(r#","index":{"ttl_seconds":60}"#), 4);
         let o = routed(other.route(&s, Endpoint::Chat, &chat("llama", &sys, "x"), 403));
         assert_eq!(o.reason, Reason::PrefixHit);
+    }
+
+    #[test]
+    fn predictions_join_the_self_check_when_their_requests_end() {
+        // A long first prefill: its siblings are routed to the worker (predicted hits) and
+        // queue behind it. The worker counts tokens only when requests finish, so a window that
+        // closes meanwhile must not hold the queued siblings' predictions against it.
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(r#","index":{"ttl_seconds":60}"#), 3);
+        r.init_store(&s);
+        let sys = "A long document that every question here is asked about. ".repeat(60);
+        let first = served(&mut r, &s, Endpoint::Chat, &chat("llama", &sys, "q0"), 5);
+        r.release(&s, &first);
+        let x = usize::from(first.worker);
+        counters(&r, &s, x, 0, 0, 10);
+        r.tick(&s, 50, 10);
+        let mut queued = Vec::new();
+        for t in 11..40 {
+            let body = chat("llama", &sys, &format!("q{t}"));
+            let d = routed(r.route(&s, Endpoint::Chat, &body, t));
+            if let Some(p) = r.take_plan() {
+                r.commit(&s, &p, 200, t);
+            }
+            assert_eq!((usize::from(d.worker), d.reason), (x, Reason::PrefixHit));
+            // The load bound is not what this test is about: the charge goes back now, the
+            // prediction waits for the request's end.
+            r.release(&s, &d);
+            queued.push(d);
+        }
+        // Only the first request has finished: the counters show its prompt, nothing reused.
+        counters(&r, &s, x, 1_000, 0, 400);
+        r.tick(&s, 50, 400);
+        assert_eq!(r.take_hit_checks().1, 0, "no worker aged out");
+        let d = routed(r.route(&s, Endpoint::Chat, &chat("llama", &sys, "a"), 401));
+        assert_eq!((usize::from(d.worker), d.reason), (x, Reason::PrefixHit));
+        r.release(&s, &d);
+        // The siblings finish, served from the cache as predicted: still trusted.
+        for d in &queued {
+            r.observe_served(d);
+        }
+        r.tick(&s, 50, 790);
+        counters(&r, &s, x, 60_000, 55_000, 800);
+        r.tick(&s, 50, 800);
+        assert_eq!(r.take_hit_checks(), (true, 0));
+        // Had they been counted at their decisions, the first window would have aged it out:
+        // the same predictions, ended before the counters show no reuse.
+        let s2 = MemStore::new();
+        let mut r2 = Router::new(cfg(r#","index":{"ttl_seconds":60}"#), 3);
+        r2.init_store(&s2);
+        let first = served(&mut r2, &s2, Endpoint::Chat, &chat("llama", &sys, "q0"), 5);
+        r2.release(&s2, &first);
+        counters(&r2, &s2, x, 0, 0, 10);
+        r2.tick(&s2, 50, 10);
+        for t in 11..40 {
+            let body = chat("llama", &sys, &format!("q{t}"));
+            let d = served(&mut r2, &s2, Endpoint::Chat, &body, t);
+            r2.release(&s2, &d);
+        }
+        r2.tick(&s2, 50, 390);
+        counters(&r2, &s2, x, 1_000, 0, 400);
+        r2.tick(&s2, 50, 400);
+        assert_eq!(r2.take_hit_checks(), (true, 1));
     }
 
     #[test]
@@ -963,7 +1039,7 @@ mod tests {
         // The first prompt of a group is still being served (nothing indexed); a sibling with
         // another question (another conversation key) reaches another thread.
         let sys = "A system prompt all of this group's questions share. ".repeat(20);
-        let (mut differed, mut expired_moved, mut plain_spread) = (0, 0, 0);
+        let (mut differed, mut expired_moved) = (0, 0);
         for window in [0, 60_000] {
             let cfg_w = || {
                 let json = format!(
@@ -984,7 +1060,7 @@ mod tests {
                 a.init_store(&s);
                 b.init_store(&s);
                 let sys = format!("{g} {sys}");
-                for model in ["llama", "qwen"] {
+                for model in ["llama"] {
                     let first = routed(a.route(&s, Endpoint::Chat, &chat(model, &sys, "q"), 50));
                     assert_eq!(first.reason, Reason::HashAffinity);
                     for q in 0..6 {
@@ -992,17 +1068,14 @@ mod tests {
                         let d = routed(b.route(&s, Endpoint::Chat, &body, 52));
                         b.release(&s, &d);
                         let moved = usize::from(d.worker != first.worker);
-                        match (model, window) {
-                            ("llama", 0) => differed += moved,
-                            ("llama", _) => {
-                                assert_eq!(d.worker, first.worker, "group {g} question {q}")
-                            }
-                            // Not PD: new conversations keep spreading by their own keys.
-                            _ => plain_spread += moved,
+                        if window == 0 {
+                            differed += moved;
+                        } else {
+                            assert_eq!(d.worker, first.worker, "group {g} question {q}")
                         }
                     }
                     // Once the placement is older than its window, rendezvous decides again.
-                    if model == "llama" && window > 0 {
+                    if window > 0 {
                         let late = 52 + crate::placements::TICKS + 1;
                         let body = chat(model, &sys, "a late question");
                         let d = routed(b.route(&s, Endpoint::Chat, &body, late));
@@ -1015,7 +1088,34 @@ mod tests {
         assert!(expired_moved > 0, "expired placements steer nothing");
         // Without the shared placements the conversation keys scatter the siblings.
         assert!(differed > 20, "{differed}");
-        assert!(plain_spread > 40, "{plain_spread}");
+    }
+
+    #[test]
+    fn a_sibling_follows_a_new_opening_within_the_slack_its_tokens_earn() {
+        // Not PD. The first question on a document is being prefilled (nothing indexed, still
+        // in flight); more questions on it reach another thread, each staying in flight too.
+        // A long document earns a holder's full slack: its siblings wait for it rather than
+        // recompute it elsewhere. A short opening earns almost none: the siblings spread.
+        let mut followed = [0usize; 2];
+        for (k, opening) in [10_000, 40].into_iter().enumerate() {
+            for g in 0..8 {
+                let s = MemStore::new();
+                let mut a = Router::new(cfg(""), 1);
+                let mut b = Router::new(cfg(""), 2);
+                a.init_store(&s);
+                b.init_store(&s);
+                let doc = format!("{g} {}", "word ".repeat(opening));
+                let first = routed(a.route(&s, Endpoint::Chat, &chat("llama", &doc, "q"), 50));
+                assert_eq!(first.reason, Reason::HashAffinity);
+                for q in 0..2 {
+                    let body = chat("llama", &doc, &format!("question {q}"));
+                    let d = routed(b.route(&s, Endpoint::Chat, &body, 51));
+                    followed[k] += usize::from(d.worker == first.worker);
+                }
+            }
+        }
+        assert_eq!(followed[0], 16, "a document's siblings follow it");
+        assert!(followed[1] < 8, "short openings spread: {followed:?}");
     }
 
     #[test]
