@@ -253,19 +253,29 @@ impl Target {
 }
 
 /// The doublings of a failing worker's poll period are capped here (the period is capped by
-/// [`Pace::bound_ms`] long before).
+/// [`Pace::bound_ms`] or [`NO_LOAD_ENDPOINT_MS`] long before).
 const MAX_BACKOFF: u8 = 16;
+
+/// The longest poll period of a worker whose polls are *answered*, but not with a load answer
+/// (a 2xx that is not one, a 4xx on the last path tried: an engine without SGLang's load
+/// endpoints, an auth or routing layer in front of it). Unlike an outage (no answer, a 5xx),
+/// nothing suggests it will answer next time: it is asked again after a doubling period up to
+/// this (~7 polls a minute for four such workers instead of eight a second), and a good
+/// answer brings it back to every round.
+pub const NO_LOAD_ENDPOINT_MS: u32 = 30_000;
 
 /// How often each worker of a model in a round is asked: every round (`interval_ms`) while its
 /// load polls succeed, or once its last one succeeded; after failures in a row its period
-/// doubles per further failure up to `bound_ms`.
+/// doubles per further failure up to `bound_ms` (an outage: no answer, or a 5xx), or up to
+/// [`NO_LOAD_ENDPOINT_MS`] when the worker answered with something that is not a load answer.
 ///
 /// Why: a worker that is down, restarting or answering something that is not a load answer
 /// stays unknown (`merge`) whatever the poll rate, and asking it ten times a second costs this
 /// Envoy an HTTP call, a body read and a publish each time (~0.2 M instructions, see
 /// docs/performance.md) and the worker's endpoint a request. The first failure after a good
 /// answer is asked again at the next round (one lost answer is not an outage); a worker back
-/// after an outage is seen within `bound_ms` plus the answer's time.
+/// after an outage is seen within `bound_ms` plus the answer's time, one that starts serving
+/// load answers where it answered something else within [`NO_LOAD_ENDPOINT_MS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pace {
     pub interval_ms: u32,
@@ -282,19 +292,26 @@ impl Pace {
         }
     }
 
-    /// The poll period after `backoff` doublings (ms).
-    fn period_ms(&self, backoff: u8) -> u64 {
-        (u64::from(self.interval_ms) << backoff.min(MAX_BACKOFF)).min(u64::from(self.bound_ms))
+    /// The poll period after `backoff` doublings (ms), capped by `bound_ms`, or by
+    /// [`NO_LOAD_ENDPOINT_MS`] when the last failure was an answer (`answered`).
+    fn period_ms(&self, backoff: u8, answered: bool) -> u64 {
+        let cap = if answered {
+            self.bound_ms.max(NO_LOAD_ENDPOINT_MS)
+        } else {
+            self.bound_ms
+        };
+        (u64::from(self.interval_ms) << backoff.min(MAX_BACKOFF)).min(u64::from(cap))
     }
 
     /// Whether a worker asked at `asked_ms`, `backoff` doublings in, is due in a round at
     /// `now_ms`. Rounds come on 50 ms ticks at least `interval_ms` apart, so a period is met
     /// within half an interval (a round a few ms early must not wait a whole interval more).
-    fn due(&self, asked_ms: Option<u64>, backoff: u8, now_ms: u64) -> bool {
+    fn due(&self, asked_ms: Option<u64>, backoff: u8, answered: bool, now_ms: u64) -> bool {
         match asked_ms {
             Some(at) if backoff > 0 => {
                 let since = crate::schedule::since(at, now_ms);
-                since.saturating_add(u64::from(self.interval_ms / 2)) >= self.period_ms(backoff)
+                since.saturating_add(u64::from(self.interval_ms / 2))
+                    >= self.period_ms(backoff, answered)
             }
             _ => true,
         }
@@ -315,6 +332,8 @@ struct Endpoint {
     info_fallback: bool,
     /// The last load poll failed.
     down: bool,
+    /// ... with an answer that is not a load answer (not an outage: see [`NO_LOAD_ENDPOINT_MS`]).
+    answered_wrong: bool,
     /// Failed load polls in a row, less one: each doubles the worker's poll period (up to
     /// [`Pace::bound_ms`]); a good answer resets it.
     backoff: u8,
@@ -429,7 +448,8 @@ impl Poller {
                         fallback: e.fallback,
                         info: false,
                     };
-                    let load = pace.due(e.asked_ms, e.backoff, now_ms).then_some(load);
+                    let due = pace.due(e.asked_ms, e.backoff, e.answered_wrong, now_ms);
+                    let load = due.then_some(load);
                     let info = (e.wants_info && !e.info_done).then_some(Target {
                         model: mi as u16,
                         worker: w as u16,
@@ -532,6 +552,7 @@ impl Poller {
                     e.info_fallback = false;
                 }
                 e.down = false;
+                e.answered_wrong = false;
                 e.backoff = 0;
                 if l.capacity == 0 {
                     e.wants_info = true;
@@ -547,6 +568,9 @@ impl Poller {
                 }
                 self.failures += 1;
                 e.down = true;
+                // An answer (2xx-4xx) that is no load answer: the endpoint is not there, which
+                // no retry soon will change; no answer or a 5xx: an outage, soon over.
+                e.answered_wrong = status.is_some_and(|s| (200..500).contains(&s));
                 e.backlogged = Some(false);
                 Some((t, None))
             }
@@ -854,7 +878,7 @@ mod tests {
         let ok = br#"[{"num_running_reqs":3,"num_waiting_reqs":0,"max_running_requests":8}]"#;
         let mut token = 0u32;
         // Rounds every 100 ms (on 50 ms ticks, one a tick late); worker 0 fails from 1000 ms
-        // (a 200 that is not a load answer) to 3000 ms, worker 1 always answers.
+        // (a 503: an outage) to 3000 ms, worker 1 always answers.
         let mut asked: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
         let mut now = 0;
         while now <= 4000 {
@@ -864,7 +888,8 @@ mod tests {
                 p.sent(token, t, now);
                 asked[usize::from(t.worker)].push(now);
                 let bad = t.worker == 0 && (1000..3000).contains(&now);
-                let got = p.answer(token, Some(200), if bad { b"{}" } else { ok });
+                let (status, body) = if bad { (503, &b""[..]) } else { (200, &ok[..]) };
+                let got = p.answer(token, Some(status), body);
                 assert_eq!(got.map(|(_, l)| l.is_some()), Some(!bad), "{now} {t:?}");
             }
             now += if now == 2000 { 150 } else { 100 };
@@ -910,6 +935,71 @@ mod tests {
             1,
             "stepped back"
         );
+    }
+
+    /// A worker that answers, but never with a load answer (a 200 of something else, a 404 on
+    /// both load paths, a 401), backs off up to [`NO_LOAD_ENDPOINT_MS`], not to the outage
+    /// bound; an outage after it (no answer, a 5xx) is bounded by `bound_ms` again, and a good
+    /// answer brings it back to every round.
+    #[test]
+    fn a_worker_answering_without_a_load_endpoint_is_asked_at_most_every_30_s() {
+        let pace = Pace::new(&LoadPollConfig::default());
+        let ok = br#"[{"num_running_reqs":1,"num_waiting_reqs":0,"max_running_requests":8}]"#;
+        let chat = br#"{"id":"x","object":"chat.completion","choices":[]}"#;
+        // (status, body) of worker 0's answers over time; every 50 ms tick is a round.
+        let run = |answer: &dyn Fn(u64) -> (Option<u32>, &'static [u8])| {
+            let mut p = Poller::new([1usize].into_iter());
+            let (mut token, mut now, mut asked) = (0u32, 0u64, Vec::new());
+            while now <= 240_000 {
+                let ts: Vec<Target> = p.round(0, now, pace).collect();
+                for t in ts {
+                    token += 1;
+                    p.sent(token, t, now);
+                    asked.push((now, t.fallback));
+                    let (status, body) = answer(now);
+                    p.answer(token, status, body);
+                }
+                now += 100;
+            }
+            asked
+        };
+        let gaps = |asked: &[(u64, bool)], from: u64, to: u64| {
+            let at: Vec<u64> = asked
+                .iter()
+                .map(|a| a.0)
+                .filter(|t| (from..to).contains(t))
+                .collect();
+            at.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>()
+        };
+        for (what, answer) in [
+            ("a 200 that is no load answer", (Some(200), &chat[..])),
+            ("a 404 on both paths", (Some(404), &b""[..])),
+            ("a 401", (Some(401), &b""[..])),
+        ] {
+            let asked = run(&|_| answer);
+            let g = gaps(&asked, 0, 240_000);
+            assert_eq!(g.iter().max(), Some(&30_000), "{what}: {g:?}");
+            assert!(asked.len() < 20, "{what}: {} polls in 240 s", asked.len());
+            // Doubling: 100 ms, 200, 400, ... (the first failure asked again at once).
+            assert!(g.windows(2).all(|w| w[1] >= w[0]), "{what}: {g:?}");
+        }
+        // The same worker as an outage (503, then no answer at all): the 500 ms bound.
+        for status in [Some(503), None] {
+            let asked = run(&|_| (status, &b""[..]));
+            assert_eq!(gaps(&asked, 10_000, 240_000).iter().max(), Some(&500));
+        }
+        // Answering something else until 100 s, then load answers: back to every round within
+        // 30 s, then every 100 ms.
+        let asked = run(&|now| {
+            if now < 100_000 {
+                (Some(200), &chat[..])
+            } else {
+                (Some(200), &ok[..])
+            }
+        });
+        let back = asked.iter().map(|a| a.0).find(|&t| t >= 100_000).unwrap();
+        assert!(back < 130_000, "{back}");
+        assert!(gaps(&asked, back, 240_000).iter().all(|&g| g == 100));
     }
 
     #[test]
