@@ -116,11 +116,12 @@ fn zero_bytes(w: u64) -> u64 {
     w.wrapping_sub(ONES) & !w & HIGH
 }
 
-/// Whether no byte of `run` is a quote, a backslash, a control character or non-ASCII: one Wasm
-/// SIMD check (the shipped `.wasm`, `.cargo/config.toml`).
+/// How many bytes of `run` come before its first quote, backslash, control character or
+/// non-ASCII byte (16: none): one Wasm SIMD check and a bit mask (the shipped `.wasm`,
+/// `.cargo/config.toml`).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
-fn plain(run: &[u8; 16]) -> bool {
+fn plain_len(run: &[u8; 16]) -> usize {
     use core::arch::wasm32::*;
     // SAFETY: `run` is 16 readable bytes; `v128_load` needs no alignment.
     let v = unsafe { v128_load(run.as_ptr().cast()) };
@@ -132,24 +133,29 @@ fn plain(run: &[u8; 16]) -> bool {
         // Below 0x20 unsigned: control; below 0 signed: 0x80 and above.
         v128_or(u8x16_lt(v, u8x16_splat(0x20)), i8x16_lt(v, i8x16_splat(0))),
     );
-    !v128_any_true(special)
+    (u32::from(i8x16_bitmask(special)) | 1 << 16).trailing_zeros() as usize
 }
 
-/// [`plain`] elsewhere (native builds, unit tests): two 8-byte words, a few ALU operations each.
+/// [`plain_len`] elsewhere (native builds, unit tests): two 8-byte words, a few ALU operations
+/// each. The lowest flagged byte of each test is exact (a borrow only runs upwards from a byte
+/// that matched), which is all the count needs.
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 #[inline(always)]
-fn plain(run: &[u8; 16]) -> bool {
+fn plain_len(run: &[u8; 16]) -> usize {
     let (Some(a), Some(b)) = (run.first_chunk::<8>(), run.last_chunk::<8>()) else {
-        return false;
+        return 0;
     };
-    [a, b].into_iter().all(|w| {
+    let special = |w: &[u8; 8]| {
         let w = u64::from_le_bytes(*w);
         zero_bytes(w ^ (ONES * u64::from(b'"')))
             | zero_bytes(w ^ (ONES * u64::from(b'\\')))
             | (w.wrapping_sub(ONES * 0x20) & !w & HIGH)
             | (w & HIGH)
-            == 0
-    })
+    };
+    match special(a) {
+        0 => 8 + (special(b).trailing_zeros() / 8).min(8) as usize,
+        m => (m.trailing_zeros() / 8) as usize,
+    }
 }
 
 impl<'a> Reader<'a> {
@@ -178,6 +184,23 @@ impl<'a> Reader<'a> {
         (self.b.get(self.p..end)? == word).then(|| self.p = end)
     }
 
+    /// Moves the cursor over plain string bytes, 16 at a time, to the first quote, backslash,
+    /// control or non-ASCII byte, or to within 16 bytes of the body's end (the byte loops
+    /// of the callers read those).
+    #[inline(always)]
+    fn skip_plain(&mut self) {
+        while let Some(run) = self.b.get(self.p..self.p + 16) {
+            let Ok(run) = <&[u8; 16]>::try_from(run) else {
+                return;
+            };
+            let n = plain_len(run);
+            self.p += n;
+            if n < 16 {
+                return;
+            }
+        }
+    }
+
     /// The bytes of a string starting at the cursor (its `"`), the cursor then past its closing
     /// quote, and whether it holds a non-ASCII byte. `None` on a control character, on a
     /// backslash unless `escapes` (then only the one-letter escapes other than `\u` pass, and
@@ -187,13 +210,7 @@ impl<'a> Reader<'a> {
         let start = self.p;
         let mut high = false;
         loop {
-            // Whole 16-byte runs with no quote, backslash, control or high byte: skip.
-            while let Some(run) = self.b.get(self.p..self.p + 16) {
-                match <&[u8; 16]>::try_from(run) {
-                    Ok(run) if plain(run) => self.p += 16,
-                    _ => break,
-                }
-            }
+            self.skip_plain();
             let c = self.peek()?;
             self.p += 1;
             match c {
@@ -221,12 +238,7 @@ impl<'a> Reader<'a> {
         let mut run = start; // start of the bytes not yet written
         let mut high = false;
         loop {
-            while let Some(chunk) = self.b.get(self.p..self.p + 16) {
-                match <&[u8; 16]>::try_from(chunk) {
-                    Ok(chunk) if plain(chunk) => self.p += 16,
-                    _ => break,
-                }
-            }
+            self.skip_plain();
             let c = self.peek()?;
             self.p += 1;
             match c {
@@ -715,6 +727,40 @@ mod tests {
                 .unwrap_or_else(|| panic!("{}: declined", ctx()));
             assert_same_parsed(&want, &got, &ctx());
             assert_eq!((&ca, &ba), (&cb, &bb), "{}", ctx());
+        }
+    }
+
+    /// `plain_len` is the position of the first special byte (quote, backslash, below 0x20,
+    /// 0x80 and above) whatever bytes follow it, 16 when there is none.
+    #[test]
+    fn plain_len_finds_the_first_special_byte() {
+        let special = |c: u8| c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80;
+        let reference = |run: &[u8; 16]| run.iter().position(|&c| special(c)).unwrap_or(16);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for at in 0..=16 {
+            for c in 0..=255u8 {
+                for _ in 0..4 {
+                    // Plain bytes before `at`, `c` at `at`, anything after it.
+                    let mut run = [0u8; 16];
+                    for (i, b) in run.iter_mut().enumerate() {
+                        let r = next() as u8;
+                        *b = if i < at { 0x20 + r % 0x5F } else { r };
+                        if i < at && special(*b) {
+                            *b = b'a';
+                        }
+                    }
+                    if let Some(b) = run.get_mut(at) {
+                        *b = c;
+                    }
+                    assert_eq!(super::plain_len(&run), reference(&run), "{run:?}");
+                }
+            }
         }
     }
 
