@@ -734,7 +734,7 @@ mod tests {
     /// 0x80 and above) whatever bytes follow it, 16 when there is none.
     #[test]
     fn plain_len_finds_the_first_special_byte() {
-        let special = |c: u8| c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80;
+        let special = |c: u8| c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c);
         let reference = |run: &[u8; 16]| run.iter().position(|&c| special(c)).unwrap_or(16);
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = || {
