@@ -332,7 +332,8 @@ struct Endpoint {
     info_fallback: bool,
     /// The last load poll failed.
     down: bool,
-    /// ... with an answer that is not a load answer (not an outage: see [`NO_LOAD_ENDPOINT_MS`]).
+    /// ... and it has answered with something that is not a load answer since its last good
+    /// one (not an outage: see [`NO_LOAD_ENDPOINT_MS`]).
     answered_wrong: bool,
     /// Failed load polls in a row, less one: each doubles the worker's poll period (up to
     /// [`Pace::bound_ms`]); a good answer resets it.
@@ -569,8 +570,10 @@ impl Poller {
                 self.failures += 1;
                 e.down = true;
                 // An answer (2xx-4xx) that is no load answer: the endpoint is not there, which
-                // no retry soon will change; no answer or a 5xx: an outage, soon over.
-                e.answered_wrong = status.is_some_and(|s| (200..500).contains(&s));
+                // no retry soon will change; no answer or a 5xx: an outage, soon over, unless
+                // the worker answered without a load endpoint before (a call that timed out
+                // says nothing new about it). Only a good answer clears it.
+                e.answered_wrong |= status.is_some_and(|s| (200..500).contains(&s));
                 e.backlogged = Some(false);
                 Some((t, None))
             }
@@ -988,6 +991,17 @@ mod tests {
             let asked = run(&|_| (status, &b""[..]));
             assert_eq!(gaps(&asked, 10_000, 240_000).iter().max(), Some(&500));
         }
+        // Answering something else, and now and then no answer in time (a timeout says nothing
+        // new about it): still the 30 s bound.
+        let asked = run(&|now| {
+            if now % 3 == 0 {
+                (None, &b""[..])
+            } else {
+                (Some(200), &chat[..])
+            }
+        });
+        let g = gaps(&asked, 60_000, 240_000);
+        assert!(g.iter().all(|&g| g >= 25_000), "{g:?}");
         // Answering something else until 100 s, then load answers: back to every round within
         // 30 s, then every 100 ms.
         let asked = run(&|now| {
