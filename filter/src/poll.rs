@@ -191,8 +191,8 @@ pub fn parse_load(body: &[u8]) -> Option<Load> {
 }
 
 /// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
-/// ms). The holder reads it every tick and renews it once half its time is gone (every few
-/// ticks: `ttl` spans several); another VM takes it over only once it expired (the
+/// ms). The holder renews it once half its time is gone (every few ticks: `ttl` spans
+/// several), reading it only then ([`LeaseView`]); another VM takes it over only once it expired (the
 /// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
 /// harmless (both publish the same kind of answer).
 pub struct PollLease;
@@ -202,27 +202,80 @@ pub const LEASE_KEY: &str = "pr/poller";
 impl PollLease {
     /// Takes or renews the lease for `me` until `now_ms + ttl_ms`; true if `me` holds it.
     pub fn hold<S: Store>(store: &S, me: u64, now_ms: u64, ttl_ms: u64, buf: &mut Vec<u8>) -> bool {
+        Self::hold_until(store, me, now_ms, ttl_ms, buf).0
+    }
+
+    /// [`PollLease::hold`], also saying until when (ms) the lease it read or wrote runs (0:
+    /// unknown, a lost CAS).
+    pub fn hold_until<S: Store>(
+        store: &S,
+        me: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+        buf: &mut Vec<u8>,
+    ) -> (bool, u64) {
         let cas = store.get(LEASE_KEY, buf);
         if let Some(cur) = buf.get(..16) {
             let owner = u64::from_le_bytes(cur[..8].try_into().unwrap_or([0; 8]));
             let expires = u64::from_le_bytes(cur[8..16].try_into().unwrap_or([0; 8]));
             if owner != me && now_ms < expires {
-                return false;
+                return (false, expires);
             }
             // Ours with more than half its time left: renewed at a later tick (a CAS fewer on
             // most ticks; the holder still renews long before anyone may take over). An expiry
             // further than `ttl_ms` ahead (the clock stepped back) is re-anchored now.
             let left = expires.saturating_sub(now_ms);
             if owner == me && left > ttl_ms / 2 && left <= ttl_ms {
-                return true;
+                return (true, expires);
             }
         }
+        let until = now_ms + ttl_ms;
         let mut v = [0u8; 16];
         v[..8].copy_from_slice(&me.to_le_bytes());
-        v[8..].copy_from_slice(&(now_ms + ttl_ms).to_le_bytes());
+        v[8..].copy_from_slice(&until.to_le_bytes());
         // A CAS on a missing key inserts, so two VMs racing for a fresh lease both "win" once;
         // the next renewal settles it (only the last writer sees itself as owner).
-        store.set(LEASE_KEY, &v, cas.unwrap_or(0)).is_ok()
+        match store.set(LEASE_KEY, &v, cas.unwrap_or(0)) {
+            Ok(_) => (true, until),
+            Err(_) => (false, 0),
+        }
+    }
+}
+
+/// What one VM last learned of the poll lease, so that most of its ticks read nothing: while
+/// its own lease has more than half its time left it holds it (the read would change nothing:
+/// [`PollLease::hold`] renews only after that), and while another VM's has not expired nobody
+/// may take it. An expiry further than the ttl ahead (the clock stepped back) is read again.
+/// Cost: the holder reads the lease about once per half ttl (it renews then), another VM once
+/// per expiry it saw, instead of every VM on every 50 ms tick. The one case the read would
+/// have caught sooner, two VMs that both took a fresh lease at once, lasts until the loser's
+/// renewal (at most half a ttl of two pollers, which is harmless).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseView {
+    held: bool,
+    /// Expiry of the lease last read or written (ms); 0: unknown.
+    until_ms: u64,
+}
+
+impl LeaseView {
+    /// [`PollLease::hold`] without the shared-data read when this view already knows.
+    pub fn hold<S: Store>(
+        &mut self,
+        store: &S,
+        me: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+        buf: &mut Vec<u8>,
+    ) -> bool {
+        let left = self.until_ms.checked_sub(now_ms).filter(|&l| l <= ttl_ms);
+        match left {
+            Some(l) if self.held && l > ttl_ms / 2 => return true,
+            Some(l) if !self.held && l > 0 => return false,
+            _ => {}
+        }
+        let (held, until_ms) = PollLease::hold_until(store, me, now_ms, ttl_ms, buf);
+        *self = LeaseView { held, until_ms };
+        held
     }
 }
 
@@ -792,6 +845,47 @@ mod tests {
             PollLease::hold(&s, 1, 1301, 300, &mut b),
             "taken over at 1000 + ttl"
         );
+    }
+
+    /// Two VMs ticking every 50 ms through their [`LeaseView`]s: exactly one holds the lease at
+    /// every tick, as with a read on each tick, for under a third of the reads; when the holder
+    /// stops ticking (its VM gone), the other takes over within the ttl plus a tick; a clock
+    /// stepped back is read again at once.
+    #[test]
+    fn a_lease_view_reads_the_lease_rarely_and_hands_it_over_as_before() {
+        let s = MemStore::new();
+        let mut b = Vec::new();
+        let (ttl, mut views) = (300, [LeaseView::default(); 2]);
+        let mut holder_at = Vec::new();
+        let mut now = 1_000_000;
+        for tick in 0..400 {
+            let mut held = Vec::new();
+            // VM 1 ticks first (so it takes the lease) and stops at tick 200 (its VM gone).
+            for vm in [1usize, 0] {
+                if vm == 1 && tick >= 200 {
+                    continue;
+                }
+                if views[vm].hold(&s, vm as u64 + 1, now, ttl, &mut b) {
+                    held.push(vm);
+                }
+            }
+            holder_at.push(held);
+            now += 50;
+        }
+        assert!(
+            holder_at[..200].iter().all(|h| h == &[1]),
+            "{:?}",
+            &holder_at[..10]
+        );
+        let gap = holder_at[200..].iter().take_while(|h| h.is_empty()).count();
+        assert!(gap <= 7, "taken over after {gap} ticks");
+        assert!(holder_at[200 + gap..].iter().all(|h| h == &[0]));
+        let (gets, _) = s.calls();
+        assert!(gets < 600 / 3, "{gets} reads for 600 ticks");
+        // The clock steps back 10 s: the holder reads (and re-anchors) at once.
+        let before = s.calls().0;
+        assert!(views[0].hold(&s, 1, now - 10_000, ttl, &mut b));
+        assert_eq!(s.calls().0, before + 1);
     }
 
     #[test]

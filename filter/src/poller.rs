@@ -11,8 +11,8 @@
 //! - Every answer, good or failed, is published to shared data for every VM: a failed poll
 //!   publishes "unknown" (never idle, see `poll.rs`).
 //!
-//! Costs: every VM that may call reads the lease each tick (the holder also renews it with a
-//! CAS). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
+//! Costs: every VM that may call reads the lease about once per half ttl or per expiry it saw,
+//! not every tick (`poll::LeaseView`; the holder renews it with a CAS then). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
 //! `poll::Pace`, and to one whose counter reads fail, see [`METRICS_BACKOFF_MS`]); per good answer one body read, one own-load read and the publish (a read and
 //! a CAS); per failed one the body read and a read (the CAS too when it was known before); at
 //! a round's last answer two gauge writes. Nothing here runs on a request's path.
@@ -22,7 +22,7 @@ use crate::hits;
 use crate::host::{now_ticks, Buffer, CallRefused, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::poll::{self, Pace, PollLease, Polled, Poller, Target};
+use crate::poll::{self, LeaseView, Pace, Polled, Poller, Target};
 use crate::router::Router;
 use crate::schedule::{since, Calls};
 use std::cell::RefCell;
@@ -32,6 +32,8 @@ use std::cell::RefCell;
 pub struct Polls {
     /// This root context's identity in the poller lease (set at each configuration).
     pub me: u64,
+    /// What this root last learned of the poll lease (most ticks read nothing).
+    lease: LeaseView,
     poller: Poller,
     /// Counter reads for the index's self-check: `(model, worker)` per call awaiting an answer
     /// (expiring, see `schedule`), and when the last round started (ms; `None` before the
@@ -51,6 +53,7 @@ impl Polls {
     /// worker list, which may be other workers now.
     pub fn configure(&mut self, cfg: &Config, me: u64) {
         self.me = me;
+        self.lease = LeaseView::default();
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         self.hit_calls = Calls::default();
         self.last_hit_round_ms = None;
@@ -91,7 +94,7 @@ impl Polls {
         let (interval_ms, no_traffic_ms) = (lp.interval_ms, lp.no_traffic_interval_ms);
         let ttl = 3 * u64::from(interval_ms.max(tick_ms));
         let mut buf = Vec::new();
-        if !PollLease::hold(h, self.me, now_ms, ttl, &mut buf) {
+        if !self.lease.hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
         }
         if interval_ms == 0 {
