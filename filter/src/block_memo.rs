@@ -78,7 +78,9 @@ impl BlockMemo {
         self.bytes
             .extend_from_slice(data.get(..data.len().min(self.cap)).unwrap_or_default());
         self.hashes.clear();
-        self.hashes.extend_from_slice(out);
+        let kept = (self.cap / block_bytes).min(out.len()); // the full blocks of the kept bytes
+        self.hashes
+            .extend_from_slice(out.get(..kept).unwrap_or_default());
         truncated
     }
 }
