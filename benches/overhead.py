@@ -14,6 +14,7 @@ every request after the first is a prefix hit, the steady state).
   benches/overhead --stream        # streamed responses: Envoy CPU per response (see run_stream)
   benches/overhead --stream --tokens 256 1024 --secs 6 --rounds 5   # more rounds: medians, paired ratios
   benches/overhead --callgrind --sizes 4 --rounds 2                  # Envoy instructions per request
+  benches/overhead --callgrind --sizes 4 --rounds 1 --sglang-answers # ... polls answered as SGLang does
   benches/overhead --callgrind --stream --streams 4 --step-ms 10 --tokens 256 1024 --rounds 2
   benches/overhead --callgrind --stream --idle 5 --rounds 0   # per-second cost without traffic
   benches/overhead --callgrind --stream --idle 30 --rounds 0 \
@@ -82,6 +83,9 @@ def main():
                     help="--stream: first measure each proxy for SECS seconds without traffic (timers, load polls)")
     ap.add_argument("--no-worker-address", action="store_true",
                     help="static workers without `address` in the plugin config (as envoy/gen wrote it before pools)")
+    ap.add_argument("--sglang-answers", action="store_true",
+                    help="the upstream answers /v1/loads and /metrics as SGLang does (benches/sglang_answers/), "
+                         "so load polls and counter reads succeed; otherwise it answers them with the chat completion")
     ap.add_argument("--keep", metavar="DIR",
                     help="work in DIR and keep it: Envoy configs and logs, callgrind dumps for callgrind_annotate")
     args = ap.parse_args()
@@ -105,7 +109,7 @@ def main():
     with workdir(args.keep, "pr-overhead-") as tmp:
         (tmp / "nginx-body").mkdir(exist_ok=True)
         up = free_port()
-        nginx = Proc(["/usr/sbin/nginx", "-c", str(nginx_conf(up, tmp)), "-p", str(tmp)], LOAD_CPU, tmp / "nginx.log")
+        nginx = Proc(["/usr/sbin/nginx", "-c", str(nginx_conf(up, tmp, args.sglang_answers)), "-p", str(tmp)], LOAD_CPU, tmp / "nginx.log")
         try:
             wait_http(f"http://127.0.0.1:{up}/health", 20)
             if args.rss:

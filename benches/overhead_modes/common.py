@@ -98,7 +98,23 @@ class Proc:
         return rss_kib(self.p.pid)
 
 
-def nginx_conf(port: int, tmp: Path) -> Path:
+# What SGLang answers a load poll (`GET /v1/loads`) and a counter read (`GET /metrics`),
+# captured from sglang-sim (sim/, 482 and 7,129 bytes). `--sglang-answers` serves them, so the
+# filter's polls succeed and keep their 100 ms interval as against real workers; without it
+# nginx answers both with the chat completion, which the filter backs off from (poll.rs).
+SGLANG_ANSWERS = Path(__file__).resolve().parent.parent / "sglang_answers"
+
+
+def nginx_conf(port: int, tmp: Path, sglang_answers: bool = False) -> Path:
+    answers = f"""
+    location = /v1/loads {{
+      default_type application/json;
+      alias {SGLANG_ANSWERS / "loads.json"};
+    }}
+    location = /metrics {{
+      default_type text/plain;
+      alias {SGLANG_ANSWERS / "metrics.txt"};
+    }}""" if sglang_answers else ""
     conf = tmp / "nginx.conf"
     conf.write_text(f"""
 worker_processes 1;
@@ -125,7 +141,7 @@ http {{
     location = /server_info {{
       default_type application/json;
       return 200 '{{"model_path":"llama","served_model_name":"llama"}}';
-    }}
+    }}{answers}
     location / {{
       default_type application/json;
       return 200 '{{"id":"x","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}]}}';

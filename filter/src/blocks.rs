@@ -67,11 +67,31 @@ pub fn hash_blocks(
     out: &mut Vec<u64>,
 ) -> bool {
     out.clear();
+    hash_blocks_from(seed, data, block_bytes, max_blocks, out)
+}
+
+/// [`hash_blocks`] with the hashes of `data`'s first `out.len()` blocks already in `out` (the
+/// caller knows them: `block_memo.rs`): hashes the blocks after them, chaining from the last.
+pub fn hash_blocks_from(
+    seed: u64,
+    data: &[u8],
+    block_bytes: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) -> bool {
     if block_bytes == 0 {
+        out.clear();
         return false;
     }
-    let mut prev = seed;
-    for chunk in data.chunks(block_bytes).take(max_blocks) {
+    let done = out.len();
+    let mut prev = out.last().copied().unwrap_or(seed);
+    let rest = data
+        .get(done.saturating_mul(block_bytes)..)
+        .unwrap_or_default();
+    for chunk in rest
+        .chunks(block_bytes)
+        .take(max_blocks.saturating_sub(done))
+    {
         prev = xxh3_64_with_seed(chunk, prev);
         out.push(prev);
     }

@@ -8,6 +8,7 @@
 //! Wasm SIMD steps are Wasm-specific (`xxh3.rs`, `id_chunks.rs`, `blocks.rs`: `simd128`, with a
 //! portable path for every other build; `harness/tests` checks the `.wasm`'s results against it).
 
+pub mod block_memo;
 pub mod blocks;
 pub mod busy;
 pub mod charge;

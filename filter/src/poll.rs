@@ -191,8 +191,8 @@ pub fn parse_load(body: &[u8]) -> Option<Load> {
 }
 
 /// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
-/// ms). The holder reads it every tick and renews it once half its time is gone (every few
-/// ticks: `ttl` spans several); another VM takes it over only once it expired (the
+/// ms). The holder renews it once half its time is gone (every few ticks: `ttl` spans
+/// several), reading it only then ([`LeaseView`]); another VM takes it over only once it expired (the
 /// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
 /// harmless (both publish the same kind of answer).
 pub struct PollLease;
@@ -202,27 +202,80 @@ pub const LEASE_KEY: &str = "pr/poller";
 impl PollLease {
     /// Takes or renews the lease for `me` until `now_ms + ttl_ms`; true if `me` holds it.
     pub fn hold<S: Store>(store: &S, me: u64, now_ms: u64, ttl_ms: u64, buf: &mut Vec<u8>) -> bool {
+        Self::hold_until(store, me, now_ms, ttl_ms, buf).0
+    }
+
+    /// [`PollLease::hold`], also saying until when (ms) the lease it read or wrote runs (0:
+    /// unknown, a lost CAS).
+    pub fn hold_until<S: Store>(
+        store: &S,
+        me: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+        buf: &mut Vec<u8>,
+    ) -> (bool, u64) {
         let cas = store.get(LEASE_KEY, buf);
         if let Some(cur) = buf.get(..16) {
             let owner = u64::from_le_bytes(cur[..8].try_into().unwrap_or([0; 8]));
             let expires = u64::from_le_bytes(cur[8..16].try_into().unwrap_or([0; 8]));
             if owner != me && now_ms < expires {
-                return false;
+                return (false, expires);
             }
             // Ours with more than half its time left: renewed at a later tick (a CAS fewer on
             // most ticks; the holder still renews long before anyone may take over). An expiry
             // further than `ttl_ms` ahead (the clock stepped back) is re-anchored now.
             let left = expires.saturating_sub(now_ms);
             if owner == me && left > ttl_ms / 2 && left <= ttl_ms {
-                return true;
+                return (true, expires);
             }
         }
+        let until = now_ms + ttl_ms;
         let mut v = [0u8; 16];
         v[..8].copy_from_slice(&me.to_le_bytes());
-        v[8..].copy_from_slice(&(now_ms + ttl_ms).to_le_bytes());
+        v[8..].copy_from_slice(&until.to_le_bytes());
         // A CAS on a missing key inserts, so two VMs racing for a fresh lease both "win" once;
         // the next renewal settles it (only the last writer sees itself as owner).
-        store.set(LEASE_KEY, &v, cas.unwrap_or(0)).is_ok()
+        match store.set(LEASE_KEY, &v, cas.unwrap_or(0)) {
+            Ok(_) => (true, until),
+            Err(_) => (false, 0),
+        }
+    }
+}
+
+/// What one VM last learned of the poll lease, so that most of its ticks read nothing: while
+/// its own lease has more than half its time left it holds it (the read would change nothing:
+/// [`PollLease::hold`] renews only after that), and while another VM's has not expired nobody
+/// may take it. An expiry further than the ttl ahead (the clock stepped back) is read again.
+/// Cost: the holder reads the lease about once per half ttl (it renews then), another VM once
+/// per expiry it saw, instead of every VM on every 50 ms tick. The one case the read would
+/// have caught sooner, two VMs that both took a fresh lease at once, lasts until the loser's
+/// renewal (at most half a ttl of two pollers, which is harmless).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseView {
+    held: bool,
+    /// Expiry of the lease last read or written (ms); 0: unknown.
+    until_ms: u64,
+}
+
+impl LeaseView {
+    /// [`PollLease::hold`] without the shared-data read when this view already knows.
+    pub fn hold<S: Store>(
+        &mut self,
+        store: &S,
+        me: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+        buf: &mut Vec<u8>,
+    ) -> bool {
+        let left = self.until_ms.checked_sub(now_ms).filter(|&l| l <= ttl_ms);
+        match left {
+            Some(l) if self.held && l > ttl_ms / 2 => return true,
+            Some(l) if !self.held && l > 0 => return false,
+            _ => {}
+        }
+        let (held, until_ms) = PollLease::hold_until(store, me, now_ms, ttl_ms, buf);
+        *self = LeaseView { held, until_ms };
+        held
     }
 }
 
@@ -253,19 +306,29 @@ impl Target {
 }
 
 /// The doublings of a failing worker's poll period are capped here (the period is capped by
-/// [`Pace::bound_ms`] long before).
+/// [`Pace::bound_ms`] or [`NO_LOAD_ENDPOINT_MS`] long before).
 const MAX_BACKOFF: u8 = 16;
+
+/// The longest poll period of a worker whose polls are *answered*, but not with a load answer
+/// (a 2xx that is not one, a 4xx on the last path tried: an engine without SGLang's load
+/// endpoints, an auth or routing layer in front of it). Unlike an outage (no answer, a 5xx),
+/// nothing suggests it will answer next time: it is asked again after a doubling period up to
+/// this (~7 polls a minute for four such workers instead of eight a second), and a good
+/// answer brings it back to every round.
+pub const NO_LOAD_ENDPOINT_MS: u32 = 30_000;
 
 /// How often each worker of a model in a round is asked: every round (`interval_ms`) while its
 /// load polls succeed, or once its last one succeeded; after failures in a row its period
-/// doubles per further failure up to `bound_ms`.
+/// doubles per further failure up to `bound_ms` (an outage: no answer, or a 5xx), or up to
+/// [`NO_LOAD_ENDPOINT_MS`] when the worker answered with something that is not a load answer.
 ///
 /// Why: a worker that is down, restarting or answering something that is not a load answer
 /// stays unknown (`merge`) whatever the poll rate, and asking it ten times a second costs this
 /// Envoy an HTTP call, a body read and a publish each time (~0.2 M instructions, see
 /// docs/performance.md) and the worker's endpoint a request. The first failure after a good
 /// answer is asked again at the next round (one lost answer is not an outage); a worker back
-/// after an outage is seen within `bound_ms` plus the answer's time.
+/// after an outage is seen within `bound_ms` plus the answer's time, one that starts serving
+/// load answers where it answered something else within [`NO_LOAD_ENDPOINT_MS`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pace {
     pub interval_ms: u32,
@@ -282,19 +345,26 @@ impl Pace {
         }
     }
 
-    /// The poll period after `backoff` doublings (ms).
-    fn period_ms(&self, backoff: u8) -> u64 {
-        (u64::from(self.interval_ms) << backoff.min(MAX_BACKOFF)).min(u64::from(self.bound_ms))
+    /// The poll period after `backoff` doublings (ms), capped by `bound_ms`, or by
+    /// [`NO_LOAD_ENDPOINT_MS`] when the last failure was an answer (`answered`).
+    fn period_ms(&self, backoff: u8, answered: bool) -> u64 {
+        let cap = if answered {
+            self.bound_ms.max(NO_LOAD_ENDPOINT_MS)
+        } else {
+            self.bound_ms
+        };
+        (u64::from(self.interval_ms) << backoff.min(MAX_BACKOFF)).min(u64::from(cap))
     }
 
     /// Whether a worker asked at `asked_ms`, `backoff` doublings in, is due in a round at
     /// `now_ms`. Rounds come on 50 ms ticks at least `interval_ms` apart, so a period is met
     /// within half an interval (a round a few ms early must not wait a whole interval more).
-    fn due(&self, asked_ms: Option<u64>, backoff: u8, now_ms: u64) -> bool {
+    fn due(&self, asked_ms: Option<u64>, backoff: u8, answered: bool, now_ms: u64) -> bool {
         match asked_ms {
             Some(at) if backoff > 0 => {
                 let since = crate::schedule::since(at, now_ms);
-                since.saturating_add(u64::from(self.interval_ms / 2)) >= self.period_ms(backoff)
+                since.saturating_add(u64::from(self.interval_ms / 2))
+                    >= self.period_ms(backoff, answered)
             }
             _ => true,
         }
@@ -315,6 +385,9 @@ struct Endpoint {
     info_fallback: bool,
     /// The last load poll failed.
     down: bool,
+    /// ... and it has answered with something that is not a load answer since its last good
+    /// one (not an outage: see [`NO_LOAD_ENDPOINT_MS`]).
+    answered_wrong: bool,
     /// Failed load polls in a row, less one: each doubles the worker's poll period (up to
     /// [`Pace::bound_ms`]); a good answer resets it.
     backoff: u8,
@@ -429,7 +502,8 @@ impl Poller {
                         fallback: e.fallback,
                         info: false,
                     };
-                    let load = pace.due(e.asked_ms, e.backoff, now_ms).then_some(load);
+                    let due = pace.due(e.asked_ms, e.backoff, e.answered_wrong, now_ms);
+                    let load = due.then_some(load);
                     let info = (e.wants_info && !e.info_done).then_some(Target {
                         model: mi as u16,
                         worker: w as u16,
@@ -532,6 +606,7 @@ impl Poller {
                     e.info_fallback = false;
                 }
                 e.down = false;
+                e.answered_wrong = false;
                 e.backoff = 0;
                 if l.capacity == 0 {
                     e.wants_info = true;
@@ -547,6 +622,11 @@ impl Poller {
                 }
                 self.failures += 1;
                 e.down = true;
+                // An answer (2xx-4xx) that is no load answer: the endpoint is not there, which
+                // no retry soon will change; no answer or a 5xx: an outage, soon over, unless
+                // the worker answered without a load endpoint before (a call that timed out
+                // says nothing new about it). Only a good answer clears it.
+                e.answered_wrong |= status.is_some_and(|s| (200..500).contains(&s));
                 e.backlogged = Some(false);
                 Some((t, None))
             }
@@ -767,6 +847,47 @@ mod tests {
         );
     }
 
+    /// Two VMs ticking every 50 ms through their [`LeaseView`]s: exactly one holds the lease at
+    /// every tick, as with a read on each tick, for under a third of the reads; when the holder
+    /// stops ticking (its VM gone), the other takes over within the ttl plus a tick; a clock
+    /// stepped back is read again at once.
+    #[test]
+    fn a_lease_view_reads_the_lease_rarely_and_hands_it_over_as_before() {
+        let s = MemStore::new();
+        let mut b = Vec::new();
+        let (ttl, mut views) = (300, [LeaseView::default(); 2]);
+        let mut holder_at = Vec::new();
+        let mut now = 1_000_000;
+        for tick in 0..400 {
+            let mut held = Vec::new();
+            // VM 1 ticks first (so it takes the lease) and stops at tick 200 (its VM gone).
+            for vm in [1usize, 0] {
+                if vm == 1 && tick >= 200 {
+                    continue;
+                }
+                if views[vm].hold(&s, vm as u64 + 1, now, ttl, &mut b) {
+                    held.push(vm);
+                }
+            }
+            holder_at.push(held);
+            now += 50;
+        }
+        assert!(
+            holder_at[..200].iter().all(|h| h == &[1]),
+            "{:?}",
+            &holder_at[..10]
+        );
+        let gap = holder_at[200..].iter().take_while(|h| h.is_empty()).count();
+        assert!(gap <= 7, "taken over after {gap} ticks");
+        assert!(holder_at[200 + gap..].iter().all(|h| h == &[0]));
+        let (gets, _) = s.calls();
+        assert!(gets < 600 / 3, "{gets} reads for 600 ticks");
+        // The clock steps back 10 s: the holder reads (and re-anchors) at once.
+        let before = s.calls().0;
+        assert!(views[0].hold(&s, 1, now - 10_000, ttl, &mut b));
+        assert_eq!(s.calls().0, before + 1);
+    }
+
     #[test]
     fn a_model_without_traffic_is_polled_at_the_no_traffic_interval() {
         // Two models; model 0 has traffic throughout, model 1 none after its first round.
@@ -854,7 +975,7 @@ mod tests {
         let ok = br#"[{"num_running_reqs":3,"num_waiting_reqs":0,"max_running_requests":8}]"#;
         let mut token = 0u32;
         // Rounds every 100 ms (on 50 ms ticks, one a tick late); worker 0 fails from 1000 ms
-        // (a 200 that is not a load answer) to 3000 ms, worker 1 always answers.
+        // (a 503: an outage) to 3000 ms, worker 1 always answers.
         let mut asked: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
         let mut now = 0;
         while now <= 4000 {
@@ -864,7 +985,8 @@ mod tests {
                 p.sent(token, t, now);
                 asked[usize::from(t.worker)].push(now);
                 let bad = t.worker == 0 && (1000..3000).contains(&now);
-                let got = p.answer(token, Some(200), if bad { b"{}" } else { ok });
+                let (status, body) = if bad { (503, &b""[..]) } else { (200, &ok[..]) };
+                let got = p.answer(token, Some(status), body);
                 assert_eq!(got.map(|(_, l)| l.is_some()), Some(!bad), "{now} {t:?}");
             }
             now += if now == 2000 { 150 } else { 100 };
@@ -910,6 +1032,82 @@ mod tests {
             1,
             "stepped back"
         );
+    }
+
+    /// A worker that answers, but never with a load answer (a 200 of something else, a 404 on
+    /// both load paths, a 401), backs off up to [`NO_LOAD_ENDPOINT_MS`], not to the outage
+    /// bound; an outage after it (no answer, a 5xx) is bounded by `bound_ms` again, and a good
+    /// answer brings it back to every round.
+    #[test]
+    fn a_worker_answering_without_a_load_endpoint_is_asked_at_most_every_30_s() {
+        let pace = Pace::new(&LoadPollConfig::default());
+        let ok = br#"[{"num_running_reqs":1,"num_waiting_reqs":0,"max_running_requests":8}]"#;
+        let chat = br#"{"id":"x","object":"chat.completion","choices":[]}"#;
+        // (status, body) of worker 0's answers over time; every 50 ms tick is a round.
+        let run = |answer: &dyn Fn(u64) -> (Option<u32>, &'static [u8])| {
+            let mut p = Poller::new([1usize].into_iter());
+            let (mut token, mut now, mut asked) = (0u32, 0u64, Vec::new());
+            while now <= 240_000 {
+                let ts: Vec<Target> = p.round(0, now, pace).collect();
+                for t in ts {
+                    token += 1;
+                    p.sent(token, t, now);
+                    asked.push((now, t.fallback));
+                    let (status, body) = answer(now);
+                    p.answer(token, status, body);
+                }
+                now += 100;
+            }
+            asked
+        };
+        let gaps = |asked: &[(u64, bool)], from: u64, to: u64| {
+            let at: Vec<u64> = asked
+                .iter()
+                .map(|a| a.0)
+                .filter(|t| (from..to).contains(t))
+                .collect();
+            at.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>()
+        };
+        for (what, answer) in [
+            ("a 200 that is no load answer", (Some(200), &chat[..])),
+            ("a 404 on both paths", (Some(404), &b""[..])),
+            ("a 401", (Some(401), &b""[..])),
+        ] {
+            let asked = run(&|_| answer);
+            let g = gaps(&asked, 0, 240_000);
+            assert_eq!(g.iter().max(), Some(&30_000), "{what}: {g:?}");
+            assert!(asked.len() < 20, "{what}: {} polls in 240 s", asked.len());
+            // Doubling: 100 ms, 200, 400, ... (the first failure asked again at once).
+            assert!(g.windows(2).all(|w| w[1] >= w[0]), "{what}: {g:?}");
+        }
+        // The same worker as an outage (503, then no answer at all): the 500 ms bound.
+        for status in [Some(503), None] {
+            let asked = run(&|_| (status, &b""[..]));
+            assert_eq!(gaps(&asked, 10_000, 240_000).iter().max(), Some(&500));
+        }
+        // Answering something else, and now and then no answer in time (a timeout says nothing
+        // new about it): still the 30 s bound.
+        let asked = run(&|now| {
+            if now % 3 == 0 {
+                (None, &b""[..])
+            } else {
+                (Some(200), &chat[..])
+            }
+        });
+        let g = gaps(&asked, 60_000, 240_000);
+        assert!(g.iter().all(|&g| g >= 25_000), "{g:?}");
+        // Answering something else until 100 s, then load answers: back to every round within
+        // 30 s, then every 100 ms.
+        let asked = run(&|now| {
+            if now < 100_000 {
+                (Some(200), &chat[..])
+            } else {
+                (Some(200), &ok[..])
+            }
+        });
+        let back = asked.iter().map(|a| a.0).find(|&t| t >= 100_000).unwrap();
+        assert!(back < 130_000, "{back}");
+        assert!(gaps(&asked, back, 240_000).iter().all(|&g| g == 100));
     }
 
     #[test]

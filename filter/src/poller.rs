@@ -11,9 +11,9 @@
 //! - Every answer, good or failed, is published to shared data for every VM: a failed poll
 //!   publishes "unknown" (never idle, see `poll.rs`).
 //!
-//! Costs: every VM that may call reads the lease each tick (the holder also renews it with a
-//! CAS). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
-//! `poll::Pace`); per good answer one body read, one own-load read and the publish (a read and
+//! Costs: every VM that may call reads the lease about once per half ttl or per expiry it saw,
+//! not every tick (`poll::LeaseView`; the holder renews it with a CAS then). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
+//! `poll::Pace`, and to one whose counter reads fail, see [`METRICS_BACKOFF_MS`]); per good answer one body read, one own-load read and the publish (a read and
 //! a CAS); per failed one the body read and a read (the CAS too when it was known before); at
 //! a round's last answer two gauge writes. Nothing here runs on a request's path.
 
@@ -22,7 +22,7 @@ use crate::hits;
 use crate::host::{now_ticks, Buffer, CallRefused, Host};
 use crate::membership;
 use crate::metrics::{Counter, Gauge, Metrics};
-use crate::poll::{self, Pace, PollLease, Polled, Poller, Target};
+use crate::poll::{self, LeaseView, Pace, Polled, Poller, Target};
 use crate::router::Router;
 use crate::schedule::{since, Calls};
 use std::cell::RefCell;
@@ -32,12 +32,16 @@ use std::cell::RefCell;
 pub struct Polls {
     /// This root context's identity in the poller lease (set at each configuration).
     pub me: u64,
+    /// What this root last learned of the poll lease (most ticks read nothing).
+    lease: LeaseView,
     poller: Poller,
     /// Counter reads for the index's self-check: `(model, worker)` per call awaiting an answer
     /// (expiring, see `schedule`), and when the last round started (ms; `None` before the
     /// first).
     hit_calls: Calls<(u16, u16)>,
     last_hit_round_ms: Option<u64>,
+    /// Per model, per worker: how its counter reads fail ([`HitPace`]).
+    hit_pace: Vec<Vec<HitPace>>,
     /// The admin read of pool models' hosts (`membership.rs`): at most one in flight.
     member_calls: Calls<()>,
     last_member_read_ms: Option<u64>,
@@ -49,9 +53,15 @@ impl Polls {
     /// worker list, which may be other workers now.
     pub fn configure(&mut self, cfg: &Config, me: u64) {
         self.me = me;
+        self.lease = LeaseView::default();
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         self.hit_calls = Calls::default();
         self.last_hit_round_ms = None;
+        self.hit_pace = cfg
+            .models
+            .iter()
+            .map(|m| vec![HitPace::default(); m.workers.len()])
+            .collect();
         self.member_calls = Calls::default();
         self.last_member_read_ms = None;
     }
@@ -84,7 +94,7 @@ impl Polls {
         let (interval_ms, no_traffic_ms) = (lp.interval_ms, lp.no_traffic_interval_ms);
         let ttl = 3 * u64::from(interval_ms.max(tick_ms));
         let mut buf = Vec::new();
-        if !PollLease::hold(h, self.me, now_ms, ttl, &mut buf) {
+        if !self.lease.hold(h, self.me, now_ms, ttl, &mut buf) {
             return;
         }
         if interval_ms == 0 {
@@ -216,8 +226,14 @@ impl Polls {
         if lp.metrics_interval_ms == 0 {
             return;
         }
-        self.hit_calls
-            .expire(now_ms, lp.timeout_ms, |_| m.add(Counter::HitFailures, 1));
+        let max_skip = HitPace::max_skip(lp.metrics_interval_ms);
+        let pace = &mut self.hit_pace;
+        self.hit_calls.expire(now_ms, lp.timeout_ms, |&(mi, wi)| {
+            m.add(Counter::HitFailures, 1);
+            if let Some(p) = pace_of(pace, mi, wi) {
+                p.failed(max_skip);
+            }
+        });
         if self
             .last_hit_round_ms
             .is_some_and(|at| since(at, now_ms) < u64::from(lp.metrics_interval_ms))
@@ -232,9 +248,17 @@ impl Polls {
                 if self.hit_calls.iter().any(|&c| c == (mi, wi)) {
                     continue;
                 }
+                if pace_of(&mut self.hit_pace, mi, wi).is_some_and(HitPace::skip_round) {
+                    continue;
+                }
                 match get_from(h, r.cfg(), upstream, w, pooled, &lp.metrics_path) {
                     Ok(token) => self.hit_calls.push(token, now_ms, (mi, wi)),
-                    Err(_) => m.add(Counter::HitFailures, 1),
+                    Err(_) => {
+                        m.add(Counter::HitFailures, 1);
+                        if let Some(p) = pace_of(&mut self.hit_pace, mi, wi) {
+                            p.failed(max_skip);
+                        }
+                    }
                 }
             }
         }
@@ -259,10 +283,20 @@ impl Polls {
         } else {
             None
         };
+        let max_skip = HitPace::max_skip(
+            router
+                .try_borrow()
+                .map_or(0, |r| r.cfg().load_poll.metrics_interval_ms),
+        );
+        let Some(p) = pace_of(&mut self.hit_pace, mi, wi) else {
+            return true; // a worker of an earlier configuration
+        };
         let Some(counters) = counters else {
             m.add(Counter::HitFailures, 1);
+            p.failed(max_skip);
             return true;
         };
+        *p = HitPace::default();
         let Ok(r) = router.try_borrow() else {
             return true;
         };
@@ -347,6 +381,44 @@ impl Polls {
         m.set(h, Gauge::PollAgeMs, u64::from(oldest) * 100);
         m.set(h, Gauge::PollUnknown, unknown as u64);
     }
+}
+
+/// The longest period of a worker's counter reads while they fail (ms): a worker without
+/// `--enable-metrics` answers 404 for as long as it runs, and each read costs this Envoy an HTTP
+/// call. A worker whose reads start to succeed is read every round again within this.
+pub const METRICS_BACKOFF_MS: u32 = 60_000;
+
+/// How a worker's counter reads fail: after `fails` failures in a row it skips 1, 3, 7, ...
+/// rounds (the first failure after a good read skips none), at most [`HitPace::max_skip`]; a
+/// good read resets it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct HitPace {
+    fails: u8,
+    skip: u32,
+}
+
+impl HitPace {
+    /// Rounds skipped at most, so that the period stays within [`METRICS_BACKOFF_MS`].
+    fn max_skip(interval_ms: u32) -> u32 {
+        (METRICS_BACKOFF_MS / interval_ms.max(1)).saturating_sub(1)
+    }
+    fn failed(&mut self, max_skip: u32) {
+        self.fails = self.fails.saturating_add(1);
+        let doublings = u32::from(self.fails - 1).min(31);
+        self.skip = ((1u64 << doublings) - 1).min(u64::from(max_skip)) as u32;
+    }
+    /// Whether this round skips the worker (counting the round off when it does).
+    fn skip_round(&mut self) -> bool {
+        if self.skip == 0 {
+            return false;
+        }
+        self.skip -= 1;
+        true
+    }
+}
+
+fn pace_of(pace: &mut [Vec<HitPace>], mi: u16, wi: u16) -> Option<&mut HitPace> {
+    pace.get_mut(usize::from(mi))?.get_mut(usize::from(wi))
 }
 
 /// `GET path` from worker `w` through `upstream` (its poll cluster): a pool worker is named in

@@ -206,6 +206,52 @@ fn is_load_poll(c: &prefix_router::host::Call) -> bool {
     path_of(c) == "/v1/loads"
 }
 
+/// A worker whose reads keep failing is asked less often: its counter reads (a 404: no
+/// `--enable-metrics`; a 200 that is no Prometheus page) after 1, 2, 4, ... rounds up to 60 s,
+/// its load polls when it answers them with something else up to 30 s; a worker that answers
+/// both keeps its periods (1 s and the no-traffic interval here).
+#[test]
+fn failing_counter_reads_and_answered_wrong_load_polls_back_off_to_their_caps() {
+    let cfg = config(r#","load_poll":{"metrics_interval_ms":1000}"#);
+    let (h, mut root) = configured(&cfg);
+    let counters = b"sglang:prompt_tokens_total 10.0\nsglang:cached_tokens_total 5.0\n";
+    let load = br#"{"loads":[{"num_running_reqs":1,"num_waiting_reqs":0}]}"#;
+    let chat = br#"{"id":"x","object":"chat.completion","choices":[]}"#;
+    let mut sent: Vec<(u64, String, String)> = Vec::new(); // (ms, worker, path)
+    for i in 1..=12_000u64 {
+        for c in step(&h, &mut root) {
+            let (path, w) = (path_of(&c).to_string(), c.upstream.clone());
+            let (status, body): (&str, &[u8]) = match (path.as_str(), w.as_str()) {
+                ("/metrics", "w0") => ("200", counters),
+                ("/metrics", "w1") => ("404", b""),
+                ("/metrics", _) => ("200", chat),
+                (_, "w2") => ("200", chat),
+                _ => ("200", load),
+            };
+            answer(&h, &mut root, c.token, status, body);
+            sent.push((i * 50, w, path));
+        }
+    }
+    let at = |w: &str, path: &str, from: u64| -> Vec<u64> {
+        sent.iter()
+            .filter(|(t, sw, sp)| sw == w && sp == path && *t >= from)
+            .map(|(t, _, _)| *t)
+            .collect()
+    };
+    let gaps = |v: Vec<u64>| v.windows(2).map(|x| x[1] - x[0]).collect::<Vec<_>>();
+    assert!(gaps(at("w0", "/metrics", 0)).iter().all(|&g| g == 1000));
+    for w in ["w1", "w2"] {
+        let g = gaps(at(w, "/metrics", 0));
+        assert!(g.windows(2).all(|x| x[1] >= x[0]), "{w}: {g:?}");
+        assert_eq!(g.iter().max(), Some(&60_000), "{w}: {g:?}");
+        assert!(at(w, "/metrics", 300_000).len() <= 6, "{w}: {g:?}");
+    }
+    assert!(gaps(at("w0", "/v1/loads", 0)).iter().all(|&g| g == 500));
+    let g = gaps(at("w2", "/v1/loads", 0));
+    assert_eq!(g.iter().max(), Some(&30_000), "{g:?}");
+    assert!(at("w2", "/v1/loads", 300_000).len() <= 11, "{g:?}");
+}
+
 /// The index's self-check reads each worker's token counters every `metrics_interval_ms` and
 /// publishes them for every VM; a read whose answer never comes does not stop that worker's
 /// reads; an interval of 0 reads nothing.

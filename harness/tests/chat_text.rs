@@ -1,10 +1,11 @@
 //! Chat text prompts through the real `.wasm`, whose text fast path (`filter/src/request/text.rs`)
-//! checks 16 content bytes per Wasm SIMD step and declines to serde on any escape or odd byte.
-//! The same text must make the same prompt blocks whether a body takes the fast path or serde:
-//! each case first sends a body whose content spells one character as a `\u` escape (serde,
-//! since the fast path declines every escape), then the same text as the fast path reads it,
-//! or with a one-letter escape at that offset, which the SIMD step must notice; then the
-//! serde body again. The middle request must match exactly as much as the repeat does.
+//! checks 16 content bytes per Wasm SIMD step, decodes the one-letter escapes itself and
+//! declines to serde on `\u` or an odd byte. The same text must make the same prompt blocks
+//! whether a body takes the fast path or serde: each case first sends a body whose content
+//! spells one character as a `\u` escape (serde, since the fast path declines it), then the
+//! same text as the fast path reads it, plain or as a one-letter escape at that offset, which
+//! the SIMD step must notice and decode; then the serde body again. The middle request must
+//! match exactly as much as the repeat does.
 
 use proxy_wasm_host::{Host, Options, Vm};
 

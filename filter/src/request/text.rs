@@ -1,13 +1,16 @@
 //! The text fast path of request parsing: [`parse_text`] reads the common chat and completions
-//! body (string `content` / `prompt`, no escapes in what the router reads) straight from its
-//! bytes, making the same sink calls as the serde pass (`super::run`) and so the same
-//! [`Parsed`], canonical bytes and message bounds.
+//! body (string `content` / `prompt`, at most one-letter escapes in what the router reads)
+//! straight from its bytes, making the same sink calls as the serde pass (`super::run`) and so
+//! the same [`Parsed`], canonical bytes and message bounds.
 //!
 //! Invariant: it accepts only bodies that are valid JSON in a strict subset of the grammar
 //! serde_json reads (ASCII keys without escapes; strings without control characters and with
-//! only the one-letter escapes, never `\u`, and none at all in a string the router keeps;
-//! numbers of the JSON grammar; nesting at most [`MAX_DEPTH`] deep in skipped values), on which
-//! serde_json succeeds. Everything else, including every body serde would reject, is declined
+//! only the one-letter escapes, never `\u`; `model`, `lora_path` and `cache_salt` without
+//! escapes; numbers of the JSON grammar; nesting at most [`MAX_DEPTH`] deep in skipped values),
+//! on which serde_json succeeds. The rendered strings (`role`, `content`, `prompt`) are written
+//! to the sink decoded as serde decodes them (`\n` a newline, `\"` a quote, ...), in pieces
+//! between the escapes, whose lengths add up as one write would (`Sink::put` cuts at the same
+//! byte). Everything else, including every body serde would reject, is declined
 //! (`None`) and the caller parses it with serde, so a malformed body keeps serde's error and
 //! counter. It also declines every shape whose serde handling is more than "write this string":
 //! content-part arrays, `name` / `tool_calls` / `tool_call_id`, `tools`, `tool_choice`,
@@ -16,7 +19,7 @@
 //! Costs: one pass over the body; strings are checked 16 bytes at a time for a quote,
 //! backslash, control or non-ASCII byte (one Wasm SIMD check in the shipped `.wasm`, two 8-byte
 //! words of ALU operations natively), UTF-8 validated only when a kept string has a non-ASCII
-//! byte; no allocation (the sink's buffers are reused), no
+//! byte; an escape in a rendered string costs one more sink write; no allocation (the sink's buffers are reused), no
 //! recursion beyond [`MAX_DEPTH`] frames.
 
 use super::{Endpoint, Limit, Parsed, PromptKind, Sink, MSG, ROLE_END};
@@ -70,8 +73,7 @@ pub fn parse_text<'a>(
                     if p.kind != PromptKind::None {
                         return None; // serde: more than one prompt field
                     }
-                    let s = r.str()?;
-                    sink.put_text(s.as_bytes());
+                    r.rendered(&mut sink)?;
                     p.kind = PromptKind::Text;
                 }
                 _ => r.skip(0)?,
@@ -114,11 +116,12 @@ fn zero_bytes(w: u64) -> u64 {
     w.wrapping_sub(ONES) & !w & HIGH
 }
 
-/// Whether no byte of `run` is a quote, a backslash, a control character or non-ASCII: one Wasm
-/// SIMD check (the shipped `.wasm`, `.cargo/config.toml`).
+/// How many bytes of `run` come before its first quote, backslash, control character or
+/// non-ASCII byte (16: none): one Wasm SIMD check and a bit mask (the shipped `.wasm`,
+/// `.cargo/config.toml`).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
-fn plain(run: &[u8; 16]) -> bool {
+fn plain_len(run: &[u8; 16]) -> usize {
     use core::arch::wasm32::*;
     // SAFETY: `run` is 16 readable bytes; `v128_load` needs no alignment.
     let v = unsafe { v128_load(run.as_ptr().cast()) };
@@ -130,24 +133,29 @@ fn plain(run: &[u8; 16]) -> bool {
         // Below 0x20 unsigned: control; below 0 signed: 0x80 and above.
         v128_or(u8x16_lt(v, u8x16_splat(0x20)), i8x16_lt(v, i8x16_splat(0))),
     );
-    !v128_any_true(special)
+    (u32::from(i8x16_bitmask(special)) | 1 << 16).trailing_zeros() as usize
 }
 
-/// [`plain`] elsewhere (native builds, unit tests): two 8-byte words, a few ALU operations each.
+/// [`plain_len`] elsewhere (native builds, unit tests): two 8-byte words, a few ALU operations
+/// each. The lowest flagged byte of each test is exact (a borrow only runs upwards from a byte
+/// that matched), which is all the count needs.
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 #[inline(always)]
-fn plain(run: &[u8; 16]) -> bool {
+fn plain_len(run: &[u8; 16]) -> usize {
     let (Some(a), Some(b)) = (run.first_chunk::<8>(), run.last_chunk::<8>()) else {
-        return false;
+        return 0;
     };
-    [a, b].into_iter().all(|w| {
+    let special = |w: &[u8; 8]| {
         let w = u64::from_le_bytes(*w);
         zero_bytes(w ^ (ONES * u64::from(b'"')))
             | zero_bytes(w ^ (ONES * u64::from(b'\\')))
             | (w.wrapping_sub(ONES * 0x20) & !w & HIGH)
             | (w & HIGH)
-            == 0
-    })
+    };
+    match special(a) {
+        0 => 8 + (special(b).trailing_zeros() / 8).min(8) as usize,
+        m => (m.trailing_zeros() / 8) as usize,
+    }
 }
 
 impl<'a> Reader<'a> {
@@ -176,6 +184,23 @@ impl<'a> Reader<'a> {
         (self.b.get(self.p..end)? == word).then(|| self.p = end)
     }
 
+    /// Moves the cursor over plain string bytes, 16 at a time, to the first quote, backslash,
+    /// control or non-ASCII byte, or to within 16 bytes of the body's end (the byte loops
+    /// of the callers read those).
+    #[inline(always)]
+    fn skip_plain(&mut self) {
+        while let Some(run) = self.b.get(self.p..self.p + 16) {
+            let Ok(run) = <&[u8; 16]>::try_from(run) else {
+                return;
+            };
+            let n = plain_len(run);
+            self.p += n;
+            if n < 16 {
+                return;
+            }
+        }
+    }
+
     /// The bytes of a string starting at the cursor (its `"`), the cursor then past its closing
     /// quote, and whether it holds a non-ASCII byte. `None` on a control character, on a
     /// backslash unless `escapes` (then only the one-letter escapes other than `\u` pass, and
@@ -185,13 +210,7 @@ impl<'a> Reader<'a> {
         let start = self.p;
         let mut high = false;
         loop {
-            // Whole 16-byte runs with no quote, backslash, control or high byte: skip.
-            while let Some(run) = self.b.get(self.p..self.p + 16) {
-                match <&[u8; 16]>::try_from(run) {
-                    Ok(run) if plain(run) => self.p += 16,
-                    _ => break,
-                }
-            }
+            self.skip_plain();
             let c = self.peek()?;
             self.p += 1;
             match c {
@@ -206,7 +225,56 @@ impl<'a> Reader<'a> {
             }
         }
     }
-    /// A string the router keeps: no escapes, valid UTF-8, borrowed from the body.
+    /// A string the engine renders (`role`, `content`, `prompt`), written to `sink` as serde
+    /// decodes it: the runs between escapes as they are, each one-letter escape as its byte;
+    /// `None` on `\u`, another escape, a control character, invalid UTF-8 or no closing quote.
+    /// On `None` the sink may hold part of the string: the caller's serde pass starts a new one.
+    ///
+    /// UTF-8 is checked on the raw bytes: the escapes are ASCII and decode to ASCII, so the raw
+    /// string is valid exactly when the decoded one is.
+    fn rendered(&mut self, sink: &mut Sink<'_>) -> Option<()> {
+        self.eat(b'"')?;
+        let start = self.p;
+        let mut run = start; // start of the bytes not yet written
+        let mut high = false;
+        loop {
+            self.skip_plain();
+            let c = self.peek()?;
+            self.p += 1;
+            match c {
+                b'"' => {
+                    let raw = self.b.get(start..self.p - 1)?;
+                    if high && std::str::from_utf8(raw).is_err() {
+                        return None;
+                    }
+                    sink.put_text(self.b.get(run..self.p - 1)?);
+                    return Some(());
+                }
+                b'\\' => {
+                    let decoded = match self.peek()? {
+                        b'"' => b'"',
+                        b'\\' => b'\\',
+                        b'/' => b'/',
+                        b'b' => 0x08,
+                        b'f' => 0x0C,
+                        b'n' => b'\n',
+                        b'r' => b'\r',
+                        b't' => b'\t',
+                        _ => return None, // `\u` (serde decodes it) or not JSON
+                    };
+                    sink.put_text(self.b.get(run..self.p - 1)?);
+                    sink.put_text(&[decoded]);
+                    self.p += 1;
+                    run = self.p;
+                }
+                0..=0x1F => return None,
+                0x80.. => high = true,
+                _ => {}
+            }
+        }
+    }
+    /// A string the router keeps as it is (`model`, ...): no escapes, valid UTF-8, borrowed
+    /// from the body.
     fn str(&mut self) -> Option<&'a str> {
         match self.raw_str(false)? {
             (bytes, true) => std::str::from_utf8(bytes).ok(),
@@ -268,16 +336,14 @@ impl<'a> Reader<'a> {
                 self.ws();
                 match key {
                     b"role" => {
-                        let s = self.str()?;
-                        sink.put_text(s.as_bytes());
+                        self.rendered(sink)?;
                         sink.put(&[ROLE_END]);
                     }
                     b"content" => {
                         if self.peek()? == b'n' {
                             self.lit(b"null")?;
                         } else {
-                            let s = self.str()?;
-                            sink.put_text(s.as_bytes());
+                            self.rendered(sink)?;
                         }
                     }
                     b"name" | b"tool_calls" | b"tool_call_id" => return None,
@@ -402,10 +468,17 @@ mod tests {
         prop_oneof![
             16 => "[a-zA-Z0-9 .,:{}\\[\\]]{0,40}",
             2 => "[a-z ]{0,6}\\\\[nt\"\\\\/bfru][a-fA-F0-9]{0,4}[a-z ]{0,6}",
+            4 => escaped(),
             2 => "\\PC{0,12}",
             1 => "[a-z]{0,3}[\u{1}\u{1f}\u{7f}][a-z]{0,3}",
             1 => Just("x".repeat(100)),
         ]
+    }
+
+    /// Runs of one-letter escapes at every offset of the 16-byte SIMD steps, with non-ASCII
+    /// letters among them: what the text path decodes into the canonical bytes.
+    fn escaped() -> impl Strategy<Value = String> {
+        "([a-zA-Z .é]{0,21}\\\\[nt\"\\\\/bfr]){1,5}[a-z ]{0,20}"
     }
 
     fn string() -> impl Strategy<Value = String> {
@@ -470,7 +543,8 @@ mod tests {
             "extra",
             "rol\\u0065",
         ];
-        let field = (key(KEYS), prop_oneof![4 => string(), 1 => value()]);
+        let text = || prop_oneof![4 => string(), 3 => escaped().prop_map(|s| format!("\"{s}\"")), 1 => value()];
+        let field = (key(KEYS), text());
         prop_oneof![
             12 => object(prop::collection::vec(field, 0..4)),
             1 => value(),
@@ -502,9 +576,13 @@ mod tests {
         let field = key(KEYS).prop_flat_map(move |k| {
             let v = match k.as_str() {
                 "\"messages\"" => prop_oneof![8 => messages(), 1 => value()].boxed(),
-                "\"model\"" | "\"prompt\"" | "\"cache_salt\"" => {
-                    prop_oneof![4 => string(), 1 => value()].boxed()
-                }
+                "\"model\"" | "\"cache_salt\"" => prop_oneof![4 => string(), 1 => value()].boxed(),
+                "\"prompt\"" => prop_oneof![
+                    4 => string(),
+                    3 => escaped().prop_map(|s| format!("\"{s}\"")),
+                    1 => value()
+                ]
+                .boxed(),
                 _ => value().boxed(),
             };
             (Just(k), v)
@@ -548,6 +626,7 @@ mod tests {
         let strat = (damaged(), any::<bool>(), 0usize..5);
         let mut runner = TestRunner::deterministic();
         let (mut taken, mut declined, mut oks, mut errs) = (0, 0, 0, 0);
+        let mut taken_escaped = 0;
         let mut scratch = IdBuffers::for_blocks(4);
         let (mut ca, mut cb, mut ba, mut bb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for case in 0..16_000 {
@@ -573,6 +652,14 @@ mod tests {
                     assert_eq!(ca, cb, "{}", ctx());
                     assert_eq!(ba, bb, "{}", ctx());
                     taken += 1;
+                    // A decoded escape in the canonical bytes (a control byte or a quote).
+                    if g.kind == super::super::PromptKind::Text
+                        && cb
+                            .iter()
+                            .any(|&c| matches!(c, b'\n' | b'\t' | b'"' | b'\\' | 8 | 12 | b'\r'))
+                    {
+                        taken_escaped += 1;
+                    }
                 }
                 (Err(e), Some(g)) => panic!("{}: serde {e:?}, text path {g:?}", ctx()),
             }
@@ -595,9 +682,86 @@ mod tests {
             }
         }
         assert!(
-            taken > 2_000 && declined > 2_000 && oks > 4_000 && errs > 2_000,
-            "taken {taken} declined {declined} ok {oks} err {errs}"
+            taken > 2_000 && declined > 2_000 && oks > 4_000 && errs > 2_000 && taken_escaped > 100,
+            "taken {taken} ({taken_escaped} with escapes) declined {declined} ok {oks} err {errs}"
         );
+    }
+
+    /// Well-formed chat and completions bodies whose rendered strings (roles, contents, the
+    /// prompt) carry one-letter escapes at every offset: the text path takes every one (none
+    /// is handed to serde) and agrees with serde on all of it, canonical bytes and bounds.
+    #[test]
+    fn escaped_text_takes_the_text_path_and_equals_serde() {
+        let content = || prop_oneof![1 => escaped(), 1 => "[a-z é]{0,30}"];
+        let messages = prop::collection::vec(
+            (
+                prop::sample::select(vec!["system", "user", "assistant", "us\\ter"]),
+                content(),
+            ),
+            1..5,
+        );
+        let strat = (messages, content(), any::<bool>(), 0usize..4);
+        let mut runner = TestRunner::deterministic();
+        let (mut ca, mut cb, mut ba, mut bb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for case in 0..4_000 {
+            let (msgs, prompt, chat, li) = strat.new_tree(&mut runner).expect("tree").current();
+            let limit = [1 << 20, 64, 7, 0][li];
+            let (ep, b) = if chat {
+                let m: Vec<String> = msgs
+                    .iter()
+                    .map(|(r, c)| format!(r#"{{"role":"{r}","content":"{c}"}}"#))
+                    .collect();
+                let b = format!(
+                    r#"{{"model":"m","messages":[{}],"stream":true}}"#,
+                    m.join(",")
+                );
+                (Endpoint::Chat, b)
+            } else {
+                let b = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":9}}"#);
+                (Endpoint::Completions, b)
+            };
+            let ctx = || format!("case {case} limit {limit}: {b}");
+            let want = parse_with_bounds(ep, b.as_bytes(), &mut ca, &mut ba, limit)
+                .unwrap_or_else(|e| panic!("{}: serde {e:?}", ctx()));
+            let got = parse_text(ep, b.as_bytes(), &mut cb, &mut bb, limit.into())
+                .unwrap_or_else(|| panic!("{}: declined", ctx()));
+            assert_same_parsed(&want, &got, &ctx());
+            assert_eq!((&ca, &ba), (&cb, &bb), "{}", ctx());
+        }
+    }
+
+    /// `plain_len` is the position of the first special byte (quote, backslash, below 0x20,
+    /// 0x80 and above) whatever bytes follow it, 16 when there is none.
+    #[test]
+    fn plain_len_finds_the_first_special_byte() {
+        let special = |c: u8| c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c);
+        let reference = |run: &[u8; 16]| run.iter().position(|&c| special(c)).unwrap_or(16);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for at in 0..=16 {
+            for c in 0..=255u8 {
+                for _ in 0..4 {
+                    // Plain bytes before `at`, `c` at `at`, anything after it.
+                    let mut run = [0u8; 16];
+                    for (i, b) in run.iter_mut().enumerate() {
+                        let r = next() as u8;
+                        *b = if i < at { 0x20 + r % 0x5F } else { r };
+                        if i < at && special(*b) {
+                            *b = b'a';
+                        }
+                    }
+                    if let Some(b) = run.get_mut(at) {
+                        *b = c;
+                    }
+                    assert_eq!(super::plain_len(&run), reference(&run), "{run:?}");
+                }
+            }
+        }
     }
 
     #[test]

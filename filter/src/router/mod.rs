@@ -22,7 +22,8 @@
 //! fleet instead of all landing on one worker. Other prompts use their first
 //! `policy.affinity_blocks` blocks.
 
-use crate::blocks::{hash_blocks, hash_blocks_at, hash_token_blocks, keyed_seed, salted_seed};
+use crate::block_memo::BlockMemo;
+use crate::blocks::{hash_blocks_at, hash_token_blocks, keyed_seed, salted_seed};
 use crate::busy::Busy;
 use crate::config::{Config, UnknownModel};
 use crate::footprint::Footprint;
@@ -70,6 +71,8 @@ pub struct Router {
     limit: request::Limit,
     ends: Vec<usize>,
     hashes: Vec<u64>,
+    /// The previous text prompt's block hashes (`block_memo.rs`).
+    memo: BlockMemo,
     /// The index's reusable buffers and probe cache (`index.rs`).
     index_bufs: IndexBuffers,
     matches: Matches,
@@ -143,6 +146,7 @@ impl Router {
             ),
             ends: Vec::with_capacity(64),
             hashes: Vec::with_capacity(1024),
+            memo: BlockMemo::default(),
             index_bufs: IndexBuffers::default(),
             // Holders seen in one lookup: at most HOLDERS per probe; sized so it never grows.
             matches: Matches::with_capacity(),
@@ -352,7 +356,8 @@ impl Router {
                         &mut self.hashes,
                     ),
                 },
-                _ => hash_blocks(
+                // Text: the blocks shared with this VM's previous text prompt are not hashed again.
+                _ => self.memo.hash(
                     seed,
                     &self.canon,
                     block,
