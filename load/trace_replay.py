@@ -40,7 +40,8 @@ def trace_scaled_sim_args(block_tokens: int) -> list[str]:
 
 # The filter's token-denominated policy defaults (filter/src/config.rs): a replay at another token
 # scale scales them as it scales the simulator (trace_scaled_policy).
-FILTER_TOKEN_DEFAULTS = {"request_cost_tokens": 64, "slack_full_tokens": 8192, "prefill_slack_full_tokens": 2048}
+FILTER_TOKEN_DEFAULTS = {"request_cost_tokens": 64, "slack_full_tokens": 8192, "prefill_slack_full_tokens": 2048,
+                         "prefill_chunk_tokens": 8192}
 
 
 # The cost model's token-denominated default (filter/src/config/cost.rs, `policy.cost`): the

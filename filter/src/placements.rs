@@ -87,14 +87,21 @@ fn live(at: u32, now: u32) -> bool {
 
 impl Placements {
     /// Reads table `name` and returns the worker id a prompt with sibling key `key` was sent to
-    /// within [`TICKS`] of `now`.
-    pub fn recent<S: Store>(&mut self, store: &S, name: &str, key: u64, now: u32) -> Option<u32> {
+    /// within [`TICKS`] of `now`, and when (clock step).
+    pub fn recent<S: Store>(
+        &mut self,
+        store: &S,
+        name: &str,
+        key: u64,
+        now: u32,
+    ) -> Option<(u32, u32)> {
         self.cas = store.get(name, &mut self.buf).unwrap_or(0);
         self.fresh = true;
         let b = &self.buf;
         set(key)
-            .find(|&o| u64_at(b, o) == key && live(u32_at(b, o + 12), now))
-            .map(|o| u32_at(b, o + 8))
+            .map(|o| (o, u32_at(b, o + 12)))
+            .find(|&(o, at)| u64_at(b, o) == key && live(at, now))
+            .map(|(o, at)| (u32_at(b, o + 8), at))
     }
 
     /// Remembers in table `name` that a prompt with sibling key `key` went to worker id
@@ -144,45 +151,68 @@ mod tests {
     fn another_vm_sees_a_placement_until_it_expires() {
         let s = MemStore::new();
         let (mut a, mut b) = (Placements::default(), Placements::default());
-        assert_eq!(a.recent(&s, "t", 99, 100), None);
+        assert_eq!(a.recent(&s, "t", 99, 100).map(|r| r.0), None);
         a.remember(&s, "t", 99, 7, 100);
-        assert_eq!(b.recent(&s, "t", 99, 100 + TICKS), Some(7));
-        assert_eq!(b.recent(&s, "t", 99, 101 + TICKS), None, "expired");
-        assert_eq!(b.recent(&s, "t", 98, 100), None, "another key");
-        assert_eq!(b.recent(&s, "u", 99, 100), None, "another table");
-        assert_eq!(b.recent(&s, "t", 99, 99), None, "clock stepped back");
+        assert_eq!(b.recent(&s, "t", 99, 100 + TICKS).map(|r| r.0), Some(7));
+        assert_eq!(
+            b.recent(&s, "t", 99, 101 + TICKS).map(|r| r.0),
+            None,
+            "expired"
+        );
+        assert_eq!(b.recent(&s, "t", 98, 100).map(|r| r.0), None, "another key");
+        assert_eq!(
+            b.recent(&s, "u", 99, 100).map(|r| r.0),
+            None,
+            "another table"
+        );
+        assert_eq!(
+            b.recent(&s, "t", 99, 99).map(|r| r.0),
+            None,
+            "clock stepped back"
+        );
         // Keys of one set: each takes a free slot, then the oldest is replaced.
         let sets = (SLOTS / WAYS) as u64;
         for i in 1..WAYS as u64 {
             b.remember(&s, "t", 99 + i * sets, i as u32, 100 + i as u32);
         }
-        assert_eq!(a.recent(&s, "t", 99, 110), Some(7), "all {WAYS} fit");
+        assert_eq!(
+            a.recent(&s, "t", 99, 110).map(|r| r.0),
+            Some(7),
+            "all {WAYS} fit"
+        );
         b.remember(&s, "t", 99 + WAYS as u64 * sets, 9, 110);
-        assert_eq!(a.recent(&s, "t", 99, 110), None, "the oldest went");
-        assert_eq!(a.recent(&s, "t", 99 + sets, 110), Some(1));
-        assert_eq!(a.recent(&s, "t", 99 + WAYS as u64 * sets, 110), Some(9));
+        assert_eq!(
+            a.recent(&s, "t", 99, 110).map(|r| r.0),
+            None,
+            "the oldest went"
+        );
+        assert_eq!(a.recent(&s, "t", 99 + sets, 110).map(|r| r.0), Some(1));
+        assert_eq!(
+            a.recent(&s, "t", 99 + WAYS as u64 * sets, 110).map(|r| r.0),
+            Some(9)
+        );
     }
 
     #[test]
     fn an_unchanged_placement_is_not_rewritten_and_a_lost_race_is_retried() {
         let s = MemStore::new();
         let mut a = Placements::default();
-        a.recent(&s, "t", 5, 10);
+        a.recent(&s, "t", 5, 10).map(|r| r.0);
         a.remember(&s, "t", 5, 1, 10);
         let sets = s.calls().1;
-        a.recent(&s, "t", 5, 11);
+        a.recent(&s, "t", 5, 11).map(|r| r.0);
         a.remember(&s, "t", 5, 1, 11);
         assert_eq!(s.calls().1, sets, "same slot, still young: no write");
         // Another VM writes between this VM's read and its write: the CAS fails, it re-reads
         // and both placements survive.
         let mut b = Placements::default();
-        a.recent(&s, "t", 6, 12);
-        b.recent(&s, "t", 7, 12);
+        a.recent(&s, "t", 6, 12).map(|r| r.0);
+        b.recent(&s, "t", 7, 12).map(|r| r.0);
         b.remember(&s, "t", 7, 2, 12);
         a.remember(&s, "t", 6, 3, 12);
-        assert_eq!(a.recent(&s, "t", 6, 12), Some(3));
-        assert_eq!(a.recent(&s, "t", 7, 12), Some(2));
-        assert_eq!(a.recent(&s, "t", 5, 12), Some(1));
+        assert_eq!(a.recent(&s, "t", 6, 12).map(|r| r.0), Some(3));
+        assert_eq!(a.recent(&s, "t", 7, 12).map(|r| r.0), Some(2));
+        assert_eq!(a.recent(&s, "t", 5, 12).map(|r| r.0), Some(1));
     }
 
     #[test]
@@ -191,9 +221,12 @@ mod tests {
         let mut a = Placements::default();
         for v in [&b"x"[..], &[0xffu8; 3 * SLOTS * SLOT][..]] {
             s.put("t", v);
-            assert_eq!(a.recent(&s, "t", 0xffff_ffff_ffff_ffff, 10), None);
+            assert_eq!(
+                a.recent(&s, "t", 0xffff_ffff_ffff_ffff, 10).map(|r| r.0),
+                None
+            );
             a.remember(&s, "t", 42, 4, 10);
-            assert_eq!(a.recent(&s, "t", 42, 10), Some(4));
+            assert_eq!(a.recent(&s, "t", 42, 10).map(|r| r.0), Some(4));
             let mut buf = Vec::new();
             s.get("t", &mut buf);
             assert_eq!(buf.len(), SLOTS * SLOT);

@@ -497,12 +497,29 @@ impl Router {
         let rate = self.verifier.rates(mi);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
-        // A new prompt (nobody holds any of it) may have a sibling placed moments ago.
+        // A new prompt (nobody holds any of it) may have a sibling placed moments ago. One sent
+        // in the same clock step reaches the worker's queue with it: SGLang's default (FCFS)
+        // scheduler matches each waiting request against its cache when it forms a prefill
+        // batch and puts several in one, so each computes the opening and none reuses another's,
+        // unless the opening is at least a prefill chunk (the chunked first request holds the
+        // queue until it is done). Such a sibling spreads by its own key: following would only
+        // stack a burst of new conversations on one worker.
         let follow = uses_index && deepest == 0 && cfg.policy.follows_placements();
+        let opening = match (head_blocks, total_blocks) {
+            (_, 0) => 0,
+            (0, t) => {
+                let k = cfg.policy.affinity_blocks.min(t as usize) as u64;
+                u64::from(prompt_tokens) * k / u64::from(t)
+            }
+            (h, t) => u64::from(prompt_tokens) * u64::from(h.min(t)) / u64::from(t),
+        };
         let recent = if follow {
             self.placements
                 .recent(store, &model.placed_key, sibling, now)
-                .and_then(|id| self.ids[mi].position(id))
+                .filter(|&(_, at)| {
+                    at != now || opening >= u64::from(cfg.policy.prefill_chunk_tokens)
+                })
+                .and_then(|(id, _)| self.ids[mi].position(id))
         } else {
             None
         };
@@ -1100,9 +1117,18 @@ mod tests {
         // Not PD. The first question on a document is being prefilled (nothing indexed, still
         // in flight); more questions on it reach another thread, each staying in flight too.
         // A long document earns a holder's full slack: its siblings wait for it rather than
-        // recompute it elsewhere. A short opening earns almost none: the siblings spread.
-        let mut followed = [0usize; 2];
-        for (k, opening) in [10_000, 40].into_iter().enumerate() {
+        // recompute it elsewhere. A short opening earns almost none: the siblings spread. In
+        // the clock step of the placement only an opening of a prefill chunk or more is
+        // followed: shorter siblings would be prefilled in one batch with it, reusing nothing.
+        let cases = [
+            (10_000, 51),
+            (40, 51),
+            (2_000, 51),
+            (2_000, 50),
+            (10_000, 50),
+        ];
+        let mut followed = [0usize; 5];
+        for (k, &(opening, step)) in cases.iter().enumerate() {
             for g in 0..8 {
                 let s = MemStore::new();
                 let mut a = Router::new(cfg(""), 1);
@@ -1114,13 +1140,25 @@ mod tests {
                 assert_eq!(first.reason, Reason::HashAffinity);
                 for q in 0..2 {
                     let body = chat("llama", &doc, &format!("question {q}"));
-                    let d = routed(b.route(&s, Endpoint::Chat, &body, 51));
+                    let d = routed(b.route(&s, Endpoint::Chat, &body, step));
                     followed[k] += usize::from(d.worker == first.worker);
                 }
             }
         }
-        assert_eq!(followed[0], 16, "a document's siblings follow it");
+        assert_eq!(
+            followed[0], 16,
+            "a document's siblings follow it: {followed:?}"
+        );
         assert!(followed[1] < 8, "short openings spread: {followed:?}");
+        assert_eq!(
+            followed[2], 16,
+            "a 2.5k-token opening a step later: {followed:?}"
+        );
+        assert!(
+            followed[3] < 8,
+            "... in the same step, spread: {followed:?}"
+        );
+        assert_eq!(followed[4], 16, "a document in the same step: {followed:?}");
     }
 
     #[test]
