@@ -18,7 +18,7 @@
 //!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
 //!   sibling of a prompt placed moments ago by any thread follows it until the index has it
 //!   (`placements.rs`; within the load bound with the slack of a holder of the opening they
-//!   share, [`follow_slack`]).
+//!   share, [`follow_sibling`]).
 //! * **Some worker holds a prefix**: the eligible worker with the lowest expected cost wins,
 //!   `cost_i = (P * (B - matched_i) / B + load_weight * tokens_i + request_cost_tokens * reqs_i) / w_i`
 //!   — the prefill it would still have to do plus the work already queued on it (in-flight
@@ -45,7 +45,7 @@
 //!   over the workers holding exactly that much ([`is_fleet_prefix`]).
 
 use super::shared::{
-    by_capacity, follow_slack, hrw, reason_of, room, slack_for, total_reqs, two_choices,
+    by_capacity, follow_sibling, hrw, reason_of, room, slack_for, total_reqs, two_choices,
     under_bound,
 };
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
@@ -155,16 +155,8 @@ fn cap_ok(p: &PolicyConfig, inp: &Inputs, history: Option<u32>, total: f64, i: u
 /// Equal weights (the common fleet) take an integer fast path; weighted fleets the general one.
 /// Both make the same choice (tested), so replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
-    if inp.deepest == 0 {
-        if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
-            let total = total_reqs(inp) as f64;
-            // The sibling's worker is about to hold the opening they share (router/mod.rs keys
-            // siblings by it): the slack of a holder of that many tokens.
-            let slack = follow_slack(p, inp);
-            if under_bound(p, inp, total, w, slack) {
-                return (w, Reason::HashAffinity);
-            }
-        }
+    if let Some(w) = follow_sibling(p, inp) {
+        return (w, Reason::HashAffinity);
     }
     if is_fleet_prefix(p, inp) {
         if let Some(w) = choose_least_busy(p, inp) {

@@ -24,7 +24,7 @@
 //!   evenly rather than binomially (reason still `hash_affinity`: placement, not a spill); a
 //!   sibling of a prompt placed moments ago by any thread follows it until the index has it
 //!   (`placements.rs`; within the load bound with the slack of a holder of the opening they
-//!   share, [`follow_slack`]).
+//!   share, [`follow_sibling`]).
 //! * **Some worker holds a prefix**: the eligible worker with the lowest cost in seconds
 //!   (`cost.rs`: the prefill it would do, the work queued ahead of it, the second copy it would
 //!   leave) wins; ties go to the rendezvous order. Hot-spot and fleet-prefix protection follow
@@ -36,7 +36,7 @@
 
 use super::cost::{self, Cost};
 use super::shared::{
-    by_capacity, follow_slack, hrw, reason_of, room, slack_for, total_reqs, two_choices,
+    by_capacity, follow_sibling, hrw, reason_of, room, slack_for, total_reqs, two_choices,
     under_bound,
 };
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
@@ -110,16 +110,8 @@ fn cap_ok(p: &PolicyConfig, inp: &Inputs, total: f64, i: usize) -> bool {
 /// rendezvous scores; weighted fleets the general one. Both make the same choice (tested), so
 /// replicas agree whichever path they take.
 pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
-    if inp.deepest == 0 {
-        if let Some(w) = inp.recent.filter(|&w| w < inp.model.workers.len()) {
-            let total = total_reqs(inp) as f64;
-            // The sibling's worker is about to hold the opening they share (router/mod.rs keys
-            // siblings by it): the slack of a holder of that many tokens.
-            let slack = follow_slack(p, inp);
-            if under_bound(p, inp, total, w, slack) {
-                return (w, Reason::HashAffinity);
-            }
-        }
+    if let Some(w) = follow_sibling(p, inp) {
+        return (w, Reason::HashAffinity);
     }
     let n = inp.model.workers.len();
     if inp.model.uniform_weights

@@ -130,17 +130,27 @@ pub fn uncached_tokens(inp: &Inputs, i: usize) -> u32 {
     (left / u64::from(inp.total_blocks)) as u32
 }
 
-/// The prompt tokens a new prompt shares with the sibling placed moments ago (`Inputs::recent`):
-/// its opening message, else its rendezvous blocks.
+/// The prompt tokens a new prompt shares with the sibling placed moments ago (`Inputs::recent`).
 pub fn sibling_held_tokens(p: &PolicyConfig, inp: &Inputs) -> u32 {
-    let shared = if inp.head_blocks > 0 {
-        inp.head_blocks
+    opening_tokens(p, inp.prompt_tokens, inp.head_blocks, inp.total_blocks)
+}
+
+/// The tokens of a prompt's opening, what its siblings share (`placements.rs`): its opening
+/// message (`head_blocks` of its `total_blocks`), else its rendezvous blocks.
+pub fn opening_tokens(
+    p: &PolicyConfig,
+    prompt_tokens: u32,
+    head_blocks: u32,
+    total_blocks: u32,
+) -> u32 {
+    let shared = if head_blocks > 0 {
+        head_blocks
     } else {
         p.affinity_blocks.min(u32::MAX as usize) as u32
     };
-    match inp.total_blocks {
+    match total_blocks {
         0 => 0,
-        t => (u64::from(inp.prompt_tokens) * u64::from(shared.min(t)) / u64::from(t)) as u32,
+        t => (u64::from(prompt_tokens) * u64::from(shared.min(t)) / u64::from(t)) as u32,
     }
 }
 

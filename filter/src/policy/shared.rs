@@ -35,10 +35,16 @@ pub(super) fn slack_for(p: &PolicyConfig, inp: &Inputs, held: u32) -> f64 {
     1.0 + (p.load_slack - 1.0).max(0.0) * f
 }
 
-/// The slack of the PD prefill worker a new prompt's sibling went to moments ago: it is about
-/// to hold the part the siblings share (the opening message, else the rendezvous blocks).
-pub(super) fn follow_slack(p: &PolicyConfig, inp: &Inputs) -> f64 {
-    slack_for(p, inp, sibling_held_tokens(p, inp))
+/// For a prompt nobody holds, the worker its sibling went to moments ago (`Inputs::recent`),
+/// while that worker is under the load bound with the slack of a holder of the part they share
+/// (the opening message, else the rendezvous blocks): it is about to hold it.
+pub(super) fn follow_sibling(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
+    if inp.deepest != 0 {
+        return None;
+    }
+    let w = inp.recent.filter(|&w| w < inp.model.workers.len())?;
+    let slack = slack_for(p, inp, sibling_held_tokens(p, inp));
+    under_bound(p, inp, total_reqs(inp) as f64, w, slack).then_some(w)
 }
 
 /// Whether worker `i` starts a new request at once by its own account: fewer requests running

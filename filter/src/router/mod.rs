@@ -390,7 +390,7 @@ impl Router {
         let group = self.hashes.get(k.wrapping_sub(1)).copied().unwrap_or(0);
         // A new prompt's siblings share its opening message (their conversation keys differ):
         // while the first of them is prefilled, before the index has it, the others follow it
-        // within the slack the opening's tokens earn (`policy::shared::follow_slack`), as a
+        // within the slack the opening's tokens earn (`policy::shared::follow_sibling`), as a
         // holder would; a short opening earns little, so start-up conversations on a short
         // system prompt still spread by their own keys.
         let sibling = match head_blocks as usize {
@@ -505,19 +505,17 @@ impl Router {
         // queue until it is done). Such a sibling spreads by its own key: following would only
         // stack a burst of new conversations on one worker.
         let follow = uses_index && deepest == 0 && cfg.policy.follows_placements();
-        let opening = match (head_blocks, total_blocks) {
-            (_, 0) => 0,
-            (0, t) => {
-                let k = cfg.policy.affinity_blocks.min(t as usize) as u64;
-                u64::from(prompt_tokens) * k / u64::from(t)
-            }
-            (h, t) => u64::from(prompt_tokens) * u64::from(h.min(t)) / u64::from(t),
-        };
         let recent = if follow {
             self.placements
                 .recent(store, &model.placed_key, sibling, now)
                 .filter(|&(_, at)| {
-                    at != now || opening >= u64::from(cfg.policy.prefill_chunk_tokens)
+                    at != now
+                        || policy::opening_tokens(
+                            &cfg.policy,
+                            prompt_tokens,
+                            head_blocks,
+                            total_blocks,
+                        ) >= cfg.policy.prefill_chunk_tokens
                 })
                 .and_then(|(id, _)| self.ids[mi].position(id))
         } else {
