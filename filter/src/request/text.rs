@@ -78,13 +78,9 @@ pub fn parse_text<'a>(
                 }
                 _ => r.skip(0)?,
             }
-            r.ws();
-            if r.eat_if(b',') {
-                r.ws();
-                continue;
+            if !r.more(b'}')? {
+                break;
             }
-            r.eat(b'}')?;
-            break;
         }
     }
     r.ws();
@@ -167,6 +163,18 @@ impl<'a> Reader<'a> {
         while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
             self.p += 1;
         }
+    }
+    /// After an object member or an array element: `true` past a `,` (another follows),
+    /// `false` past `close` (the container ended), `None` on anything else; the whitespace
+    /// around them is consumed.
+    fn more(&mut self, close: u8) -> Option<bool> {
+        self.ws();
+        if self.eat_if(b',') {
+            self.ws();
+            return Some(true);
+        }
+        self.eat(close)?;
+        Some(false)
     }
     fn eat(&mut self, c: u8) -> Option<()> {
         self.eat_if(c).then_some(())
@@ -316,12 +324,9 @@ impl<'a> Reader<'a> {
         }
         loop {
             self.message(sink)?;
-            self.ws();
-            if self.eat_if(b',') {
-                self.ws();
-                continue;
+            if !self.more(b']')? {
+                return Some(());
             }
-            return self.eat(b']');
         }
     }
     fn message(&mut self, sink: &mut Sink<'_>) -> Option<()> {
@@ -349,13 +354,9 @@ impl<'a> Reader<'a> {
                     b"name" | b"tool_calls" | b"tool_call_id" => return None,
                     _ => self.skip(1)?,
                 }
-                self.ws();
-                if self.eat_if(b',') {
-                    self.ws();
-                    continue;
+                if !self.more(b'}')? {
+                    break;
                 }
-                self.eat(b'}')?;
-                break;
             }
         }
         sink.bound();
@@ -381,12 +382,9 @@ impl<'a> Reader<'a> {
                     self.eat(b':')?;
                     self.ws();
                     self.skip(depth + 1)?;
-                    self.ws();
-                    if self.eat_if(b',') {
-                        self.ws();
-                        continue;
+                    if !self.more(b'}')? {
+                        return Some(());
                     }
-                    return self.eat(b'}');
                 }
             }
             b'[' => {
@@ -400,12 +398,9 @@ impl<'a> Reader<'a> {
                 }
                 loop {
                     self.skip(depth + 1)?;
-                    self.ws();
-                    if self.eat_if(b',') {
-                        self.ws();
-                        continue;
+                    if !self.more(b']')? {
+                        return Some(());
                     }
-                    return self.eat(b']');
                 }
             }
             b't' => self.lit(b"true"),
