@@ -187,10 +187,8 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Sample>) {
 pub struct Window {
     /// The sample the window started at (`at` 0: not started).
     start: Sample,
-    /// Prompt blocks of the requests in this window (served and ended, and counted by a sample
-    /// since), and those the index predicted the worker held.
-    total: u64,
-    matched: u64,
+    /// The requests in this window: served, ended, and counted by a sample since.
+    sum: Tally,
     /// Requests that ended before `staged_at` (a read), waiting for a sample taken after it.
     staged: Tally,
     staged_at: u32,
@@ -370,9 +368,8 @@ impl Verifier {
             return Verdict::Wait;
         };
         if win.staged_at != 0 && s.at != 0 && s.at.wrapping_sub(win.staged_at) < u32::MAX / 2 {
-            win.total = win.total.saturating_add(win.staged.total);
-            win.matched = win.matched.saturating_add(win.staged.matched);
-            win.staged = Tally::default();
+            let staged = std::mem::take(&mut win.staged);
+            win.sum.add(staged.total, staged.matched);
             win.staged_at = 0;
         }
         let verdict = self.check_window(mi, w, s, now, ttl);
@@ -394,8 +391,7 @@ impl Verifier {
         }
         let restart = |win: &mut Window| {
             win.start = *s;
-            win.total = 0;
-            win.matched = 0;
+            win.sum = Tally::default();
         };
         if win.start.at == 0 {
             restart(win);
@@ -409,12 +405,12 @@ impl Verifier {
             return Verdict::Restarted;
         }
         let dp = c.prompt - c0.prompt;
-        if win.matched < MIN_BLOCKS || age(s.at, win.start.at) < MIN_WINDOW || dp == 0 {
+        if win.sum.matched < MIN_BLOCKS || age(s.at, win.start.at) < MIN_WINDOW || dp == 0 {
             return Verdict::Wait;
         }
         let ppm = |a: u64, b: u64| (a.min(b) as u128 * 1_000_000 / b.max(1) as u128) as u32;
         win.actual_ppm = ppm(c.cached - c0.cached, dp);
-        win.predicted_ppm = ppm(win.matched, win.total);
+        win.predicted_ppm = ppm(win.sum.matched, win.sum.total);
         self.changed = true;
         let short =
             u64::from(win.actual_ppm) * SHORTFALL.1 < u64::from(win.predicted_ppm) * SHORTFALL.0;
