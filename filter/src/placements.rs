@@ -153,7 +153,11 @@ mod tests {
         let (mut a, mut b) = (Placements::default(), Placements::default());
         assert_eq!(a.recent(&s, "t", 99, 100).map(|r| r.0), None);
         a.remember(&s, "t", 99, 7, 100);
-        assert_eq!(b.recent(&s, "t", 99, 100 + TICKS).map(|r| r.0), Some(7));
+        assert_eq!(
+            b.recent(&s, "t", 99, 100 + TICKS),
+            Some((7, 100)),
+            "worker and when"
+        );
         assert_eq!(
             b.recent(&s, "t", 99, 101 + TICKS).map(|r| r.0),
             None,
