@@ -391,8 +391,8 @@ impl Router {
         // A new prompt's siblings share its opening message (their conversation keys differ):
         // while the first of them is prefilled, before the index has it, the others follow it
         // within the slack the opening's tokens earn (`policy::shared::follow_sibling`), as a
-        // holder would; a short opening earns little, so start-up conversations on a short
-        // system prompt still spread by their own keys.
+        // holder would; those sent in the placement's own clock step only behind an opening of
+        // a prefill chunk or more (below).
         let sibling = match head_blocks as usize {
             h if h >= k.max(1) => self.hashes.get(h - 1).copied().unwrap_or(affinity),
             _ => affinity,
