@@ -310,13 +310,14 @@ impl Polls {
             return true;
         };
         let (at, nanos) = now_ticks(h);
-        let rate =
+        let learned =
             self.poller
                 .rate_sample(mi, wi, counters.prompt, counters.cached, nanos / 1_000_000);
         let sample = hits::Sample {
             counters,
             at: at.max(1),
-            rate,
+            rate: learned.rate,
+            inflow: learned.inflow,
         };
         let mut buf = Vec::new();
         hits::publish(h, &model.hits_key, w.id, wi, &sample, &mut buf);

@@ -59,6 +59,7 @@ pub fn inputs<'a>(
         head_blocks: 0,
         busy: &[],
         rate: &[],
+        inflow: &[],
         placed: &[],
         recent: None,
     }

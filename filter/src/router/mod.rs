@@ -495,6 +495,7 @@ impl Router {
         };
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let rate = self.verifier.rates(mi);
+        let inflow = self.verifier.inflow(mi);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago. One sent
@@ -545,6 +546,7 @@ impl Router {
                     head_blocks,
                     busy: busy.of(mi),
                     rate,
+                    inflow,
                     placed: footprint.of(mi),
                     recent,
                 };
@@ -853,7 +855,7 @@ mod tests {
         let sample = crate::hits::Sample {
             counters: crate::hits::Counters { prompt, cached },
             at,
-            rate: 0,
+            ..crate::hits::Sample::default()
         };
         assert!(crate::hits::publish(
             s,
