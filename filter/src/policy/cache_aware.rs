@@ -46,7 +46,7 @@
 
 use super::shared::{
     by_capacity, follow_sibling, hrw, reason_of, room, slack_for, total_reqs, two_choices,
-    under_bound,
+    under_bound, MIN_FLEET_HOLDERS,
 };
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::PolicyConfig;
@@ -174,9 +174,6 @@ pub fn choose(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         choose_general(p, inp)
     }
 }
-
-/// Fewest holders of a fleet prefix (see [`is_fleet_prefix`]).
-const MIN_FLEET_HOLDERS: usize = 3;
 
 /// A new conversation on a fleet prefix (module docs).
 fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {

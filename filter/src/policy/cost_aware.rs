@@ -1,7 +1,6 @@
 //! The cost-aware policy (`policy.name: "cost_aware"`, opt-in): the eligible worker where the
 //! request costs the fewest seconds (`cost.rs`), with a hard load bound. One formula for every
-//! prompt shape; it trails `cache_aware` where new conversations share a widely held opening
-//! (docs/results.md, "Matrix"), so `cache_aware` stays the default.
+//! prompt shape.
 //!
 //! For a prompt of `P` estimated tokens in `B` blocks:
 //!
@@ -27,8 +26,16 @@
 //!   share, [`follow_sibling`]).
 //! * **Some worker holds a prefix**: the eligible worker with the lowest cost in seconds
 //!   (`cost.rs`: the prefill it would do, the work queued ahead of it, the second copy it would
-//!   leave) wins; ties go to the rendezvous order. Hot-spot and fleet-prefix protection follow
-//!   from that arithmetic (see `cost.rs`), not from rules on the prompt's shape.
+//!   leave) wins; ties go to the rendezvous order. Hot-spot protection follows from that
+//!   arithmetic (see `cost.rs`), not from rules on the prompt's shape.
+//! * **A fleet prefix** is the deepest prefix of the prompt that a fleet share of the workers
+//!   holds (`policy.fleet_prefix_share` of them, 0.75, or all of the index's `HOLDERS` slots for
+//!   it, and at least three: [`fleet_held_blocks`]); in the cost every worker holds it. Every
+//!   worker will cache such a prefix once, for every conversation it is given on it, so its
+//!   recompute and copy are not a price of this request: charged to it, they would stack every
+//!   new conversation on the first holders, whose caches then evict each other's histories while
+//!   the rest of the fleet idles (`load/compare --scenario agentic`: 8 of 16 workers used). The
+//!   prefix past it (a conversation's own history, a document) is priced as above.
 //!   Workers holding as much of the prompt as the cheapest one, and costing at most the seconds
 //!   of prefill it holds more, share the prompt by rendezvous on its opening blocks ([`stick`]):
 //!   a prompt group that was copied to a second worker keeps using one copy instead of
@@ -36,8 +43,8 @@
 
 use super::cost::{self, Cost};
 use super::shared::{
-    by_capacity, follow_sibling, hrw, reason_of, room, slack_for, total_reqs, two_choices,
-    under_bound,
+    by_capacity, fleet_held_blocks, follow_sibling, hrw, reason_of, room, slack_for, total_reqs,
+    two_choices, under_bound,
 };
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::PolicyConfig;
@@ -76,10 +83,22 @@ fn rate_of(c: &Cost, inp: &Inputs, i: usize) -> f64 {
     c.rate(learned, inp.model.workers[i].weight)
 }
 
-/// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`].
-fn seconds(c: &Cost, inp: &Inputs, deepest: f64, i: usize) -> f64 {
+/// The prompt tokens of a prefix a fleet share of the workers holds ([`fleet_held_blocks`]).
+fn fleet_tokens(p: &PolicyConfig, inp: &Inputs) -> f64 {
+    match inp.total_blocks {
+        0 => 0.0,
+        t => {
+            let f = fleet_held_blocks(p, inp).min(t);
+            (u64::from(inp.prompt_tokens) * u64::from(f) / u64::from(t)) as f64
+        }
+    }
+}
+
+/// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`],
+/// `fleet` from [`fleet_tokens`]: a prefix the fleet holds counts as held by every worker.
+fn seconds(c: &Cost, inp: &Inputs, deepest: f64, fleet: f64, i: usize) -> f64 {
     let w = cost::Worker {
-        held: f64::from(held_tokens(inp, i)),
+        held: f64::from(held_tokens(inp, i)).max(fleet),
         queued: f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
         reqs: f64::from(inp.reqs.get(i).copied().unwrap_or(0)),
         rate: rate_of(c, inp, i),
@@ -183,7 +202,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     }
     // Someone holds a prefix: fewest seconds; rendezvous scores only to break exact ties.
     let c = Cost::new(p);
-    let deepest = deepest_held(inp);
+    let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let cost_of = |i: usize| -> Option<f64> {
         let (r, m) = (inp.reqs[i], inp.matched[i]);
         let eligible = by_capacity(inp, i).unwrap_or_else(|| {
@@ -194,7 +213,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
             };
             u64::from(r) < cap
         });
-        eligible.then(|| seconds(&c, inp, deepest, i))
+        eligible.then(|| seconds(&c, inp, deepest, fleet, i))
     };
     let mut best: Option<(usize, f64, u32)> = None;
     for (i, ((w, _), _)) in rows {
@@ -279,14 +298,14 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let n = model.workers.len();
     let total = total_reqs(inp) as f64;
     let c = Cost::new(p);
-    let deepest = deepest_held(inp);
+    let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
     let mut best: Option<(usize, f64, f64)> = None; // (index, cost, hrw)
     let mut second: Option<(usize, f64)> = None; // runner-up by rendezvous (`deepest == 0`)
                                                  // Worker `i`'s seconds, `None` when not eligible.
     let cost_of = |i: usize| -> Option<f64> {
-        cap_ok(p, inp, total, i).then(|| seconds(&c, inp, deepest, i))
+        cap_ok(p, inp, total, i).then(|| seconds(&c, inp, deepest, fleet, i))
     };
     for i in 0..n {
         let score = hrw(model, i, inp.affinity);
@@ -384,10 +403,51 @@ mod tests {
         }
         assert_eq!(seen[..4].iter().sum::<usize>(), 0, "{seen:?}");
         assert!(seen[4..].iter().all(|&n| n > 4), "{seen:?}");
-        // Idle holders keep it: the prefix is then worth more than nothing.
+        // Two idle holders keep it: the prefix is then worth more than nothing. Four holders
+        // (every index slot of it) make it a fleet prefix, held as far as the cost goes by every
+        // worker: new prompts on it spread over the whole fleet by rendezvous.
         let idle = [0u32; 8];
-        let (w, r) = choose(&p, &inputs(&m, &idle, &z, &matched, 3));
-        assert!(w < 4 && r == Reason::PrefixHit, "{w} {r:?}");
+        let two = [2u32, 2, 0, 0, 0, 0, 0, 0];
+        let (w, r) = choose(&p, &inputs(&m, &idle, &z, &two, 3));
+        assert!(w < 2 && r == Reason::PrefixHit, "{w} {r:?}");
+        let mut seen = [0usize; 8];
+        for key in 0..64 {
+            seen[choose(&p, &inputs(&m, &idle, &z, &matched, key)).0] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 2), "{seen:?}");
+    }
+
+    #[test]
+    fn a_fleet_prefix_is_the_depth_a_fleet_share_of_the_workers_reaches() {
+        let p = PolicyConfig::default();
+        let z8 = [0u32; 8];
+        let depth = |m: &crate::config::Model, matched: &[u32]| {
+            let deepest = matched.iter().copied().max().unwrap_or(0);
+            let inp = Inputs {
+                deepest,
+                ..inputs(m, &z8[..matched.len()], &z8[..matched.len()], matched, 1)
+            };
+            fleet_held_blocks(&p, &inp)
+        };
+        let (m4, m8, m2) = (model(4), model(8), model(2));
+        // Eight workers: the four index slots of a prefix (min(6, 4)), whatever their order.
+        assert_eq!(depth(&m8, &[10, 0, 10, 3, 10, 0, 10, 0]), 10);
+        assert_eq!(depth(&m8, &[10, 10, 10, 3, 3, 0, 0, 0]), 3);
+        assert_eq!(depth(&m8, &[10, 10, 10, 0, 0, 0, 0, 0]), 0);
+        // Four workers: three of them; two workers: never (two holders may be one spill).
+        assert_eq!(depth(&m4, &[5, 5, 5, 0]), 5);
+        assert_eq!(depth(&m4, &[9, 5, 0, 5]), 5);
+        assert_eq!(depth(&m4, &[5, 5, 0, 0]), 0);
+        assert_eq!(depth(&m2, &[5, 5]), 0);
+        let off = PolicyConfig {
+            fleet_prefix_share: 0.0,
+            ..PolicyConfig::default()
+        };
+        let inp = Inputs {
+            deepest: 10,
+            ..inputs(&m8, &z8, &z8, &[10u32; 8], 1)
+        };
+        assert_eq!(fleet_held_blocks(&off, &inp), 0);
     }
 
     #[test]
@@ -428,7 +488,7 @@ mod tests {
             let (w, r) = choose(&p, &inp);
             // What the seconds say: the holder against an idle worker.
             let h = deepest_held(&inp);
-            let (holder, idle) = (seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
+            let (holder, idle) = (seconds(&c, &inp, h, 0.0, 0), seconds(&c, &inp, h, 0.0, 1));
             assert_eq!(holder < idle, stays, "history {history}");
             assert_eq!(w == 0, stays, "history {history}: {w} {r:?}");
             // The general (weighted) path agrees.
@@ -465,7 +525,7 @@ mod tests {
         let inp = inputs(&m, &reqs, &tokens, &matched, 7);
         let c = Cost::new(&p);
         let h = deepest_held(&inp);
-        assert_eq!(seconds(&c, &inp, h, 0), seconds(&c, &inp, h, 1));
+        assert_eq!(seconds(&c, &inp, h, 0.0, 0), seconds(&c, &inp, h, 0.0, 1));
     }
 
     #[test]
@@ -522,8 +582,8 @@ mod tests {
             let h = deepest_held(&chat);
             assert_eq!(a.1, b.1, "{matched:?}");
             assert_eq!(
-                seconds(&c, &chat, h, a.0),
-                seconds(&c, &completions, h, b.0),
+                seconds(&c, &chat, h, 0.0, a.0),
+                seconds(&c, &completions, h, 0.0, b.0),
                 "{matched:?}"
             );
         }

@@ -141,3 +141,40 @@ pub(super) fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
         Reason::LoadSpill
     }
 }
+
+/// Fewest holders of a fleet prefix: one holder has never spilled, and two may be a prompt group
+/// plus one spill (a sibling routed before the first answer was indexed).
+pub(super) const MIN_FLEET_HOLDERS: usize = 3;
+
+/// The deepest prefix (blocks) of this prompt that a fleet share of the workers holds: at least
+/// `fleet_prefix_share` of them (0.75), or all of the index's `HOLDERS` slots for it in a fleet
+/// larger than that share allows, and never fewer than [`MIN_FLEET_HOLDERS`]. 0: none (or the
+/// share is 0). Whatever its shape: the depth that the `k`-th deepest holder reaches.
+///
+/// Costs: one pass over the workers keeping the `k ≤ 8` deepest matches; no allocation.
+pub(super) fn fleet_held_blocks(p: &PolicyConfig, inp: &Inputs) -> u32 {
+    let n = inp.model.workers.len();
+    if p.fleet_prefix_share <= 0.0 || inp.deepest == 0 {
+        return 0;
+    }
+    let share = (p.fleet_prefix_share * n as f64).ceil() as usize;
+    let k = share.min(crate::index::HOLDERS).max(MIN_FLEET_HOLDERS);
+    let mut top = [0u32; 8];
+    let k = k.min(top.len());
+    if n < k {
+        return 0;
+    }
+    // `top[..k]` holds the k deepest matches, deepest first.
+    for &m in inp.matched {
+        if m <= top[k - 1] {
+            continue;
+        }
+        let mut j = k - 1;
+        while j > 0 && top[j - 1] < m {
+            top[j] = top[j - 1];
+            j -= 1;
+        }
+        top[j] = m;
+    }
+    top[k - 1]
+}
