@@ -151,16 +151,16 @@ pub(super) const MIN_FLEET_HOLDERS: usize = 3;
 /// larger than that share allows, and never fewer than [`MIN_FLEET_HOLDERS`]. 0: none (or the
 /// share is 0). Whatever its shape: the depth that the `k`-th deepest holder reaches.
 ///
-/// Costs: one pass over the workers keeping the `k ≤ 8` deepest matches; no allocation.
+/// Costs: one pass over the workers keeping the `k ≤ HOLDERS` deepest matches; no allocation.
 pub(super) fn fleet_held_blocks(p: &PolicyConfig, inp: &Inputs) -> u32 {
     let n = inp.model.workers.len();
     if p.fleet_prefix_share <= 0.0 || inp.deepest == 0 {
         return 0;
     }
     let share = (p.fleet_prefix_share * n as f64).ceil() as usize;
-    let k = share.min(crate::index::HOLDERS).max(MIN_FLEET_HOLDERS);
-    let mut top = [0u32; 8];
-    let k = k.min(top.len());
+    // HOLDERS (4) >= MIN_FLEET_HOLDERS (3): the clamp's bounds are in order.
+    let k = share.clamp(MIN_FLEET_HOLDERS, crate::index::HOLDERS);
+    let mut top = [0u32; crate::index::HOLDERS];
     if n < k {
         return 0;
     }
