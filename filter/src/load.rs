@@ -908,4 +908,51 @@ mod tests {
         // Both stale after stale_ms (1 s = 10 units): nothing known, own counts.
         assert_eq!(seen(&mut l, 21), vec![1, 0]);
     }
+
+    #[test]
+    fn the_polled_loads_are_read_once_per_tick_and_only_for_a_decision() {
+        let c = cfg(&["a", "b"], "");
+        let s = MemStore::new();
+        let mut l = ledger(&s, &c, 1);
+        let m = &c.models[0];
+        let p = Polled {
+            reqs: 3,
+            at: 30,
+            ..Polled::default()
+        };
+        poll::publish(&s, &m.poll_key, m.workers[0].id, 0, &p, &mut Vec::new());
+        let gets = |s: &MemStore| s.calls().0;
+        // A VM without decisions (Envoy's main thread) ticks without reading them.
+        l.tick(&s, &c, 50, 10);
+        let before = gets(&s);
+        for now in 11..30 {
+            l.tick(&s, &c, 50, now);
+        }
+        let per_tick_idle = gets(&s) - before;
+        // Decisions after a tick read them once (with the load value), then only the load.
+        let before = gets(&s);
+        assert_eq!(l.view(&s, &c, 0, 30).0[0], 3);
+        assert_eq!(gets(&s) - before, 2);
+        let before = gets(&s);
+        l.view(&s, &c, 0, 30);
+        assert_eq!(gets(&s) - before, 1);
+        // A newer answer is seen by the first decision after the next tick.
+        poll::publish(
+            &s,
+            &m.poll_key,
+            m.workers[0].id,
+            0,
+            &Polled { reqs: 5, ..p },
+            &mut Vec::new(),
+        );
+        assert_eq!(l.view(&s, &c, 0, 30).0[0], 3, "as of the last tick");
+        l.tick(&s, &c, 50, 31);
+        assert_eq!(l.view(&s, &c, 0, 31).0[0], 5);
+        // Idle ticks read only what the ledger's own sampling reads (the load value, every
+        // 200 ms), never the polled loads.
+        assert!(
+            per_tick_idle <= 19 / 4 + 1,
+            "{per_tick_idle} reads in 19 idle ticks"
+        );
+    }
 }
