@@ -356,7 +356,7 @@ impl Target {
 }
 
 /// Bytes per worker of a schedule handed over with the lease ([`Poller::write_pace`]).
-pub const PACE_REC: usize = 10;
+pub const PACE_REC: usize = 14;
 
 /// The doublings of a failing worker's poll period are capped here (the period is capped by
 /// [`Pace::bound_ms`] or [`NO_LOAD_ENDPOINT_MS`] long before).
@@ -606,13 +606,16 @@ impl Poller {
     }
 
     /// Appends each worker's schedule to a lease value ([`PollLease::hold_until`]): per model
-    /// its worker count, per worker [`PACE_REC`] bytes (when it was last asked, its back-off,
-    /// whether it is down, answered without a load endpoint, or uses the fallback path).
-    pub fn write_pace(&self, out: &mut Vec<u8>) {
+    /// its worker count, per worker [`PACE_REC`] bytes (its id from `ids`, when it was last
+    /// asked, its back-off, whether it is down, answered without a load endpoint, or uses the
+    /// fallback path).
+    pub fn write_pace(&self, ids: &[Vec<u32>], out: &mut Vec<u8>) {
         out.extend_from_slice(&(self.endpoints.len() as u16).to_le_bytes());
-        for ws in &self.endpoints {
+        for (mi, ws) in self.endpoints.iter().enumerate() {
             out.extend_from_slice(&(ws.len() as u16).to_le_bytes());
-            for e in ws {
+            for (wi, e) in ws.iter().enumerate() {
+                let id = ids.get(mi).and_then(|m| m.get(wi)).copied().unwrap_or(0);
+                out.extend_from_slice(&id.to_le_bytes());
                 out.extend_from_slice(&e.asked_ms.unwrap_or(u64::MAX).to_le_bytes());
                 out.push(e.backoff);
                 out.push(
@@ -624,9 +627,15 @@ impl Poller {
 
     /// Takes over the schedule another lease holder wrote ([`Poller::write_pace`]), so that a
     /// lease changing hands does not ask at once every worker the last holder was backing off
-    /// from; returns the bytes after it. `None` (nothing adopted): no schedule, or one for
-    /// other worker counts (another configuration).
-    pub fn adopt_pace<'b>(&mut self, b: &'b [u8]) -> Option<&'b [u8]> {
+    /// from: each worker whose position holds the same id (`ids`, as in `write_pace`) adopts its
+    /// record, and `matched` says which did, in order over all models. Returns the bytes after
+    /// the schedule; `None` (nothing adopted): no schedule, or one for other worker counts.
+    pub fn adopt_pace<'b>(
+        &mut self,
+        ids: &[Vec<u32>],
+        b: &'b [u8],
+        matched: &mut Vec<bool>,
+    ) -> Option<&'b [u8]> {
         let count = |b: &'b [u8]| -> Option<(usize, &'b [u8])> {
             let (n, rest) = b.split_first_chunk::<2>()?;
             Some((usize::from(u16::from_le_bytes(*n)), rest))
@@ -643,17 +652,32 @@ impl Poller {
             }
             check = r.get(n * PACE_REC..)?;
         }
-        for ws in &mut self.endpoints {
+        matched.clear();
+        for (mi, ws) in self.endpoints.iter_mut().enumerate() {
             rest = count(rest)?.1;
-            for e in ws.iter_mut() {
+            for (wi, e) in ws.iter_mut().enumerate() {
                 let (rec, r) = rest.split_first_chunk::<PACE_REC>()?;
                 rest = r;
-                let asked = u64::from_le_bytes(rec[..8].try_into().unwrap_or([0xff; 8]));
+                let id = ids.get(mi).and_then(|m| m.get(wi)).copied().unwrap_or(0);
+                let (Some(their), Some(asked), Some(&[backoff, flags])) = (
+                    rec.first_chunk::<4>(),
+                    rec.get(4..12).and_then(|a| <[u8; 8]>::try_from(a).ok()),
+                    rec.last_chunk::<2>(),
+                ) else {
+                    matched.push(false);
+                    continue;
+                };
+                let same = id != 0 && u32::from_le_bytes(*their) == id;
+                matched.push(same);
+                if !same {
+                    continue; // another worker at this position: its own schedule
+                }
+                let asked = u64::from_le_bytes(asked);
                 e.asked_ms = (asked != u64::MAX).then_some(asked);
-                e.backoff = rec[8].min(MAX_BACKOFF);
-                e.down = rec[9] & 1 != 0;
-                e.answered_wrong = rec[9] & 2 != 0;
-                e.fallback = rec[9] & 4 != 0;
+                e.backoff = backoff.min(MAX_BACKOFF);
+                e.down = flags & 1 != 0;
+                e.answered_wrong = flags & 2 != 0;
+                e.fallback = flags & 4 != 0;
             }
         }
         Some(rest)

@@ -77,3 +77,27 @@ fn a_vm_taking_the_poll_lease_over_keeps_the_last_holders_back_offs() {
     let backed_off: Vec<_> = after.iter().filter(|c| c.2 != "w0").collect();
     assert!(backed_off.is_empty(), "{backed_off:?}");
 }
+
+/// A schedule is adopted only for the same worker at the same position: a VM whose
+/// configuration has another worker there (a config update replaced it) asks that one at once.
+#[test]
+fn a_handed_over_schedule_is_adopted_only_for_the_same_workers() {
+    let (h, first) = configured(CFG);
+    let other = r#"{"models":{"llama":{"workers":["w0","w1","w3"]}}}"#;
+    h.state.borrow_mut().plugin_config = other.as_bytes().to_vec();
+    let mut second = Root::new();
+    assert!(second.on_configure(&h, other.len()));
+    let mut roots = [first, second];
+    for _ in 0..2400 {
+        step(&h, &mut roots, &[0, 1]);
+    }
+    let mut after = Vec::new();
+    for _ in 0..40 {
+        after.extend(step(&h, &mut roots, &[1]));
+    }
+    assert!(
+        after.iter().any(|c| c.2 == "w3" && c.1 == "/v1/loads"),
+        "a worker the last holder never polled is asked at once: {after:?}"
+    );
+    assert!(after.iter().all(|c| c.2 != "w1"), "{after:?}");
+}
