@@ -155,8 +155,13 @@ pub struct Ledger {
     decisions: u32,
     park_releases: bool,
     ticks: u32,
-    /// Per model: the workers' polled loads as of this VM's last tick (empty: polling off).
+    /// Per model: the workers' polled loads as of this VM's last merged read after a tick
+    /// (empty: polling off).
     polled: Vec<Vec<Polled>>,
+    /// Per model: a tick passed since `polled` was read; the next merged read re-reads it. A
+    /// VM that makes no decision (Envoy's main thread, an idle worker thread) reads nothing, a
+    /// busy one once per tick as before, and a decision sees loads as fresh as its own time.
+    polled_due: Vec<bool>,
     /// Per model: the workers by id, to place records in any order in O(log n).
     ids: Vec<ById>,
     /// Shared-data totals `(requests, tokens)` over live leases of every model, last sample.
@@ -200,6 +205,7 @@ impl Ledger {
                 .iter()
                 .map(|m| Vec::with_capacity(m.workers.len()))
                 .collect(),
+            polled_due: vec![false; models],
             ids: cfg
                 .models
                 .iter()
@@ -256,6 +262,9 @@ impl Ledger {
         self.reqs.clear();
         self.tokens.clear();
         self.capacity.clear();
+        if merged && self.polled_due.get(mi).copied().unwrap_or(false) {
+            self.read_polled(store, cfg, mi);
+        }
         let (Some(model), Some(own), Some(ids)) =
             (cfg.models.get(mi), self.own.get(mi), self.ids.get(mi))
         else {
@@ -479,7 +488,8 @@ impl Ledger {
 
     /// The VM's timer, every `elapsed_ms` at clock `now` (100 ms units): decides from the
     /// decisions since the last tick whether releases are deferred, writes every model with
-    /// unpublished changes or a heartbeat due, re-reads the polled loads and, every 200 ms (and
+    /// unpublished changes or a heartbeat due, marks the polled loads for a re-read at the next
+    /// merged read (`polled_due`) and, every 200 ms (and
     /// on a new VM's first tick), samples the shared-data totals and drops dead leases.
     pub fn tick<S: Store>(&mut self, store: &S, cfg: &Config, elapsed_ms: u32, now: u32) {
         let rate = f64::from(self.decisions) * 1000.0 / f64::from(elapsed_ms.max(1));
@@ -502,15 +512,21 @@ impl Ledger {
         }
         self.ticks = self.ticks.wrapping_add(1);
         if cfg.load_poll.interval_ms > 0 {
-            for (mi, (m, out)) in cfg.models.iter().zip(self.polled.iter_mut()).enumerate() {
-                match store.get(&m.poll_key, &mut self.buf) {
-                    Some(_) => match self.ids.get(mi) {
-                        Some(ids) => poll::decode(&self.buf, ids, m.workers.len(), out),
-                        None => out.clear(),
-                    },
-                    None => out.clear(),
-                }
-            }
+            self.polled_due.fill(true);
+        }
+    }
+
+    /// Re-reads model `mi`'s polled loads (one shared-data get), due since the last tick.
+    fn read_polled<S: Store>(&mut self, store: &S, cfg: &Config, mi: usize) {
+        if let Some(d) = self.polled_due.get_mut(mi) {
+            *d = false;
+        }
+        let (Some(m), Some(out)) = (cfg.models.get(mi), self.polled.get_mut(mi)) else {
+            return;
+        };
+        match (store.get(&m.poll_key, &mut self.buf), self.ids.get(mi)) {
+            (Some(_), Some(ids)) => poll::decode(&self.buf, ids, m.workers.len(), out),
+            _ => out.clear(),
         }
     }
 
@@ -891,5 +907,52 @@ mod tests {
         );
         // Both stale after stale_ms (1 s = 10 units): nothing known, own counts.
         assert_eq!(seen(&mut l, 21), vec![1, 0]);
+    }
+
+    #[test]
+    fn the_polled_loads_are_read_once_per_tick_and_only_for_a_decision() {
+        let c = cfg(&["a", "b"], "");
+        let s = MemStore::new();
+        let mut l = ledger(&s, &c, 1);
+        let m = &c.models[0];
+        let p = Polled {
+            reqs: 3,
+            at: 30,
+            ..Polled::default()
+        };
+        poll::publish(&s, &m.poll_key, m.workers[0].id, 0, &p, &mut Vec::new());
+        let gets = |s: &MemStore| s.calls().0;
+        // A VM without decisions (Envoy's main thread) ticks without reading them.
+        l.tick(&s, &c, 50, 10);
+        let before = gets(&s);
+        for now in 11..30 {
+            l.tick(&s, &c, 50, now);
+        }
+        let per_tick_idle = gets(&s) - before;
+        // Decisions after a tick read them once (with the load value), then only the load.
+        let before = gets(&s);
+        assert_eq!(l.view(&s, &c, 0, 30).0[0], 3);
+        assert_eq!(gets(&s) - before, 2);
+        let before = gets(&s);
+        l.view(&s, &c, 0, 30);
+        assert_eq!(gets(&s) - before, 1);
+        // A newer answer is seen by the first decision after the next tick.
+        poll::publish(
+            &s,
+            &m.poll_key,
+            m.workers[0].id,
+            0,
+            &Polled { reqs: 5, ..p },
+            &mut Vec::new(),
+        );
+        assert_eq!(l.view(&s, &c, 0, 30).0[0], 3, "as of the last tick");
+        l.tick(&s, &c, 50, 31);
+        assert_eq!(l.view(&s, &c, 0, 31).0[0], 5);
+        // Idle ticks read only what the ledger's own sampling reads (the load value, every
+        // 200 ms), never the polled loads.
+        assert!(
+            per_tick_idle <= 19 / 4 + 1,
+            "{per_tick_idle} reads in 19 idle ticks"
+        );
     }
 }

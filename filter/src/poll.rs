@@ -194,7 +194,9 @@ pub fn parse_load(body: &[u8]) -> Option<Load> {
 /// ms). The holder renews it once half its time is gone (every few ticks: `ttl` spans
 /// several), reading it only then ([`LeaseView`]); another VM takes it over only once it expired (the
 /// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
-/// harmless (both publish the same kind of answer).
+/// harmless (both publish the same kind of answer). After the 16 bytes the value carries the
+/// holder's poll schedule as of its last write (`Poller::write_pace`, up to half a ttl old),
+/// which a VM taking the lease over adopts: a hand-over does not restart the back-offs.
 pub struct PollLease;
 
 pub const LEASE_KEY: &str = "pr/poller";
@@ -202,42 +204,72 @@ pub const LEASE_KEY: &str = "pr/poller";
 impl PollLease {
     /// Takes or renews the lease for `me` until `now_ms + ttl_ms`; true if `me` holds it.
     pub fn hold<S: Store>(store: &S, me: u64, now_ms: u64, ttl_ms: u64, buf: &mut Vec<u8>) -> bool {
-        Self::hold_until(store, me, now_ms, ttl_ms, buf).0
+        Self::hold_until(store, me, now_ms, ttl_ms, buf, |_| {}).held
     }
 
-    /// [`PollLease::hold`], also saying until when (ms) the lease it read or wrote runs (0:
-    /// unknown, a lost CAS).
+    /// [`PollLease::hold`], also saying until when the lease it read or wrote runs and whether
+    /// `me` took it over from another VM (then `buf` holds that VM's value: its schedule
+    /// after the first 16 bytes). A written lease carries `pace`'s bytes after its owner and
+    /// expiry: the holder's poll schedule, for whoever takes the lease over next.
     pub fn hold_until<S: Store>(
         store: &S,
         me: u64,
         now_ms: u64,
         ttl_ms: u64,
         buf: &mut Vec<u8>,
-    ) -> (bool, u64) {
+        pace: impl FnOnce(&mut Vec<u8>),
+    ) -> Hold {
         let cas = store.get(LEASE_KEY, buf);
+        let mut taken = false;
         if let Some(cur) = buf.get(..16) {
             let owner = u64::from_le_bytes(cur[..8].try_into().unwrap_or([0; 8]));
             let expires = u64::from_le_bytes(cur[8..16].try_into().unwrap_or([0; 8]));
             if owner != me && now_ms < expires {
-                return (false, expires);
+                return Hold::until(false, expires);
             }
             // Ours with more than half its time left: renewed at a later tick (a CAS fewer on
             // most ticks; the holder still renews long before anyone may take over). An expiry
             // further than `ttl_ms` ahead (the clock stepped back) is re-anchored now.
             let left = expires.saturating_sub(now_ms);
             if owner == me && left > ttl_ms / 2 && left <= ttl_ms {
-                return (true, expires);
+                return Hold::until(true, expires);
             }
+            taken = owner != me;
         }
         let until = now_ms + ttl_ms;
-        let mut v = [0u8; 16];
-        v[..8].copy_from_slice(&me.to_le_bytes());
-        v[8..].copy_from_slice(&until.to_le_bytes());
+        let mut v = Vec::with_capacity(64);
+        v.extend_from_slice(&me.to_le_bytes());
+        v.extend_from_slice(&until.to_le_bytes());
+        pace(&mut v);
         // A CAS on a missing key inserts, so two VMs racing for a fresh lease both "win" once;
         // the next renewal settles it (only the last writer sees itself as owner).
         match store.set(LEASE_KEY, &v, cas.unwrap_or(0)) {
-            Ok(_) => (true, until),
-            Err(_) => (false, 0),
+            Ok(_) => Hold {
+                held: true,
+                until_ms: until,
+                taken,
+            },
+            Err(_) => Hold::until(false, 0),
+        }
+    }
+}
+
+/// What [`PollLease::hold_until`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub held: bool,
+    /// Expiry of the lease read or written (ms); 0: unknown, a lost CAS.
+    pub until_ms: u64,
+    /// `held`, taken over from another VM whose value is in the caller's buffer.
+    pub taken: bool,
+}
+
+impl Hold {
+    fn until(held: bool, until_ms: u64) -> Hold {
+        Hold {
+            held,
+            until_ms,
+            taken: false,
         }
     }
 }
@@ -267,15 +299,33 @@ impl LeaseView {
         ttl_ms: u64,
         buf: &mut Vec<u8>,
     ) -> bool {
+        self.hold_with(store, me, now_ms, ttl_ms, buf, |_| {}).held
+    }
+
+    /// [`LeaseView::hold`] through [`PollLease::hold_until`]: a written lease carries `pace`,
+    /// and a lease taken over from another VM leaves that VM's value in `buf` (`taken`). When
+    /// this view already knows, nothing is read and `pace` is not called.
+    pub fn hold_with<S: Store>(
+        &mut self,
+        store: &S,
+        me: u64,
+        now_ms: u64,
+        ttl_ms: u64,
+        buf: &mut Vec<u8>,
+        pace: impl FnOnce(&mut Vec<u8>),
+    ) -> Hold {
         let left = self.until_ms.checked_sub(now_ms).filter(|&l| l <= ttl_ms);
         match left {
-            Some(l) if self.held && l > ttl_ms / 2 => return true,
-            Some(l) if !self.held && l > 0 => return false,
+            Some(l) if self.held && l > ttl_ms / 2 => return Hold::until(true, self.until_ms),
+            Some(l) if !self.held && l > 0 => return Hold::until(false, self.until_ms),
             _ => {}
         }
-        let (held, until_ms) = PollLease::hold_until(store, me, now_ms, ttl_ms, buf);
-        *self = LeaseView { held, until_ms };
-        held
+        let hold = PollLease::hold_until(store, me, now_ms, ttl_ms, buf, pace);
+        *self = LeaseView {
+            held: hold.held,
+            until_ms: hold.until_ms,
+        };
+        hold
     }
 }
 
@@ -304,6 +354,9 @@ impl Target {
         }
     }
 }
+
+/// Bytes per worker of a schedule handed over with the lease ([`Poller::write_pace`]).
+pub const PACE_REC: usize = 14;
 
 /// The doublings of a failing worker's poll period are capped here (the period is capped by
 /// [`Pace::bound_ms`] or [`NO_LOAD_ENDPOINT_MS`] long before).
@@ -552,6 +605,84 @@ impl Poller {
     /// Whether no call to a worker of model `mi` awaits an answer (its round is complete).
     pub fn settled(&self, mi: u16) -> bool {
         !self.inflight.iter().any(|t| t.model == mi)
+    }
+
+    /// Appends each worker's schedule to a lease value ([`PollLease::hold_until`]): per model
+    /// its worker count, per worker [`PACE_REC`] bytes (its id from `ids`, when it was last
+    /// asked, its back-off, whether it is down, answered without a load endpoint, or uses the
+    /// fallback path).
+    pub fn write_pace(&self, ids: &[Vec<u32>], out: &mut Vec<u8>) {
+        out.extend_from_slice(&(self.endpoints.len() as u16).to_le_bytes());
+        for (mi, ws) in self.endpoints.iter().enumerate() {
+            out.extend_from_slice(&(ws.len() as u16).to_le_bytes());
+            for (wi, e) in ws.iter().enumerate() {
+                let id = ids.get(mi).and_then(|m| m.get(wi)).copied().unwrap_or(0);
+                out.extend_from_slice(&id.to_le_bytes());
+                out.extend_from_slice(&e.asked_ms.unwrap_or(u64::MAX).to_le_bytes());
+                out.push(e.backoff);
+                out.push(
+                    u8::from(e.down) | u8::from(e.answered_wrong) << 1 | u8::from(e.fallback) << 2,
+                );
+            }
+        }
+    }
+
+    /// Takes over the schedule another lease holder wrote ([`Poller::write_pace`]), so that a
+    /// lease changing hands does not ask at once every worker the last holder was backing off
+    /// from: each worker whose position holds the same id (`ids`, as in `write_pace`) adopts its
+    /// record, and `matched` says which did, in order over all models. Returns the bytes after
+    /// the schedule; `None` (nothing adopted): no schedule, or one for other worker counts.
+    pub fn adopt_pace<'b>(
+        &mut self,
+        ids: &[Vec<u32>],
+        b: &'b [u8],
+        matched: &mut Vec<bool>,
+    ) -> Option<&'b [u8]> {
+        let count = |b: &'b [u8]| -> Option<(usize, &'b [u8])> {
+            let (n, rest) = b.split_first_chunk::<2>()?;
+            Some((usize::from(u16::from_le_bytes(*n)), rest))
+        };
+        let (models, mut rest) = count(b)?;
+        if models != self.endpoints.len() {
+            return None;
+        }
+        let mut check = rest;
+        for ws in &self.endpoints {
+            let (n, r) = count(check)?;
+            if n != ws.len() {
+                return None;
+            }
+            check = r.get(n * PACE_REC..)?;
+        }
+        matched.clear();
+        for (mi, ws) in self.endpoints.iter_mut().enumerate() {
+            rest = count(rest)?.1;
+            for (wi, e) in ws.iter_mut().enumerate() {
+                let (rec, r) = rest.split_first_chunk::<PACE_REC>()?;
+                rest = r;
+                let id = ids.get(mi).and_then(|m| m.get(wi)).copied().unwrap_or(0);
+                let (Some(their), Some(asked), Some(&[backoff, flags])) = (
+                    rec.first_chunk::<4>(),
+                    rec.get(4..12).and_then(|a| <[u8; 8]>::try_from(a).ok()),
+                    rec.last_chunk::<2>(),
+                ) else {
+                    matched.push(false);
+                    continue;
+                };
+                let same = id != 0 && u32::from_le_bytes(*their) == id;
+                matched.push(same);
+                if !same {
+                    continue; // another worker at this position: its own schedule
+                }
+                let asked = u64::from_le_bytes(asked);
+                e.asked_ms = (asked != u64::MAX).then_some(asked);
+                e.backoff = backoff.min(MAX_BACKOFF);
+                e.down = flags & 1 != 0;
+                e.answered_wrong = flags & 2 != 0;
+                e.fallback = flags & 4 != 0;
+            }
+        }
+        Some(rest)
     }
 
     /// A dispatch that failed at once (unknown cluster, ...).

@@ -10,6 +10,10 @@
 //!   failure, so a lost answer never stops a worker's polls.
 //! - Every answer, good or failed, is published to shared data for every VM: a failed poll
 //!   publishes "unknown" (never idle, see `poll.rs`).
+//! - The schedule (back-offs, when each worker was last asked) goes with the lease: each lease
+//!   write carries it and a VM taking the lease over from another adopts it (`write_pace`), so
+//!   a stalled holder's thread does not make the next holder ask every backed-off worker at
+//!   once.
 //!
 //! Costs: every VM that may call reads the lease about once per half ttl or per expiry it saw,
 //! not every tick (`poll::LeaseView`; the holder renews it with a CAS then). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
@@ -34,6 +38,9 @@ pub struct Polls {
     pub me: u64,
     /// What this root last learned of the poll lease (most ticks read nothing).
     lease: LeaseView,
+    /// Per model, its workers' ids: a schedule handed over with the lease is adopted only for
+    /// the same worker at the same position (`write_pace`).
+    ids: Vec<Vec<u32>>,
     poller: Poller,
     /// Counter reads for the index's self-check: `(model, worker)` per call awaiting an answer
     /// (expiring, see `schedule`), and when the last round started (ms; `None` before the
@@ -54,6 +61,11 @@ impl Polls {
     pub fn configure(&mut self, cfg: &Config, me: u64) {
         self.me = me;
         self.lease = LeaseView::default();
+        self.ids = cfg
+            .models
+            .iter()
+            .map(|m| m.workers.iter().map(|w| w.id).collect())
+            .collect();
         self.poller = Poller::new(cfg.models.iter().map(|m| m.workers.len()));
         self.hit_calls = Calls::default();
         self.last_hit_round_ms = None;
@@ -94,8 +106,18 @@ impl Polls {
         let (interval_ms, no_traffic_ms) = (lp.interval_ms, lp.no_traffic_interval_ms);
         let ttl = 3 * u64::from(interval_ms.max(tick_ms));
         let mut buf = Vec::new();
-        if !self.lease.hold(h, self.me, now_ms, ttl, &mut buf) {
+        let (poller, ids, hits) = (&self.poller, &self.ids, &self.hit_pace);
+        let last_hits = self.last_hit_round_ms;
+        let hold = self
+            .lease
+            .hold_with(h, self.me, now_ms, ttl, &mut buf, |out| {
+                write_pace(poller, ids, hits, last_hits, out)
+            });
+        if !hold.held {
             return;
+        }
+        if hold.taken {
+            self.adopt_pace(buf.get(16..).unwrap_or_default());
         }
         if interval_ms == 0 {
             self.read_members(h, r, m, now_ms);
@@ -137,6 +159,39 @@ impl Polls {
         }
         self.read_counters(h, r, m, now_ms);
         self.read_members(h, r, m, now_ms);
+    }
+
+    /// Takes over the schedule of the lease's last holder (`write_pace`): its load polls' and
+    /// counter reads' back-offs and when it last asked, where it polled the same workers.
+    fn adopt_pace(&mut self, b: &[u8]) {
+        let mut matched = Vec::new();
+        let Some(rest) = self.poller.adopt_pace(&self.ids, b, &mut matched) else {
+            return;
+        };
+        let hits = self.hit_pace.iter().map(Vec::len).sum::<usize>();
+        let Some((recs, last)) = rest.split_at_checked(hits * HIT_PACE_REC) else {
+            return;
+        };
+        let Some(last) = last.first_chunk::<8>() else {
+            return;
+        };
+        for ((p, rec), same) in self
+            .hit_pace
+            .iter_mut()
+            .flatten()
+            .zip(recs.chunks_exact(HIT_PACE_REC))
+            .zip(matched)
+        {
+            let Some((&fails, skip)) = rec.split_first() else {
+                continue;
+            };
+            if same {
+                p.fails = fails;
+                p.skip = u32::from_le_bytes(skip.try_into().unwrap_or([0; 4]));
+            }
+        }
+        let last = u64::from_le_bytes(*last);
+        self.last_hit_round_ms = (last != u64::MAX).then_some(last);
     }
 
     /// Reads Envoy's admin `/clusters` each `membership.interval_ms` when a model is a pool
@@ -416,6 +471,29 @@ impl HitPace {
         self.skip -= 1;
         true
     }
+}
+
+/// Bytes per worker of the counter reads' schedule in a lease value (`write_pace`); adopted
+/// where the load polls' record at the same position named the same worker.
+const HIT_PACE_REC: usize = 5;
+
+/// The lease holder's schedule, written with each lease it writes (`poll::PollLease`): the load
+/// polls' ([`Poller::write_pace`]), then per worker its counter reads' failures and rounds
+/// still skipped, then when the last round of them started (`u64::MAX`: none yet). The next
+/// holder adopts it (`Polls::adopt_pace`).
+fn write_pace(
+    poller: &Poller,
+    ids: &[Vec<u32>],
+    hits: &[Vec<HitPace>],
+    last: Option<u64>,
+    out: &mut Vec<u8>,
+) {
+    poller.write_pace(ids, out);
+    for p in hits.iter().flatten() {
+        out.push(p.fails);
+        out.extend_from_slice(&p.skip.to_le_bytes());
+    }
+    out.extend_from_slice(&last.unwrap_or(u64::MAX).to_le_bytes());
 }
 
 fn pace_of(pace: &mut [Vec<HitPace>], mi: u16, wi: u16) -> Option<&mut HitPace> {

@@ -132,6 +132,51 @@ fn plain_len(run: &[u8; 16]) -> usize {
     (u32::from(i8x16_bitmask(special)) | 1 << 16).trailing_zeros() as usize
 }
 
+/// The first quote, backslash, control character or non-ASCII byte of `run` (the bytes
+/// [`plain_len`] stops at; `None`: none): per 16 bytes a subtraction and three compares (the
+/// lanes of [`special_byte`]), one any-true branch for the four, bit masks only when it is taken.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn first_special_64(run: &[u8; 64]) -> Option<usize> {
+    use core::arch::wasm32::*;
+    let special = |i: usize| {
+        // SAFETY: `i + 16 <= 64` bytes of `run` are readable; `v128_load` needs no alignment.
+        let v = unsafe { v128_load(run.as_ptr().add(i).cast()) };
+        v128_or(
+            u8x16_gt(u8x16_sub(v, u8x16_splat(0x20)), u8x16_splat(0x5F)),
+            v128_or(
+                u8x16_eq(v, u8x16_splat(b'"')),
+                u8x16_eq(v, u8x16_splat(b'\\')),
+            ),
+        )
+    };
+    let (a, b, c, d) = (special(0), special(16), special(32), special(48));
+    if !v128_any_true(v128_or(v128_or(a, b), v128_or(c, d))) {
+        return None;
+    }
+    [a, b, c, d]
+        .into_iter()
+        .enumerate()
+        .find(|&(_, v)| v128_any_true(v))
+        .map(|(i, v)| 16 * i + i8x16_bitmask(v).trailing_zeros() as usize)
+}
+
+/// [`first_special_64`] elsewhere: [`plain_len`] of each quarter.
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+fn first_special_64(run: &[u8; 64]) -> Option<usize> {
+    run.chunks_exact(16)
+        .filter_map(|q| <&[u8; 16]>::try_from(q).ok())
+        .enumerate()
+        .find_map(|(i, q)| Some(16 * i + plain_len(q)).filter(|&n| n < 16 * (i + 1)))
+}
+
+/// The bytes a string scan stops at, as one lane of [`first_special_64`] tests them: below
+/// 0x20 or from 0x80 (`b - 0x20` wraps to 0x60 or more), a quote or a backslash.
+#[cfg(test)]
+fn special_byte(b: u8) -> bool {
+    b.wrapping_sub(0x20) > 0x5F || b == b'"' || b == b'\\'
+}
+
 /// [`plain_len`] elsewhere (native builds, unit tests): two 8-byte words, a few ALU operations
 /// each. The lowest flagged byte of each test is exact (a borrow only runs upwards from a byte
 /// that matched), which is all the count needs.
@@ -192,11 +237,32 @@ impl<'a> Reader<'a> {
         (self.b.get(self.p..end)? == word).then(|| self.p = end)
     }
 
-    /// Moves the cursor over plain string bytes, 16 at a time, to the first quote, backslash,
-    /// control or non-ASCII byte, or to within 16 bytes of the body's end (the byte loops
-    /// of the callers read those).
+    /// Moves the cursor over plain string bytes, 64 then 16 at a time, to the first quote,
+    /// backslash, control or non-ASCII byte, or to within 16 bytes of the body's end (the byte
+    /// loops of the callers read those).
     #[inline(always)]
     fn skip_plain(&mut self) {
+        // One 16-byte step first: most strings (keys, roles, models) end in it.
+        let Some(Ok(run)) = self.b.get(self.p..self.p + 16).map(<&[u8; 16]>::try_from) else {
+            return;
+        };
+        let n = plain_len(run);
+        self.p += n;
+        if n < 16 {
+            return;
+        }
+        // Then 64 bytes a step while 64 are left: one branch per four vectors in a long run (a
+        // prompt's text) instead of a bit mask, count and branch per vector.
+        while let Some(run) = self.b.get(self.p..self.p + 64) {
+            let Ok(run) = <&[u8; 64]>::try_from(run) else {
+                break;
+            };
+            if let Some(n) = first_special_64(run) {
+                self.p += n;
+                return;
+            }
+            self.p += 64;
+        }
         while let Some(run) = self.b.get(self.p..self.p + 16) {
             let Ok(run) = <&[u8; 16]>::try_from(run) else {
                 return;
@@ -755,6 +821,40 @@ mod tests {
                     }
                     assert_eq!(super::plain_len(&run), reference(&run), "{run:?}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_64_byte_step_stops_where_plain_len_does() {
+        // The lane formula of the Wasm SIMD step, byte by byte.
+        let special = |c: u8| c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c);
+        for c in 0..=255u8 {
+            assert_eq!(super::special_byte(c), special(c), "byte {c:#04x}");
+        }
+        // The step's first special byte, for one at each offset (or none) after plain ones.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for at in 0..=64 {
+            for c in 0..=255u8 {
+                let mut run = [0u8; 64];
+                for (i, b) in run.iter_mut().enumerate() {
+                    let r = next() as u8;
+                    *b = if i < at { 0x20 + r % 0x5F } else { r };
+                    if i < at && special(*b) {
+                        *b = b'a';
+                    }
+                }
+                if let Some(b) = run.get_mut(at) {
+                    *b = c;
+                }
+                let reference = run.iter().position(|&c| special(c));
+                assert_eq!(super::first_special_64(&run), reference, "{run:?}");
             }
         }
     }
