@@ -27,8 +27,7 @@ def test_a_follow_up_stays_through_a_queue_shorter_than_its_recompute_as_chat_an
     """The same follow-up sent as chat and as completions reaches its holder both times while the
     holder's queued prefill costs less than recomputing the conversation elsewhere, and leaves it
     when the queue costs more (policy/cost.rs: the ~4k-token history's recompute and copy are
-    ~8k token-equivalents, weighed 1/(1 - u) against the queue at the worker's utilisation u: 1
-    to 4 times, whether u is measured or assumed)."""
+    ~8k token-equivalents; a quarter of the queue counts)."""
     r = wl.rng("queued-prefill-forms")
     c = Client(fresh.envoy.listener_port)
     busy = None
