@@ -10,7 +10,7 @@
 //! **Samples.** The poll lease holder (`poll.rs`) reads each worker's Prometheus page every
 //! `load_poll.metrics_interval_ms` ([`parse`]: the two counters, summed over every series,
 //! `sglang:` or `sglang_` prefix) and publishes them with the time of the answer in one
-//! shared-data value per model (`pr/h2/<model>`, [`publish`]).
+//! shared-data value per model (`pr/h1/<model>`, [`publish`]).
 //!
 //! **Check.** Each VM sums, per worker, the prompt blocks of the requests it routed there that
 //! were served and have ended, and the blocks the index predicted the worker held

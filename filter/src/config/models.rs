@@ -125,7 +125,7 @@ pub(super) fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), Confi
             load_key: format!("pr/l2/{name}"),
             poll_key: format!("pr/p2/{name}"),
             placed_key: format!("pr/np/{name}"),
-            hits_key: format!("pr/h2/{name}"),
+            hits_key: format!("pr/h1/{name}"),
             peer_key: worker_id(name),
             poll_clusters: workers
                 .iter()
