@@ -23,9 +23,9 @@ pub struct CostConfig {
     /// as many tokens of other prompts for it.
     #[serde(default = "default_copy_weight")]
     pub copy_weight: f64,
-    /// `λ`: until a worker's prefill utilisation `u` is measured from its counters
-    /// (`policy/cost.rs`), `1 − λ` stands in for it, so a second of prefill queued ahead counts
-    /// `λ` of a second of prefill the choice adds (¼: M/M/1 at 75% utilisation).
+    /// `λ` of `policy/cost.rs`: a second of prefill queued ahead counts 1/(1 + m) of a second
+    /// of prefill the choice adds, which this request and the m requests that queue behind it
+    /// pay; m = 3 (M/M/1 at 75% prefill utilisation).
     #[serde(default = "default_queue_weight")]
     pub queue_weight: f64,
 }

@@ -15,10 +15,6 @@
 //! grew by per second over windows in which every load poll showed requests waiting (busy
 //! throughout), averaged; slightly low, since those tokens had context.
 //!
-//! **Utilisation.** Worker `i`'s prefill utilisation `u_i` is its inflow (the uncached prompt
-//! tokens its counters grew by per second lately, busy or not, averaged: `poll.rs`) over its
-//! rate, at most 0.95; until its inflow is measured, `1 − λ` (`policy.cost.queue_weight`, ¼).
-//!
 //! **Cost.** Worker `i` holds `h_i` of the prompt's `P` tokens (the index's match), has `Q_i`
 //! tokens of prefill queued (polled `num_waiting_uncached_tokens` plus prompts sent since and not
 //! yet at their first token; their contexts are not reported, so they count at zero context) and
@@ -26,30 +22,27 @@
 //!
 //! ```text
 //! own_i  = w(P − h_i, h_i)                         this request's prefill there
-//! cost_i = ( Q_i + ρ · R_i                         work queued ahead of it
-//!          + (own_i + κ · (H − h_i)) / (1 − u_i)   the work it adds, and the second copy
-//!          ) / r_i                                  it leaves in the KV
+//! cost_i = ( own_i                                 prefill it adds to the fleet
+//!          + λ · (Q_i + ρ · R_i)                   work queued ahead of it
+//!          + κ · (H − h_i) ) / r_i                 the second copy it leaves in the KV
 //! ```
 //!
-//! `ρ` is `policy.request_cost_tokens` (64: the decode steps a newcomer's prefill waits
-//! between), `κ` `policy.cost.copy_weight` (1). Why: this request's time to first token there is
-//! `(Q_i + own_i) / r_i`; its own prefill is paid again by the `m_i` requests that queue behind
-//! it on that worker before its queue empties (`m_i = u_i / (1 − u_i)` for a single queue at
-//! utilisation `u_i`), so time to first token plus the seconds the choice adds to the fleet is
-//! `(Q_i + own_i / (1 − u_i)) / r_i`. A busy worker's every added token therefore weighs more
-//! than an idle one's: at `u = ¾` four times its queue's, at `u = 0.1` about as much. An LRU
-//! cache runs full, so a second copy of `H − h_i` tokens evicts as many tokens of other prompts,
-//! which the fleet recomputes when they are asked again there: `κ = 1`. (Trace replays,
-//! docs/results.md: a fixed `λ = ½` or `κ = ¼` left busy holders for recomputes and copies the
-//! fleet then paid for.)
+//! `λ` is `policy.cost.queue_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode steps a
+//! newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1). Why: this request's
+//! time to first token there is `(Q_i + own_i) / r_i`; its own prefill is paid again by the `m`
+//! requests that queue behind it on that worker before its queue empties (`m = ρ/(1 − ρ)` at
+//! prefill utilisation `ρ` for a single queue), so time to first token plus the seconds the
+//! choice adds to the fleet is `(Q_i + (1 + m)·own_i) / r_i`: `cost_i` with `λ = 1/(1 + m)`, and
+//! `λ = ¼` is `m = 3` (75% utilisation, where routing matters). An LRU cache runs full, so a
+//! second copy of `H − h_i` tokens evicts as many tokens of other prompts, which the fleet
+//! recomputes when they are asked again: `κ = 1`. (Trace replays, docs/results.md: `λ = ½` or
+//! `κ = ¼` left busy holders for recomputes and copies the fleet then paid for.)
 //!
 //! **What follows from it.**
 //! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
-//!   elsewhere: with equal utilisations `u`, `(1 − u)·(Q_h − Q_x) < own_x − own_h + κ·h_h` (long
-//!   histories stay through deep queues, short ones move, as the seconds say). A hot prefix
-//!   therefore spills once its holder's queue exceeds `(1 + κ)/(1 − u)` times the prefix's
-//!   recompute (8 at `u = ¾`): no hot-spot rule. A holder much busier than the rest of the fleet
-//!   keeps less: its own additions weigh `1/(1 − u_h)`.
+//!   elsewhere: `λ·(Q_h − Q_x) < own_x − own_h + κ·h_h` (long histories stay through deep
+//!   queues, short ones move, as the seconds say). A hot prefix therefore spills once its
+//!   holder's queue exceeds `(1 + κ)/λ` (8) times the prefix's recompute: no hot-spot rule.
 //! - A prefix every worker holds adds the same to every cost: queued work decides, and the
 //!   rendezvous order breaks exact ties, so new conversations on a fleet-wide system prompt
 //!   spread instead of stacking on its first holders.
