@@ -52,20 +52,18 @@ pub struct Counters {
     pub cached: u64,
 }
 
-/// One published sample: the counters and when they were read (100 ms units; 0 = none), and what
-/// the poller learned from them and from the worker's answers (`poll.rs`, `Learned`; 0: not
-/// known): its prefill rate (uncached tokens per busy second) and its inflow (uncached tokens
-/// per second lately, busy or not).
+/// One published sample: the counters and when they were read (100 ms units; 0 = none), and the
+/// worker's prefill rate learned from them (uncached tokens per busy second, `poll.rs`; 0: not
+/// learned).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sample {
     pub counters: Counters,
     pub at: u32,
     pub rate: u32,
-    pub inflow: u32,
 }
 
-/// Published record: worker id, prompt (u64), cached (u64), time, rate, inflow. Little-endian.
-const REC: usize = 32;
+/// Published record: worker id, prompt (u64), cached (u64), time, rate. Little-endian.
+const REC: usize = 28;
 
 /// A window needs this many prompt blocks sent to the worker with a predicted hit.
 pub const MIN_BLOCKS: u64 = 256;
@@ -163,7 +161,6 @@ pub fn publish<S: Store>(
         wr64(b, o + 12, s.counters.cached);
         wr(b, o + 20, s.at);
         wr(b, o + 24, s.rate);
-        wr(b, o + 28, s.inflow);
     })
 }
 
@@ -180,7 +177,6 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Sample>) {
                 },
                 at: rd(b, o + 20),
                 rate: rd(b, o + 24),
-                inflow: rd(b, o + 28),
             };
         }
     });
@@ -243,9 +239,6 @@ pub struct Verifier {
     /// Per model, each worker's published prefill rate (tokens/s; 0: not learned): an input of
     /// the policy's cost (`policy/cost.rs`).
     rates: Vec<Vec<f32>>,
-    /// Per model, each worker's inflow (uncached prompt tokens per second lately; 0: not known):
-    /// with its rate, its prefill utilisation (`policy/cost.rs`).
-    inflow: Vec<Vec<f32>>,
     samples: Vec<Sample>,
     buf: Vec<u8>,
     last_read: u32,
@@ -262,7 +255,6 @@ impl Verifier {
             .collect();
         Verifier {
             rates: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
-            inflow: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
             windows,
             samples: Vec::new(),
             buf: Vec::new(),
@@ -320,11 +312,6 @@ impl Verifier {
         self.rates.get(mi).map_or(&[], Vec::as_slice)
     }
 
-    /// Model `mi`'s workers' inflows (uncached prompt tokens per second lately; 0: not known).
-    pub fn inflow(&self, mi: usize) -> &[f32] {
-        self.inflow.get(mi).map_or(&[], Vec::as_slice)
-    }
-
     pub fn window(&self, mi: usize, w: usize) -> Option<&Window> {
         self.windows.get(mi)?.get(w)
     }
@@ -363,9 +350,6 @@ impl Verifier {
             self.check(mi, w, s, now, ttl);
             if let Some(r) = self.rates.get_mut(mi).and_then(|m| m.get_mut(w)) {
                 *r = s.rate as f32;
-            }
-            if let Some(f) = self.inflow.get_mut(mi).and_then(|m| m.get_mut(w)) {
-                *f = s.inflow as f32;
             }
         }
         self.samples = samples;
@@ -508,7 +492,6 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
             },
             at: 9,
             rate: 31_000,
-            inflow: 2_500,
         };
         assert!(publish(&s, "h", 33, 2, &big, &mut buf));
         assert!(publish(&s, "h", 11, 0, &Sample::default(), &mut buf));
@@ -522,7 +505,7 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
         Sample {
             counters: Counters { prompt, cached },
             at,
-            ..Sample::default()
+            rate: 0,
         }
     }
 

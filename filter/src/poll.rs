@@ -455,8 +455,6 @@ struct Endpoint {
     counted: Option<(u64, u64, u64)>,
     /// Learned prefill rate, uncached prompt tokens per busy second; 0: not yet.
     rate: f64,
-    /// Uncached prompt tokens per second lately, busy or not; `None`: not measured yet.
-    inflow: Option<f64>,
 }
 
 /// A busy window shorter than this (ms) says too little about a rate.
@@ -767,17 +765,12 @@ impl Poller {
     }
 
     /// Worker `w` of model `mi` reported cumulative `prompt` and `cached` token counters at
-    /// `now_ms` (`hits.rs`); returns what they teach about it ([`Learned`]).
-    ///
-    /// **Rate.** When every load answer since its previous sample showed requests waiting, the
-    /// uncached tokens it counted per second of that window are its prefill rate while busy,
-    /// averaged into the rate it returns (tokens/s; 0: not learned yet). A worker never busy
-    /// keeps the configured rate (`policy.cost.prefill_tokens_per_second`): a rate measured
-    /// while idle would be its traffic, not its speed.
-    ///
-    /// **Inflow.** Over every window, busy or not, the same tokens per second are the prefill
-    /// work it was given: averaged, over its rate they are its prefill utilisation
-    /// (`policy/cost.rs`). Counters that went backwards (a restart) forget both.
+    /// `now_ms` (`hits.rs`): when every load answer since its previous sample showed requests
+    /// waiting, the uncached tokens it counted per second of that window are its prefill rate
+    /// while busy, averaged into the rate it returns (tokens/s; 0: not learned yet). Counters
+    /// that went backwards (a restart) forget the rate. A worker never busy keeps the
+    /// configured rate (`policy.cost.prefill_tokens_per_second`): a rate measured while idle
+    /// would be its traffic, not its speed.
     pub fn rate_sample(
         &mut self,
         mi: usize,
@@ -785,50 +778,29 @@ impl Poller {
         prompt: u64,
         cached: u64,
         now_ms: u64,
-    ) -> Learned {
+    ) -> u32 {
         let Some(e) = self.endpoints.get_mut(mi).and_then(|m| m.get_mut(w)) else {
-            return Learned::default();
+            return 0;
         };
         let busy = e.backlogged.take() == Some(true);
         if let Some((p0, c0, t0)) = e.counted.replace((prompt, cached, now_ms)) {
             if prompt < p0 || cached < c0 {
                 e.rate = 0.0;
-                e.inflow = None;
             } else {
                 let done = (prompt - p0).saturating_sub(cached - c0);
                 let dt = now_ms.saturating_sub(t0);
-                let sample = done as f64 * 1000.0 / dt.max(1) as f64;
                 if busy && dt >= RATE_MIN_WINDOW_MS && done >= RATE_MIN_TOKENS {
+                    let sample = done as f64 * 1000.0 / dt as f64;
                     e.rate = if e.rate > 0.0 {
                         e.rate + RATE_WEIGHT * (sample - e.rate)
                     } else {
                         sample
                     };
                 }
-                if dt >= RATE_MIN_WINDOW_MS {
-                    e.inflow = Some(match e.inflow {
-                        Some(f) => f + RATE_WEIGHT * (sample - f),
-                        None => sample,
-                    });
-                }
             }
         }
-        let sat = |x: f64| x.min(f64::from(u32::MAX)) as u32;
-        Learned {
-            rate: sat(e.rate),
-            inflow: e.inflow.map_or(0, |f| sat(f.ceil()).max(1)),
-        }
+        e.rate.min(f64::from(u32::MAX)) as u32
     }
-}
-
-/// What a worker's counters taught the poller (`Poller::rate_sample`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Learned {
-    /// Prefill rate, uncached prompt tokens per busy second; 0: not learned.
-    pub rate: u32,
-    /// Uncached prompt tokens per second lately, busy or not (at least 1 once measured); 0: not
-    /// measured yet.
-    pub inflow: u32,
 }
 
 #[cfg(test)]
@@ -1378,7 +1350,6 @@ mod tests {
                 head_blocks: 0,
                 busy: &[],
                 rate: &[],
-                inflow: &[],
                 placed: &[],
                 recent: None,
             };
@@ -1418,51 +1389,30 @@ mod tests {
             p.answer(token, Some(200), body.as_bytes()).unwrap();
         };
         // First sample: nothing to compare with.
-        assert_eq!(p.rate_sample(0, 0, 0, 0, 0).rate, 0);
+        assert_eq!(p.rate_sample(0, 0, 0, 0, 0), 0);
         // An idle window (nothing waiting): throughput is traffic, not speed.
         answer(&mut p, 0);
-        assert_eq!(p.rate_sample(0, 0, 10_000, 0, 2000).rate, 0);
+        assert_eq!(p.rate_sample(0, 0, 10_000, 0, 2000), 0);
         // A busy window: 30k prompt tokens, 6k of them cached, in 2 s: 12k tokens/s.
         answer(&mut p, 3);
         answer(&mut p, 1);
-        assert_eq!(p.rate_sample(0, 0, 40_000, 6_000, 4000).rate, 12_000);
+        assert_eq!(p.rate_sample(0, 0, 40_000, 6_000, 4000), 12_000);
         // One answer with nothing waiting makes the window idle.
         answer(&mut p, 3);
         answer(&mut p, 0);
-        assert_eq!(p.rate_sample(0, 0, 80_000, 6_000, 6000).rate, 12_000);
+        assert_eq!(p.rate_sample(0, 0, 80_000, 6_000, 6000), 12_000);
         // No answer at all since the last sample: not known to be busy.
-        assert_eq!(p.rate_sample(0, 0, 90_000, 6_000, 8000).rate, 12_000);
+        assert_eq!(p.rate_sample(0, 0, 90_000, 6_000, 8000), 12_000);
         // Busy again at 20k tokens/s: averaged in (weight 1/4).
         answer(&mut p, 2);
-        assert_eq!(p.rate_sample(0, 0, 130_000, 6_000, 10_000).rate, 14_000);
+        assert_eq!(p.rate_sample(0, 0, 130_000, 6_000, 10_000), 14_000);
         // Too short a window, or too few tokens: ignored.
         answer(&mut p, 2);
-        assert_eq!(p.rate_sample(0, 0, 140_000, 6_000, 10_500).rate, 14_000);
+        assert_eq!(p.rate_sample(0, 0, 140_000, 6_000, 10_500), 14_000);
         // Counters went backwards (a restart): forgotten.
         answer(&mut p, 2);
-        assert_eq!(p.rate_sample(0, 0, 5, 0, 12_000).rate, 0);
+        assert_eq!(p.rate_sample(0, 0, 5, 0, 12_000), 0);
         // Unknown workers: 0.
-        assert_eq!(p.rate_sample(3, 0, 5, 0, 12_000).rate, 0);
-    }
-
-    #[test]
-    fn the_inflow_counts_every_window_busy_or_not() {
-        let mut p = Poller::new([1usize].into_iter());
-        assert_eq!(p.rate_sample(0, 0, 0, 0, 0).inflow, 0, "no window yet");
-        // An idle window counts: 10k new tokens in 2 s.
-        assert_eq!(p.rate_sample(0, 0, 10_000, 0, 2000).inflow, 5_000);
-        // 30k prompt tokens, 6k cached, in 2 s: 12k/s, averaged in with weight 1/4.
-        assert_eq!(p.rate_sample(0, 0, 40_000, 6_000, 4000).inflow, 6_750);
-        // Too short a window is ignored; nothing new in 2 s pulls it down.
-        assert_eq!(p.rate_sample(0, 0, 41_000, 6_000, 4500).inflow, 6_750);
-        assert_eq!(p.rate_sample(0, 0, 41_000, 6_000, 6500).inflow, 5_063);
-        // Nothing for long: it decays towards 0 but stays measured (at least 1).
-        for t in 1..=80u64 {
-            p.rate_sample(0, 0, 41_000, 6_000, 6500 + 2000 * t);
-        }
-        assert_eq!(p.rate_sample(0, 0, 41_000, 6_000, 200_000).inflow, 1);
-        // A restart forgets it; unknown workers know nothing.
-        assert_eq!(p.rate_sample(0, 0, 5, 0, 202_000).inflow, 0);
-        assert_eq!(p.rate_sample(5, 0, 0, 0, 0), Learned::default());
+        assert_eq!(p.rate_sample(3, 0, 5, 0, 12_000), 0);
     }
 }

@@ -365,14 +365,13 @@ impl Polls {
             return true;
         };
         let (at, nanos) = now_ticks(h);
-        let learned =
+        let rate =
             self.poller
                 .rate_sample(mi, wi, counters.prompt, counters.cached, nanos / 1_000_000);
         let sample = hits::Sample {
             counters,
             at: at.max(1),
-            rate: learned.rate,
-            inflow: learned.inflow,
+            rate,
         };
         let mut buf = Vec::new();
         hits::publish(h, &model.hits_key, w.id, wi, &sample, &mut buf);

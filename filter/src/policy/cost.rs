@@ -63,8 +63,6 @@ pub struct Worker {
     pub reqs: f64,
     /// Zero-context prompt tokens it prefills per second (`r_i`, > 0).
     pub rate: f64,
-    /// Uncached prompt tokens it took in per second lately; 0: not known.
-    pub inflow: f64,
 }
 
 /// The cost model's constants, read once per decision from the policy configuration.
@@ -72,8 +70,7 @@ pub struct Worker {
 pub struct Cost {
     /// `1 / K` (0: context is free).
     per_context_token: f64,
-    /// `1 - λ`: the utilisation assumed where it is not measured.
-    assumed_utilisation: f64,
+    load_weight: f64,
     request_tokens: f64,
     copy_weight: f64,
     default_rate: f64,
@@ -84,7 +81,7 @@ impl Cost {
         let k = p.cost.context_tokens;
         Cost {
             per_context_token: if k == 0 { 0.0 } else { 1.0 / f64::from(k) },
-            assumed_utilisation: (1.0 - p.cost.queue_weight).clamp(0.0, MAX_UTILISATION),
+            load_weight: p.cost.queue_weight,
             request_tokens: p.request_cost_tokens,
             copy_weight: p.cost.copy_weight,
             default_rate: p.cost.prefill_tokens_per_second.max(1.0),
@@ -110,27 +107,11 @@ impl Cost {
     pub fn seconds(&self, prompt: f64, deepest: f64, w: &Worker) -> f64 {
         let held = w.held.min(prompt).max(0.0);
         let own = self.work(prompt - held, held);
+        let queued = self.load_weight * (w.queued + self.request_tokens * w.reqs);
         let copy = self.copy_weight * (deepest - held).max(0.0);
-        // The work this choice adds is paid by this request and by the `u / (1 - u)` requests
-        // that queue behind it there: `1 / (1 - u)` times.
-        let added = (own + copy) / (1.0 - self.utilisation(w));
-        (w.queued + self.request_tokens * w.reqs + added) / w.rate
-    }
-
-    /// Worker `w`'s prefill utilisation lately: its inflow over its rate, at most
-    /// [`MAX_UTILISATION`]; when its inflow is not known, `1 - λ` (`policy.cost.queue_weight`).
-    pub fn utilisation(&self, w: &Worker) -> f64 {
-        if w.inflow > 0.0 {
-            (w.inflow / w.rate).min(MAX_UTILISATION)
-        } else {
-            self.assumed_utilisation
-        }
+        (own + queued + copy) / w.rate
     }
 }
-
-/// The highest utilisation the cost believes: a worker's inflow may briefly exceed its learned
-/// rate (a burst, a rate learned under lighter context), and `1 / (1 - u)` must stay finite.
-pub const MAX_UTILISATION: f64 = 0.95;
 
 #[cfg(test)]
 mod tests {
@@ -142,7 +123,6 @@ mod tests {
             queued,
             reqs: 0.0,
             rate: 30_000.0,
-            inflow: 0.0,
         }
     }
 
@@ -179,44 +159,7 @@ mod tests {
         let a = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 100.0));
         let b = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 0.0));
         assert!(b < a);
-        // The 100 queued tokens, whatever the utilisation: the rest is the same on both.
-        assert!((a - b - 100.0 / 30_000.0).abs() < 1e-12);
-    }
-
-    #[test]
-    fn the_work_a_choice_adds_counts_once_per_request_it_delays() {
-        let c = Cost::new(&PolicyConfig::default());
-        let at = |u: f64| Worker {
-            inflow: u * 30_000.0,
-            ..worker(0.0, 0.0)
-        };
-        // 1000 tokens of prefill on a worker at utilisation u delay the u / (1 - u) requests
-        // that queue behind them: 1 / (1 - u) times the work.
-        for (u, times) in [(0.01, 1.0 / 0.99), (0.5, 2.0), (0.8, 5.0)] {
-            let s = c.seconds(1000.0, 0.0, &at(u));
-            assert!((s - times * 1000.0 / 30_000.0).abs() < 1e-9, "u {u}: {s}");
-        }
-        // Not measured: the configured λ (1/4) stands for 1 - u.
-        let unknown = c.seconds(1000.0, 0.0, &worker(0.0, 0.0));
-        assert!((unknown - 4.0 * 1000.0 / 30_000.0).abs() < 1e-9);
-        // An inflow past the rate (a burst) stays finite.
-        assert!(c.seconds(1000.0, 0.0, &at(3.0)).is_finite());
-        // A holder at utilisation 1/2 keeps a 1k history against an idle worker while its queue
-        // costs less than recomputing and copying the history there; at 0.9 each token it adds
-        // delays nine requests, and the idle worker wins.
-        let p = 1500.0;
-        let idle = c.seconds(p, 1000.0, &at(0.05));
-        let holder = |u: f64, q: f64| {
-            let w = Worker {
-                held: 1000.0,
-                queued: q,
-                ..at(u)
-            };
-            c.seconds(p, 1000.0, &w)
-        };
-        assert!(holder(0.5, 1000.0) < idle);
-        assert!(holder(0.5, 2000.0) > idle);
-        assert!(holder(0.9, 0.0) > idle);
+        assert!((a - b - 0.25 * 100.0 / 30_000.0).abs() < 1e-12);
     }
 
     #[test]

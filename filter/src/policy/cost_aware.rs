@@ -102,7 +102,6 @@ fn seconds(c: &Cost, inp: &Inputs, deepest: f64, fleet: f64, i: usize) -> f64 {
         queued: f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
         reqs: f64::from(inp.reqs.get(i).copied().unwrap_or(0)),
         rate: rate_of(c, inp, i),
-        inflow: f64::from(inp.inflow.get(i).copied().unwrap_or(0.0)),
     };
     c.seconds(f64::from(inp.prompt_tokens), deepest, &w)
 }

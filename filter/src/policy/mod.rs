@@ -107,9 +107,6 @@ pub struct Inputs<'a> {
     /// Each worker's learned prefill rate (zero-context tokens per second); empty, shorter or
     /// 0: not known yet (the configured rate × weight stands in, `cost.rs`).
     pub rate: &'a [f32],
-    /// Each worker's inflow: uncached prompt tokens it took in per second lately (`hits.rs`);
-    /// over its rate, its prefill utilisation (`cost.rs`). Empty, shorter or 0: not known.
-    pub inflow: &'a [f32],
     /// Each worker's decayed sum of uncached prompt tokens it was sent (`footprint.rs`); empty
     /// or shorter: 0.
     pub placed: &'a [f32],

@@ -59,7 +59,6 @@ pub fn inputs<'a>(
         head_blocks: 0,
         busy: &[],
         rate: &[],
-        inflow: &[],
         placed: &[],
         recent: None,
     }

@@ -495,7 +495,6 @@ impl Router {
         };
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
         let rate = self.verifier.rates(mi);
-        let inflow = self.verifier.inflow(mi);
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago. One sent
@@ -546,7 +545,6 @@ impl Router {
                     head_blocks,
                     busy: busy.of(mi),
                     rate,
-                    inflow,
                     placed: footprint.of(mi),
                     recent,
                 };
@@ -855,7 +853,7 @@ mod tests {
         let sample = crate::hits::Sample {
             counters: crate::hits::Counters { prompt, cached },
             at,
-            ..crate::hits::Sample::default()
+            rate: 0,
         };
         assert!(crate::hits::publish(
             s,
