@@ -46,9 +46,11 @@ pub struct PolicyConfig {
     /// long (`router/mod.rs`, placements).
     #[serde(default = "default_prefill_chunk_tokens")]
     pub prefill_chunk_tokens: u32,
-    /// A prompt's opening message (a system prompt) cached on at least this share of the
-    /// model's workers is a fleet prefix: it no longer decides where a new conversation on it
-    /// goes; the least busy eligible worker does (0: off).
+    /// A prefix cached on at least this share of the model's workers (and at least 3; all the
+    /// index's holder slots in larger fleets) is a fleet prefix. `cache_aware`: a prompt's
+    /// opening message so held no longer decides where a new conversation on it goes, the
+    /// least busy eligible worker does; `cost_aware`: every worker counts as holding it (0:
+    /// off).
     #[serde(default = "default_fleet_prefix_share")]
     pub fleet_prefix_share: f64,
     /// Time constant of each worker's decayed in-flight average (`busy.rs`); 0: off.

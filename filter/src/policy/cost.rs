@@ -45,7 +45,9 @@
 //!   holder's queue exceeds `(1 + κ)/λ` (8) times the prefix's recompute: no hot-spot rule.
 //! - A prefix every worker holds adds the same to every cost: queued work decides, and the
 //!   rendezvous order breaks exact ties, so new conversations on a fleet-wide system prompt
-//!   spread instead of stacking on its first holders.
+//!   spread instead of stacking on its first holders. `cost_aware` counts a prefix that a fleet
+//!   share of the workers holds as held by all of them (its recompute and copy are the
+//!   fleet's, paid once per worker), so `h_i` here is at least that prefix.
 //! - The same bytes sent as chat or as completions have the same `P`, `h_i`, `H`: the same cost.
 //!
 //! Costs: a few floating-point operations per worker; no allocation.
