@@ -45,12 +45,11 @@
 //!   over the workers holding exactly that much ([`is_fleet_prefix`]).
 
 use super::shared::{
-    by_capacity, follow_sibling, hrw, reason_of, room, slack_for, total_reqs, two_choices,
-    under_bound, MIN_FLEET_HOLDERS,
+    by_capacity, fleet_holders, follow_sibling, hrw, reason_of, room, slack_for, total_reqs,
+    two_choices, under_bound, MIN_FLEET_HOLDERS,
 };
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::PolicyConfig;
-use crate::index::HOLDERS;
 
 /// The default policy (stateless: everything it needs is in [`Inputs`]).
 pub struct CacheAware;
@@ -204,8 +203,7 @@ fn is_fleet_prefix(p: &PolicyConfig, inp: &Inputs) -> bool {
     // prompt group plus one spill (a sibling routed before the first answer was indexed); with
     // two workers that made every spilled group "fleet-wide" and spread it over both caches
     // for good (`load/pd_compare --sizes 2`: 72-75% prefill hit rate, 78-79% with three).
-    let need = (p.fleet_prefix_share * inp.model.workers.len() as f64).ceil();
-    holders >= MIN_FLEET_HOLDERS && holders as f64 >= need.min(HOLDERS as f64)
+    fleet_holders(p, inp.model.workers.len()).is_some_and(|need| holders >= need)
 }
 
 /// The least busy worker under the load bound with slack 1, rendezvous among those within

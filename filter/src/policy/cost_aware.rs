@@ -66,15 +66,17 @@ fn held_tokens(inp: &Inputs, i: usize) -> u32 {
     inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i))
 }
 
-/// The prompt tokens the deepest holder holds (`H` in `cost.rs`).
-fn deepest_held(inp: &Inputs) -> f64 {
+/// The prompt tokens in its first `blocks` blocks.
+fn tokens_in(inp: &Inputs, blocks: u32) -> f64 {
     match inp.total_blocks {
         0 => 0.0,
-        t => {
-            let d = u64::from(inp.deepest.min(t));
-            (u64::from(inp.prompt_tokens) * d / u64::from(t)) as f64
-        }
+        t => (u64::from(inp.prompt_tokens) * u64::from(blocks.min(t)) / u64::from(t)) as f64,
     }
+}
+
+/// The prompt tokens the deepest holder holds (`H` in `cost.rs`).
+fn deepest_held(inp: &Inputs) -> f64 {
+    tokens_in(inp, inp.deepest)
 }
 
 /// Worker `i`'s zero-context prefill rate (tokens/s): learned, else configured × weight.
@@ -85,13 +87,7 @@ fn rate_of(c: &Cost, inp: &Inputs, i: usize) -> f64 {
 
 /// The prompt tokens of a prefix a fleet share of the workers holds ([`fleet_held_blocks`]).
 fn fleet_tokens(p: &PolicyConfig, inp: &Inputs) -> f64 {
-    match inp.total_blocks {
-        0 => 0.0,
-        t => {
-            let f = fleet_held_blocks(p, inp).min(t);
-            (u64::from(inp.prompt_tokens) * u64::from(f) / u64::from(t)) as f64
-        }
-    }
+    tokens_in(inp, fleet_held_blocks(p, inp))
 }
 
 /// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`],

@@ -146,6 +146,18 @@ pub(super) fn reason_of(inp: &Inputs, chosen: usize, top: usize) -> Reason {
 /// plus one spill (a sibling routed before the first answer was indexed).
 pub(super) const MIN_FLEET_HOLDERS: usize = 3;
 
+/// How many of a model's `n` workers must hold a prefix for it to be a fleet prefix: the share
+/// `fleet_prefix_share` of them, at most the index's `HOLDERS` slots for it (a larger fleet
+/// cannot list more), never fewer than [`MIN_FLEET_HOLDERS`]. `None`: the rule is off (share 0).
+pub(super) fn fleet_holders(p: &PolicyConfig, n: usize) -> Option<usize> {
+    if p.fleet_prefix_share <= 0.0 {
+        return None;
+    }
+    let share = (p.fleet_prefix_share * n as f64).ceil() as usize;
+    // HOLDERS (4) >= MIN_FLEET_HOLDERS (3): the clamp's bounds are in order.
+    Some(share.clamp(MIN_FLEET_HOLDERS, crate::index::HOLDERS))
+}
+
 /// The deepest prefix (blocks) of this prompt that a fleet share of the workers holds: at least
 /// `fleet_prefix_share` of them (0.75), or all of the index's `HOLDERS` slots for it in a fleet
 /// larger than that share allows, and never fewer than [`MIN_FLEET_HOLDERS`]. 0: none (or the
@@ -154,16 +166,10 @@ pub(super) const MIN_FLEET_HOLDERS: usize = 3;
 /// Costs: one pass over the workers keeping the `k ≤ HOLDERS` deepest matches; no allocation.
 pub(super) fn fleet_held_blocks(p: &PolicyConfig, inp: &Inputs) -> u32 {
     let n = inp.model.workers.len();
-    if p.fleet_prefix_share <= 0.0 || inp.deepest == 0 {
+    let Some(k) = fleet_holders(p, n).filter(|&k| inp.deepest > 0 && k <= n) else {
         return 0;
-    }
-    let share = (p.fleet_prefix_share * n as f64).ceil() as usize;
-    // HOLDERS (4) >= MIN_FLEET_HOLDERS (3): the clamp's bounds are in order.
-    let k = share.clamp(MIN_FLEET_HOLDERS, crate::index::HOLDERS);
+    };
     let mut top = [0u32; crate::index::HOLDERS];
-    if n < k {
-        return 0;
-    }
     // `top[..k]` holds the k deepest matches, deepest first.
     for &m in inp.matched {
         if m <= top[k - 1] {
