@@ -181,6 +181,7 @@ fn policies(c: &mut Criterion) {
                 head_blocks: 0,
                 busy: &[],
                 rate: &[],
+                slot: &[],
                 placed: &[],
                 recent: None,
             };

@@ -8,9 +8,10 @@
 //! `sglang:prompt_tokens_total` on `/metrics`), and the poller already talks to every worker.
 //!
 //! **Samples.** The poll lease holder (`poll.rs`) reads each worker's Prometheus page every
-//! `load_poll.metrics_interval_ms` ([`parse`]: the two counters, summed over every series,
-//! `sglang:` or `sglang_` prefix) and publishes them with the time of the answer in one
-//! shared-data value per model (`pr/h1/<model>`, [`publish`]).
+//! `load_poll.metrics_interval_ms` ([`parse`]: the two counters and the finished requests, each
+//! summed over every series, `sglang:` or `sglang_` prefix) and publishes them with the time of
+//! the answer in one shared-data value per model (`pr/h2/<model>`, [`publish`]), with what the
+//! poller learned from them (`poll.rs`: the prefill rate, and how fast running slots free).
 //!
 //! **Check.** Each VM sums, per worker, the prompt blocks of the requests it routed there that
 //! were served and have ended, and the blocks the index predicted the worker held
@@ -45,25 +46,30 @@ use crate::index::age;
 use crate::records::{rd, wr, ById};
 use crate::store::Store;
 
-/// A worker's cumulative prompt tokens and the share of them served from its cache.
+/// A worker's cumulative prompt tokens, the share of them served from its cache, and the
+/// requests it finished (`sglang:num_requests_total`; 0 where not reported).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
     pub prompt: u64,
     pub cached: u64,
+    pub requests: u64,
 }
 
-/// One published sample: the counters and when they were read (100 ms units; 0 = none), and the
-/// worker's prefill rate learned from them (uncached tokens per busy second, `poll.rs`; 0: not
-/// learned).
+/// One published sample: the counters and when they were read (100 ms units; 0 = none), and what
+/// the poller learned from them (`poll.rs`): the worker's prefill rate (uncached tokens per busy
+/// second) and the microseconds between two of its requests finishing while its running batch
+/// is full (0: not learned).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Sample {
     pub counters: Counters,
     pub at: u32,
     pub rate: u32,
+    pub slot_us: u32,
 }
 
-/// Published record: worker id, prompt (u64), cached (u64), time, rate. Little-endian.
-const REC: usize = 28;
+/// Published record: worker id, prompt (u64), cached (u64), time, rate, slot interval.
+/// Little-endian.
+const REC: usize = 32;
 
 /// A window needs this many prompt blocks sent to the worker with a predicted hit.
 pub const MIN_BLOCKS: u64 = 256;
@@ -76,10 +82,10 @@ pub const SHORTFALL: (u64, u64) = (3, 4);
 /// Shared-data reads of the samples are at least this far apart (100 ms units).
 const READ_EVERY: u32 = 10;
 
-/// The two counters in a Prometheus text page, summed over all their series; `None` when the
+/// The counters in a Prometheus text page, each summed over all its series; `None` when the
 /// page has no prompt-token counter (metrics off, or not SGLang).
 pub fn parse(body: &[u8]) -> Option<Counters> {
-    let (mut prompt, mut cached, mut seen) = (0u64, 0u64, false);
+    let (mut prompt, mut cached, mut requests, mut seen) = (0u64, 0u64, 0u64, false);
     for line in body.split(|&b| b == b'\n') {
         if line.first() == Some(&b'#') {
             continue;
@@ -95,22 +101,23 @@ pub fn parse(body: &[u8]) -> Option<Counters> {
         else {
             continue;
         };
-        let is_prompt = match metric {
-            b"prompt_tokens_total" => true,
-            b"cached_tokens_total" => false,
+        let sum = match metric {
+            b"prompt_tokens_total" => &mut prompt,
+            b"cached_tokens_total" => &mut cached,
+            b"num_requests_total" => &mut requests,
             _ => continue,
         };
         let Some(v) = value(rest) else {
             continue;
         };
-        if is_prompt {
-            prompt = prompt.saturating_add(v);
-            seen = true;
-        } else {
-            cached = cached.saturating_add(v);
-        }
+        *sum = sum.saturating_add(v);
+        seen |= metric == b"prompt_tokens_total";
     }
-    seen.then_some(Counters { prompt, cached })
+    seen.then_some(Counters {
+        prompt,
+        cached,
+        requests,
+    })
 }
 
 /// The sample value after a series' optional `{labels}` (quoted values may hold `}`).
@@ -161,6 +168,7 @@ pub fn publish<S: Store>(
         wr64(b, o + 12, s.counters.cached);
         wr(b, o + 20, s.at);
         wr(b, o + 24, s.rate);
+        wr(b, o + 28, s.slot_us);
     })
 }
 
@@ -174,9 +182,11 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Sample>) {
                 counters: Counters {
                     prompt: rd64(b, o + 4),
                     cached: rd64(b, o + 12),
+                    requests: 0,
                 },
                 at: rd(b, o + 20),
                 rate: rd(b, o + 24),
+                slot_us: rd(b, o + 28),
             };
         }
     });
@@ -239,6 +249,9 @@ pub struct Verifier {
     /// Per model, each worker's published prefill rate (tokens/s; 0: not learned): an input of
     /// the policy's cost (`policy/cost.rs`).
     rates: Vec<Vec<f32>>,
+    /// Per model, each worker's published seconds between two requests finishing while its
+    /// running batch is full (0: not learned): the wait for a slot in the cost.
+    slots: Vec<Vec<f32>>,
     samples: Vec<Sample>,
     buf: Vec<u8>,
     last_read: u32,
@@ -255,6 +268,7 @@ impl Verifier {
             .collect();
         Verifier {
             rates: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
+            slots: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
             windows,
             samples: Vec::new(),
             buf: Vec::new(),
@@ -312,6 +326,12 @@ impl Verifier {
         self.rates.get(mi).map_or(&[], Vec::as_slice)
     }
 
+    /// Model `mi`'s workers' learned seconds between two requests finishing while the running
+    /// batch is full (0: not learned; empty for an unknown model).
+    pub fn slots(&self, mi: usize) -> &[f32] {
+        self.slots.get(mi).map_or(&[], Vec::as_slice)
+    }
+
     pub fn window(&self, mi: usize, w: usize) -> Option<&Window> {
         self.windows.get(mi)?.get(w)
     }
@@ -350,6 +370,9 @@ impl Verifier {
             self.check(mi, w, s, now, ttl);
             if let Some(r) = self.rates.get_mut(mi).and_then(|m| m.get_mut(w)) {
                 *r = s.rate as f32;
+            }
+            if let Some(t) = self.slots.get_mut(mi).and_then(|m| m.get_mut(w)) {
+                *t = s.slot_us as f32 / 1e6;
             }
         }
         self.samples = samples;
@@ -451,12 +474,15 @@ sglang:prompt_tokens_total{model_name="a}b \"q\"",dp_rank="1"} 800
 sglang:cached_tokens_total{model_name="m"} 500.0 1700000000000
 sglang:cached_tokens_total_created{model_name="m"} 1.7e9
 sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
+sglang:num_requests_total{model_name="m"} 7
+sglang:num_requests_total{model_name="m",dp_rank="1"} 5.0
 "#;
         assert_eq!(
             parse(page),
             Some(Counters {
                 prompt: 2000,
-                cached: 500
+                cached: 500,
+                requests: 12,
             })
         );
         let new_prefix = b"sglang_prompt_tokens_total 10\nsglang_cached_tokens_total 4\n";
@@ -464,7 +490,8 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
             parse(new_prefix),
             Some(Counters {
                 prompt: 10,
-                cached: 4
+                cached: 4,
+                requests: 0,
             })
         );
         // No prompt counter, or values that are not counts: not a sample.
@@ -489,9 +516,11 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
             counters: Counters {
                 prompt: 5 << 33,
                 cached: 3,
+                requests: 0,
             },
             at: 9,
             rate: 31_000,
+            slot_us: 21_000,
         };
         assert!(publish(&s, "h", 33, 2, &big, &mut buf));
         assert!(publish(&s, "h", 11, 0, &Sample::default(), &mut buf));
@@ -503,9 +532,14 @@ sglang:time_to_first_token_seconds_bucket{le="0.1"} 3.0
 
     fn sample(prompt: u64, cached: u64, at: u32) -> Sample {
         Sample {
-            counters: Counters { prompt, cached },
+            counters: Counters {
+                prompt,
+                cached,
+                requests: 0,
+            },
             at,
             rate: 0,
+            slot_us: 0,
         }
     }
 

@@ -884,6 +884,7 @@ mod tests {
             snap_tokens: 0,
             at: 10,
             capacity: 0,
+            waiting: 0,
         };
         poll::publish(&s, &m.poll_key, m.workers[0].id, 0, &p, &mut buf);
         let idle = Polled {

@@ -10,7 +10,10 @@
 //! reports no capacity, so a worker whose answers lack one is also asked once for its server
 //! information (`GET /get_server_info`, else `/server_info`), and again after a failed load
 //! poll (a restart may change it): its `max_running_requests` then goes with every load answer,
-//! and "saturated" means the worker's own capacity whichever endpoint it has.
+//! and "saturated" means the worker's own capacity whichever endpoint it has: its running batch
+//! full, the requests waiting for prefill left out ([`capacity`]). The counters it reads for the
+//! index's self-check (`hits.rs`) also teach it each worker's prefill rate and how fast a full
+//! batch frees a slot ([`Poller::rate_sample`]).
 //!
 //! **Merge.** A published record carries the worker's polled `(requests, tokens)` `P` and this
 //! Envoy's own in-flight counts `S` at the moment the answer arrived. A decision then uses, per
@@ -38,8 +41,8 @@ use crate::store::Store;
 
 /// Published record: worker id, polled requests, polled tokens, own requests at the poll, own
 /// tokens at the poll, time of the last good answer (100 ms units; 0 = unknown), the worker's
-/// running-request capacity (0 = not reported). Little-endian.
-const REC: usize = 28;
+/// running-request capacity (0 = not reported), its requests waiting to start. Little-endian.
+const REC: usize = 32;
 
 /// One worker's polled state as read by a VM.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -52,6 +55,8 @@ pub struct Polled {
     pub at: u32,
     /// Requests the worker runs at once (`max_running_requests`); 0: not reported.
     pub capacity: u32,
+    /// Of `reqs`, those waiting to start (`num_waiting_reqs`): no running slot holds them.
+    pub waiting: u32,
 }
 
 /// Reads a published value into one [`Polled`] per configured worker (`n` workers, `ids` their
@@ -68,6 +73,7 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Polled>) {
                 snap_tokens: rd(b, o + 16),
                 at: rd(b, o + 20),
                 capacity: rd(b, o + 24),
+                waiting: rd(b, o + 28),
             };
         }
     });
@@ -82,6 +88,7 @@ fn fill(b: &mut [u8], o: usize, p: &Polled) {
         p.snap_tokens,
         p.at,
         p.capacity,
+        p.waiting,
     ]
     .into_iter()
     .enumerate()
@@ -140,15 +147,22 @@ pub fn merge(polled: &[Polled], now: u32, stale: u32, reqs: &mut [u32], tokens: 
     unknown
 }
 
-/// Each worker's `max_running_requests` from a fresh answer into `out` (one per record of
-/// `polled`, 0 for a worker not known or not reporting it).
+/// Each worker's admission limit from a fresh answer into `out` (one per record of `polled`, 0
+/// for a worker not known or not reporting its capacity): the merged in-flight count (`merge`)
+/// at which its running batch is full, `max_running_requests` plus the requests that were
+/// waiting to start at the poll. Those hold no running slot: a new request waits for them
+/// through their queued prefill, which the polled tokens carry, not for a slot. Compared with
+/// `max_running_requests` alone, a worker with prefill queued would count as saturated while
+/// its batch has room, and a holder would lose its follow-ups for a queue the cost prices.
 pub fn capacity(polled: &[Polled], now: u32, stale: u32, out: &mut Vec<u32>) {
     out.clear();
-    out.extend(
-        polled
-            .iter()
-            .map(|p| if fresh(p, now, stale) { p.capacity } else { 0 }),
-    );
+    out.extend(polled.iter().map(|p| {
+        if fresh(p, now, stale) && p.capacity > 0 {
+            p.capacity.saturating_add(p.waiting)
+        } else {
+            0
+        }
+    }));
 }
 
 /// What a worker that must not be chosen counts as (far above any load bound).
@@ -455,7 +469,27 @@ struct Endpoint {
     counted: Option<(u64, u64, u64)>,
     /// Learned prefill rate, uncached prompt tokens per busy second; 0: not yet.
     rate: f64,
+    /// Since the last counter sample: the sum of the running requests (requests less those
+    /// waiting) its load answers reported, how many answers, and the last capacity they carried.
+    running: (u64, u32, u32),
+    /// The finished-request counter at the last counter sample.
+    finished: Option<u64>,
+    /// Learned seconds between two requests finishing while its batch is full; 0: not yet.
+    slot: f64,
 }
+
+/// What the poller learned from a worker's counters ([`Poller::rate_sample`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Learned {
+    /// Prefill rate, uncached prompt tokens per busy second; 0: not learned.
+    pub rate: u32,
+    /// Microseconds between two requests finishing while the running batch is full; 0: not
+    /// learned.
+    pub slot_us: u32,
+}
+
+/// A window needs this many finished requests to say how long a request runs.
+const SLOT_MIN_REQUESTS: u64 = 4;
 
 /// A busy window shorter than this (ms) says too little about a rate.
 const RATE_MIN_WINDOW_MS: u64 = 1000;
@@ -743,6 +777,9 @@ impl Poller {
                     e.wants_info = true;
                     l.capacity = e.capacity;
                 }
+                let (sum, n, _) = e.running;
+                let running = u64::from(l.reqs.saturating_sub(l.waiting));
+                e.running = (sum.saturating_add(running), n.saturating_add(1), l.capacity);
                 Some((t, Some(l)))
             }
             None => {
@@ -764,24 +801,50 @@ impl Poller {
         }
     }
 
-    /// Worker `w` of model `mi` reported cumulative `prompt` and `cached` token counters at
-    /// `now_ms` (`hits.rs`): when every load answer since its previous sample showed requests
-    /// waiting, the uncached tokens it counted per second of that window are its prefill rate
-    /// while busy, averaged into the rate it returns (tokens/s; 0: not learned yet). Counters
-    /// that went backwards (a restart) forget the rate. A worker never busy keeps the
-    /// configured rate (`policy.cost.prefill_tokens_per_second`): a rate measured while idle
-    /// would be its traffic, not its speed.
+    /// Worker `w` of model `mi` reported its cumulative counters `c` at `now_ms` (`hits.rs`).
+    ///
+    /// **Rate.** When every load answer since its previous sample showed requests waiting, the
+    /// uncached tokens it counted per second of that window are its prefill rate while busy,
+    /// averaged into the rate it returns (tokens/s; 0: not learned yet). Counters that went
+    /// backwards (a restart) forget it. A worker never busy keeps the configured rate
+    /// (`policy.cost.prefill_tokens_per_second`): a rate measured while idle would be its
+    /// traffic, not its speed.
+    ///
+    /// **Slot.** By Little's law a request holds a running slot for `T = N / X` seconds, `N`
+    /// the mean running requests its load answers reported over the window and `X` the
+    /// requests it finished per second; with its batch full (`C` = `max_running_requests`
+    /// running) one finishes every `T / C` seconds: the wait for a slot per request ahead
+    /// (`policy/cost.rs`). Averaged like the rate; a window needs a known capacity and
+    /// [`SLOT_MIN_REQUESTS`] finished requests, and a worker whose counter does not grow keeps
+    /// what it had.
     pub fn rate_sample(
         &mut self,
         mi: usize,
         w: usize,
-        prompt: u64,
-        cached: u64,
+        c: crate::hits::Counters,
         now_ms: u64,
-    ) -> u32 {
+    ) -> Learned {
         let Some(e) = self.endpoints.get_mut(mi).and_then(|m| m.get_mut(w)) else {
-            return 0;
+            return Learned::default();
         };
+        let (prompt, cached) = (c.prompt, c.cached);
+        let (run_sum, run_n, slots) = std::mem::take(&mut e.running);
+        if let (Some(f0), Some((_, _, t0))) = (e.finished.replace(c.requests), e.counted) {
+            let dt = now_ms.saturating_sub(t0);
+            if c.requests < f0 {
+                e.slot = 0.0;
+            } else if run_n > 0 && slots > 0 && c.requests - f0 >= SLOT_MIN_REQUESTS && dt > 0 {
+                // T / C = (N / X) / C, X = finished / dt.
+                let mean_running = run_sum as f64 / f64::from(run_n);
+                let per_second = (c.requests - f0) as f64 * 1000.0 / dt as f64;
+                let sample = mean_running / per_second / f64::from(slots);
+                e.slot = if e.slot > 0.0 {
+                    e.slot + RATE_WEIGHT * (sample - e.slot)
+                } else {
+                    sample
+                };
+            }
+        }
         let busy = e.backlogged.take() == Some(true);
         if let Some((p0, c0, t0)) = e.counted.replace((prompt, cached, now_ms)) {
             if prompt < p0 || cached < c0 {
@@ -799,7 +862,10 @@ impl Poller {
                 }
             }
         }
-        e.rate.min(f64::from(u32::MAX)) as u32
+        Learned {
+            rate: e.rate.min(f64::from(u32::MAX)) as u32,
+            slot_us: (e.slot * 1e6).min(f64::from(u32::MAX)) as u32,
+        }
     }
 }
 
@@ -837,7 +903,43 @@ mod tests {
             snap_tokens: snap * 100,
             at,
             capacity: 0,
+            waiting: 0,
         }
+    }
+
+    #[test]
+    fn requests_waiting_to_start_hold_no_running_slot() {
+        // 16 slots; 20 requests, 12 of them waiting for prefill: 8 run, the batch has room.
+        let p = |waiting| Polled {
+            reqs: 20,
+            at: 5,
+            capacity: 16,
+            waiting,
+            ..Polled::default()
+        };
+        let mut out = Vec::new();
+        capacity(&[p(12), p(4), p(0)], 5, 10, &mut out);
+        assert_eq!(out, [28, 20, 16]);
+        let room = |cap: u32| 20 < cap;
+        assert!(room(out[0]), "8 running of 16: room");
+        assert!(!room(out[1]), "16 running: full");
+        assert!(!room(out[2]), "none waiting: all 20 hold slots, full");
+        // Unknown capacity, or a stale answer: 0 (unknown), whatever waits.
+        let unknown = Polled {
+            capacity: 0,
+            ..p(12)
+        };
+        capacity(&[unknown, p(12)], 50, 10, &mut out);
+        assert_eq!(out, [0, 0]);
+        // The field survives publication.
+        let s = crate::store::MemStore::new();
+        let mut buf = Vec::new();
+        assert!(publish(&s, "k", 7, 0, &p(12), &mut buf));
+        let ids = ById::new([7u32].into_iter());
+        let mut got = Vec::new();
+        assert!(s.get("k", &mut buf).is_some());
+        decode(&buf, &ids, 1, &mut got);
+        assert_eq!(got, [p(12)]);
     }
 
     #[test]
@@ -1350,6 +1452,7 @@ mod tests {
                 head_blocks: 0,
                 busy: &[],
                 rate: &[],
+                slot: &[],
                 placed: &[],
                 recent: None,
             };
@@ -1388,31 +1491,87 @@ mod tests {
             );
             p.answer(token, Some(200), body.as_bytes()).unwrap();
         };
+        let rate = |p: &mut Poller, mi: usize, prompt: u64, cached: u64, now: u64| {
+            let c = crate::hits::Counters {
+                prompt,
+                cached,
+                requests: 0,
+            };
+            p.rate_sample(mi, 0, c, now).rate
+        };
         // First sample: nothing to compare with.
-        assert_eq!(p.rate_sample(0, 0, 0, 0, 0), 0);
+        assert_eq!(rate(&mut p, 0, 0, 0, 0), 0);
         // An idle window (nothing waiting): throughput is traffic, not speed.
         answer(&mut p, 0);
-        assert_eq!(p.rate_sample(0, 0, 10_000, 0, 2000), 0);
+        assert_eq!(rate(&mut p, 0, 10_000, 0, 2000), 0);
         // A busy window: 30k prompt tokens, 6k of them cached, in 2 s: 12k tokens/s.
         answer(&mut p, 3);
         answer(&mut p, 1);
-        assert_eq!(p.rate_sample(0, 0, 40_000, 6_000, 4000), 12_000);
+        assert_eq!(rate(&mut p, 0, 40_000, 6_000, 4000), 12_000);
         // One answer with nothing waiting makes the window idle.
         answer(&mut p, 3);
         answer(&mut p, 0);
-        assert_eq!(p.rate_sample(0, 0, 80_000, 6_000, 6000), 12_000);
+        assert_eq!(rate(&mut p, 0, 80_000, 6_000, 6000), 12_000);
         // No answer at all since the last sample: not known to be busy.
-        assert_eq!(p.rate_sample(0, 0, 90_000, 6_000, 8000), 12_000);
+        assert_eq!(rate(&mut p, 0, 90_000, 6_000, 8000), 12_000);
         // Busy again at 20k tokens/s: averaged in (weight 1/4).
         answer(&mut p, 2);
-        assert_eq!(p.rate_sample(0, 0, 130_000, 6_000, 10_000), 14_000);
+        assert_eq!(rate(&mut p, 0, 130_000, 6_000, 10_000), 14_000);
         // Too short a window, or too few tokens: ignored.
         answer(&mut p, 2);
-        assert_eq!(p.rate_sample(0, 0, 140_000, 6_000, 10_500), 14_000);
+        assert_eq!(rate(&mut p, 0, 140_000, 6_000, 10_500), 14_000);
         // Counters went backwards (a restart): forgotten.
         answer(&mut p, 2);
-        assert_eq!(p.rate_sample(0, 0, 5, 0, 12_000), 0);
+        assert_eq!(rate(&mut p, 0, 5, 0, 12_000), 0);
         // Unknown workers: 0.
-        assert_eq!(p.rate_sample(3, 0, 5, 0, 12_000), 0);
+        assert_eq!(rate(&mut p, 3, 5, 0, 12_000), 0);
+    }
+
+    #[test]
+    fn the_slot_interval_is_running_over_finished_per_second_over_capacity() {
+        let mut p = Poller::new([1usize].into_iter());
+        let mut token = 0;
+        let mut answer = |p: &mut Poller, running: u32, waiting: u32, cap: u32| {
+            let t = p.round(0, 0, EVERY).find(|t| !t.info).unwrap();
+            token += 1;
+            p.sent(token, t, 0);
+            let body = format!(
+                r#"[{{"num_running_reqs":{running},"num_waiting_reqs":{waiting},"max_running_requests":{cap}}}]"#
+            );
+            p.answer(token, Some(200), body.as_bytes()).unwrap();
+        };
+        let slot = |p: &mut Poller, requests: u64, now: u64| {
+            let c = crate::hits::Counters {
+                prompt: 1000,
+                cached: 0,
+                requests,
+            };
+            p.rate_sample(0, 0, c, now).slot_us
+        };
+        assert_eq!(
+            slot(&mut p, 0, 0),
+            0,
+            "first sample: nothing to compare with"
+        );
+        // 6 and 10 running (mean 8; waiting requests hold no slot), 40 finished in 2 s: a
+        // request runs 8 / 20 = 0.4 s, so with 16 slots one frees every 25 ms.
+        answer(&mut p, 6, 5, 16);
+        answer(&mut p, 10, 0, 16);
+        assert_eq!(slot(&mut p, 40, 2000), 25_000);
+        // Averaged in (weight 1/4): 8 running, 80 finished in 2 s: 0.2 s / 16 = 12.5 ms.
+        answer(&mut p, 8, 0, 16);
+        assert_eq!(slot(&mut p, 120, 4000), 21_875);
+        // Too few finished, no answer, or no capacity known: kept.
+        answer(&mut p, 8, 0, 16);
+        assert_eq!(slot(&mut p, 122, 6000), 21_875);
+        assert_eq!(slot(&mut p, 200, 8000), 21_875);
+        answer(&mut p, 8, 0, 0);
+        assert_eq!(slot(&mut p, 300, 10_000), 21_875);
+        // The counter went backwards (a restart): forgotten.
+        answer(&mut p, 8, 0, 16);
+        assert_eq!(slot(&mut p, 3, 12_000), 0);
+        // Unknown workers: nothing.
+        let c = crate::hits::Counters::default();
+        assert_eq!(p.rate_sample(3, 0, c, 12_000), Learned::default());
     }
 }

@@ -365,13 +365,12 @@ impl Polls {
             return true;
         };
         let (at, nanos) = now_ticks(h);
-        let rate =
-            self.poller
-                .rate_sample(mi, wi, counters.prompt, counters.cached, nanos / 1_000_000);
+        let learned = self.poller.rate_sample(mi, wi, counters, nanos / 1_000_000);
         let sample = hits::Sample {
             counters,
             at: at.max(1),
-            rate,
+            rate: learned.rate,
+            slot_us: learned.slot_us,
         };
         let mut buf = Vec::new();
         hits::publish(h, &model.hits_key, w.id, wi, &sample, &mut buf);
@@ -416,6 +415,7 @@ impl Polls {
                     snap_tokens,
                     at: now.max(1),
                     capacity: l.capacity,
+                    waiting: l.waiting,
                 }
             }
             None => Polled::default(), // failed: unknown until the next good answer

@@ -123,9 +123,9 @@ pub(super) fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), Confi
         models.push(Model {
             index_key_prefix: INDEX_KEY_PREFIX.to_string(),
             load_key: format!("pr/l2/{name}"),
-            poll_key: format!("pr/p2/{name}"),
+            poll_key: format!("pr/p3/{name}"),
             placed_key: format!("pr/np/{name}"),
-            hits_key: format!("pr/h1/{name}"),
+            hits_key: format!("pr/h2/{name}"),
             peer_key: worker_id(name),
             poll_clusters: workers
                 .iter()

@@ -147,9 +147,9 @@ pub fn add_decode_models<'a>(
         let decode = Model {
             index_key_prefix: format!("pr/i/{hidden}/"),
             load_key: format!("pr/l2/{hidden}"),
-            poll_key: format!("pr/p2/{hidden}"),
+            poll_key: format!("pr/p3/{hidden}"),
             placed_key: format!("pr/np/{hidden}"),
-            hits_key: format!("pr/h1/{hidden}"),
+            hits_key: format!("pr/h2/{hidden}"),
             peer_key: worker_id(&hidden),
             poll_clusters: workers
                 .iter()

@@ -18,14 +18,26 @@
 //! **Cost.** Worker `i` holds `h_i` of the prompt's `P` tokens (the index's match), has `Q_i`
 //! tokens of prefill queued (polled `num_waiting_uncached_tokens` plus prompts sent since and not
 //! yet at their first token; their contexts are not reported, so they count at zero context) and
-//! `R_i` requests in flight; the deepest holder holds `H`:
+//! `R_i` requests in flight; the deepest holder holds `H`; `S_i` is the wait for a running slot:
 //!
 //! ```text
 //! own_i  = w(P − h_i, h_i)                         this request's prefill there
 //! cost_i = ( own_i                                 prefill it adds to the fleet
 //!          + λ · (Q_i + ρ · R_i)                   work queued ahead of it
 //!          + κ · (H − h_i) ) / r_i                 the second copy it leaves in the KV
+//!          + λ · S_i                               the wait for a slot in a full batch
 //! ```
+//!
+//! **Slot.** A worker runs at most `C_i` requests (`max_running_requests`); the rest wait.
+//! Requests waiting for prefill hold no slot (their wait is `Q_i`), so its batch is full when
+//! `R_i` reaches `C_i` plus the requests that were waiting at the poll (`poll::capacity`). Then
+//! this request starts after `R_i − that + 1` requests finish, one every `t_i` seconds
+//! (learned by Little's law from its counters, `poll.rs`): `S_i = (R_i − that + 1) · t_i`, 0
+//! under it. A worker with a full batch and no learned `t_i` is not eligible (`cost_aware.rs`).
+//! Short generations free slots in milliseconds, so a full batch rarely outweighs a history
+//! (a trace replay of 16-slot workers at 37% prefill utilisation left its holders half the
+//! time when a full batch excluded them, docs/results.md); long ones make it the cost that
+//! moves the request.
 //!
 //! `λ` is `policy.cost.queue_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode steps a
 //! newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1). Why: this request's
@@ -65,6 +77,8 @@ pub struct Worker {
     pub reqs: f64,
     /// Zero-context prompt tokens it prefills per second (`r_i`, > 0).
     pub rate: f64,
+    /// Seconds until a running slot frees for it (`S_i`; 0: its batch has room).
+    pub slot_wait: f64,
 }
 
 /// The cost model's constants, read once per decision from the policy configuration.
@@ -111,7 +125,7 @@ impl Cost {
         let own = self.work(prompt - held, held);
         let queued = self.load_weight * (w.queued + self.request_tokens * w.reqs);
         let copy = self.copy_weight * (deepest - held).max(0.0);
-        (own + queued + copy) / w.rate
+        (own + queued + copy) / w.rate + self.load_weight * w.slot_wait
     }
 }
 
@@ -125,6 +139,7 @@ mod tests {
             queued,
             reqs: 0.0,
             rate: 30_000.0,
+            slot_wait: 0.0,
         }
     }
 
@@ -176,5 +191,21 @@ mod tests {
         };
         let slow = worker(0.0, 0.0);
         assert!(c.seconds(1000.0, 0.0, &fast) < c.seconds(1000.0, 0.0, &slow));
+    }
+
+    #[test]
+    fn a_full_batch_keeps_a_history_while_its_slots_free_faster_than_a_recompute() {
+        let c = Cost::new(&PolicyConfig::default());
+        // 8k-token follow-up on a 6k history; the holder's batch is full with 2 requests ahead.
+        let (p, history) = (8_000.0, 6_000.0);
+        let idle = c.seconds(p, history, &worker(0.0, 0.0));
+        for (slot, stays) in [(0.02, true), (1.0, false)] {
+            let holder = Worker {
+                slot_wait: 3.0 * slot,
+                ..worker(history, 0.0)
+            };
+            let s = c.seconds(p, history, &holder);
+            assert_eq!(s < idle, stays, "slot {slot}: {s} vs {idle}");
+        }
     }
 }

@@ -85,7 +85,9 @@ pub struct Inputs<'a> {
     /// Each worker's queued prefill: prompt tokens waiting for prefill that it does not cache
     /// (polled) plus those sent since the poll that have not had their first token.
     pub tokens: &'a [u32],
-    /// Each worker's `max_running_requests` as it reported it; 0 or missing: unknown.
+    /// Each worker's admission limit: the in-flight count at which its running batch is full,
+    /// `max_running_requests` plus the requests it reported waiting for prefill
+    /// (`poll::capacity`); 0 or missing: unknown.
     pub capacity: &'a [u32],
     pub matched: &'a [u32],
     pub deepest: u32,
@@ -107,6 +109,9 @@ pub struct Inputs<'a> {
     /// Each worker's learned prefill rate (zero-context tokens per second); empty, shorter or
     /// 0: not known yet (the configured rate × weight stands in, `cost.rs`).
     pub rate: &'a [f32],
+    /// Each worker's learned seconds between two requests finishing while its batch is full
+    /// (`poll.rs`); empty, shorter or 0: not known (a full batch then excludes it, `cost.rs`).
+    pub slot: &'a [f32],
     /// Each worker's decayed sum of uncached prompt tokens it was sent (`footprint.rs`); empty
     /// or shorter: 0.
     pub placed: &'a [f32],

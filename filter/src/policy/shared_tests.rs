@@ -59,6 +59,7 @@ pub fn inputs<'a>(
         head_blocks: 0,
         busy: &[],
         rate: &[],
+        slot: &[],
         placed: &[],
         recent: None,
     }

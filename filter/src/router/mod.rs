@@ -494,7 +494,7 @@ impl Router {
             0
         };
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
-        let rate = self.verifier.rates(mi);
+        let (rate, slot) = (self.verifier.rates(mi), self.verifier.slots(mi));
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago. One sent
@@ -545,6 +545,7 @@ impl Router {
                     head_blocks,
                     busy: busy.of(mi),
                     rate,
+                    slot,
                     placed: footprint.of(mi),
                     recent,
                 };
@@ -851,9 +852,14 @@ mod tests {
     fn counters(r: &Router, s: &MemStore, w: usize, prompt: u64, cached: u64, at: u32) {
         let m = &r.cfg.models[0];
         let sample = crate::hits::Sample {
-            counters: crate::hits::Counters { prompt, cached },
+            counters: crate::hits::Counters {
+                prompt,
+                cached,
+                requests: 0,
+            },
             at,
             rate: 0,
+            slot_us: 0,
         };
         assert!(crate::hits::publish(
             s,
