@@ -25,7 +25,7 @@ K6_ENV = {
 }
 ROUTERS = [
     ("round-robin", {"policy": {"name": "round_robin"}}),
-    ("prefix-router", {"policy": {"name": "cache_aware"}}),
+    ("prefix-router", {"policy": {"name": "cost_aware"}}),
 ]
 
 

@@ -199,6 +199,7 @@ def trace_stats(row: dict, t: dict) -> dict:
     under_not = free_not + states["not_followed"]["queued"]
     total = sum(t["prompt_tokens"])
     routed = sum(tr.routed_cache_hits(t["seqs"], workers)) / total if "seqs" in t else 0.0
+    routed_lru = sum(tr.routed_lru_hits(t["seqs"], workers, t["kv"])) / total if "seqs" in t and "kv" in t else 0.0
     inf = sum(t["infinite"]) / total
     lru = sum(t["pooled_lru"]) / total
     late = [r["late"] for r in recs.values()]
@@ -211,6 +212,9 @@ def trace_stats(row: dict, t: dict) -> dict:
         # and the share of it the workers' real caches delivered: routing loss vs eviction loss.
         "routed_bound": routed,
         "share_of_routed": row["hit_rate"] / routed if routed else 0.0,
+        # The same reuse through an LRU of the worker's KV size, fed what it was sent: the
+        # placement's own eviction, without the time it is served in.
+        "routed_lru_bound": routed_lru,
         "planned_prompt_tokens": total,
         "records": len(recs),
         "served": hf.served,

@@ -268,6 +268,24 @@ def pooled_lru_hits(seqs: Sequence[Sequence[Block]], capacity_tokens: int) -> li
     return out
 
 
+def routed_lru_hits(seqs: Sequence[Sequence[Block]], workers: Sequence[str | None],
+                    capacity_tokens: int) -> list[int]:
+    """Per request, the tokens an LRU prefix cache of `capacity_tokens` on the worker that served
+    it would serve, fed only what that worker was sent (`pooled_lru_hits` per worker). Beside the
+    pooled-LRU bound it is what the routing's placement leaves to caches of the workers' size;
+    beside the workers' real hit rate, what timing costs them (KV held by running requests,
+    prefixes evicted while queued). `workers[i]` None: a failed request (0, not sent)."""
+    per: dict[str, list[int]] = {}
+    for i, w in enumerate(workers):
+        if w is not None:
+            per.setdefault(w, []).append(i)
+    out = [0] * len(seqs)
+    for idx in per.values():
+        for i, hit in zip(idx, pooled_lru_hits([seqs[i] for i in idx], capacity_tokens)):
+            out[i] = hit
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Holder follow
 # --------------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ mod tests {
         assert_eq!(c.models[0].token_block_size, 16);
         assert_eq!(c.index.capacity, 262_144);
         assert_eq!(c.index_buckets, 65_536);
-        assert_eq!(c.policy.name, PolicyName::CacheAware);
+        assert_eq!(c.policy.name, PolicyName::CostAware);
         assert_eq!(c.policy.load_eps, 1.0);
         assert!(c.debug_header.is_none());
         assert_eq!((c.hash_key, c.tenant_header.as_deref()), (0, None));

@@ -48,7 +48,7 @@ def plugin_config(o: Options) -> dict:
         "unknown_model": "default",
         "cluster_header": CLUSTER_HEADER,
         "debug_header": DEBUG_HEADER if o.debug_header else None,
-        "policy": {"name": "cache_aware"},  # tuned defaults: filter/src/config.rs
+        "policy": {"name": "cost_aware"},  # tuned defaults: filter/src/config.rs
     }
     if o.pools:
         plugin["destination_header"] = DESTINATION_HEADER

@@ -31,7 +31,7 @@ def test_test_profile_api_validates_with_plugin_overrides(tmp_path):
                       listen=("127.0.0.1", 18000), admin=("127.0.0.1", 18001), wasm=str(wasm_path()),
                       plugin={"policy": {"load_eps": 0.5}, "debug_header": None})
     plugin = ec.plugin_config(opts)
-    assert plugin["policy"] == {"name": "cache_aware", "load_eps": 0.5}
+    assert plugin["policy"] == {"name": "cost_aware", "load_eps": 0.5}
     assert plugin["debug_header"] is None and "load_poll" not in plugin
     cfg = ec.config(opts)
     assert [c["name"] for c in cfg["static_resources"]["clusters"]] == ["w0", "w1"]
@@ -71,7 +71,7 @@ def test_plugin_options_reach_the_plugin_config(composecheck, tmp_path):
     assert doc_plugin["models"] == {"llama": {"workers": [
         {"cluster": "w0", "weight": 2.0, "address": "127.0.0.1:18010"},
         {"cluster": "w1", "weight": 1.0, "address": "127.0.0.1:18011"}]}}
-    assert doc_plugin["policy"] == {"name": "cache_aware", "load_eps": 0.25}
+    assert doc_plugin["policy"] == {"name": "cost_aware", "load_eps": 0.25}
     assert doc_plugin["unknown_model"] == "reject" and doc_plugin["passthrough_cluster"] == "w1"
     assert doc_plugin["index"] == {"capacity": 8192, "ttl_seconds": 600, "local_cache_ms": 200}
     assert "access_log" not in hcm

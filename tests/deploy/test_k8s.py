@@ -52,7 +52,7 @@ def check_plugin_config(cfg: dict) -> list[str]:
     assert cfg["hash_key"] == "__HASH_KEY__"
     assert cfg["cluster_header"] == "x-prefix-router-cluster"
     assert cfg["default_model"] in cfg["models"]
-    assert cfg["policy"]["name"] in ("cache_aware", "round_robin", "random")
+    assert cfg["policy"]["name"] in ("cost_aware", "cache_aware", "round_robin", "random")
     workers = [w if isinstance(w, str) else w["cluster"] for m in cfg["models"].values() for w in m.get("workers", [])]
     workers += [m["pool"]["cluster"] for m in cfg["models"].values() if "pool" in m]
     assert workers and len(set(workers)) == len(workers)

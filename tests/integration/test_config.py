@@ -55,7 +55,7 @@ def test_rendered_demo_config_validates(tmp_path):
     opts = ec.local_demo(ports, listen=18000, admin=18001, wasm=str(wasm_path()),
                          plugin={"policy": {"load_eps": 0.5}})
     cfg = ec.plugin_config(opts)
-    assert cfg["policy"] == {"name": "cache_aware", "load_eps": 0.5}
+    assert cfg["policy"] == {"name": "cost_aware", "load_eps": 0.5}
     doc = ec.config(opts)
     (listener,) = doc["static_resources"]["listeners"]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]

@@ -1,4 +1,4 @@
-"""The opt-in `cost_aware` policy (`policy/cost.rs`: one cost in seconds for every prompt shape)
+"""The `cost_aware` policy (the default) (`policy/cost.rs`: one cost in seconds for every prompt shape)
 through the real Envoy with the compiled filter: the same follow-up sent as chat and as
 completions reaches its holder while the holder's queued prefill costs less than recomputing the
 conversation elsewhere, and leaves when it costs more."""

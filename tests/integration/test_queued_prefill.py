@@ -1,12 +1,16 @@
-"""A conversation stays on its worker while that worker is busy decoding (many running requests,
-no prefill queue) and while it has other prompts' prefill queued, and leaves it only when the
-worker is at capacity; a prompt sharing only a system prompt with it leaves the queue: the cost
-model of docs/design.md ("Queued prefill", "Policy" 3), through the real Envoy with the compiled
-filter, on a fresh Envoy whose fake workers report SGLang's `/v1/loads` fields."""
+"""`cache_aware` (the default policy until 2026-11-27, still selectable): a conversation stays on
+its worker while that worker is busy decoding (many running requests, no prefill queue) and
+while it has other prompts' prefill queued, and leaves it only when the worker is at capacity; a
+prompt sharing only a system prompt with it leaves the queue: the rules of docs/design.md
+("Queued prefill", "Policy `cache_aware`" 3), through the real Envoy with the compiled filter, on
+a fresh Envoy whose fake workers report SGLang's `/v1/loads` fields. The default `cost_aware`
+prices the same queue in seconds: tests/integration/test_cost_aware.py."""
 
 from __future__ import annotations
 
 import uuid
+
+import pytest
 
 from prkit.client import Client
 from prkit.stack import Stack
@@ -16,6 +20,15 @@ from . import workload as wl
 
 MODEL = "llama"
 POLLS = "prefix_router_load_poll_answers"
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """A fresh stack for this module with `policy.name: cache_aware` and the debug header."""
+    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision",
+                                "policy": {"name": "cache_aware"}}).start()
+    yield s
+    s.close()
 
 
 def fresh_load(stack: Stack):

@@ -101,6 +101,19 @@ def test_routed_cache_counts_only_what_the_same_worker_served_before():
     assert tr.routed_cache_hits(seqs, [None, "a", "a", "a", "a"]) == [0, 0, 8, 12, 8]
 
 
+def test_routed_lru_is_each_workers_own_lru_of_what_it_was_sent():
+    seqs = [blocks(1, 2, 3), blocks(1, 2, 4), blocks(1, 5), blocks(1, 2, 3), blocks(1, 2, 4)]
+    # One worker: the pooled LRU of its size; room enough: the routed (infinite) bound.
+    assert tr.routed_lru_hits(seqs, ["a"] * 5, 16) == tr.pooled_lru_hits(seqs, 16)
+    workers = ["a", "b", "a", "a", "b"]
+    assert tr.routed_lru_hits(seqs, workers, 10**6) == tr.routed_cache_hits(seqs, workers)
+    # Room for 3 blocks each: on "a", request 2 (1, 5) evicts 3, so request 3 finds 1, 2 only;
+    # "b" was sent 1, 2, 4 alone and keeps it whole for request 4.
+    assert tr.routed_lru_hits(seqs, workers, 12) == [0, 0, 4, 8, 12]
+    # A failed request neither hits nor is inserted.
+    assert tr.routed_lru_hits(seqs, [None, "a", "a", "a", "a"], 10**6) == [0, 0, 4, 8, 12]
+
+
 def test_pooled_lru_large_enough_equals_infinite_and_zero_reuses_nothing():
     seqs = [blocks(1, 2, 3), blocks(1, 2, 4), blocks(1, 5), blocks(1, 2, 3)]
     assert tr.pooled_lru_hits(seqs, 10**6) == tr.infinite_cache_hits(seqs) == [0, 8, 4, 12]

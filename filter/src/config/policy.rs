@@ -10,10 +10,12 @@ use serde::Deserialize;
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyName {
-    #[default]
+    /// Rules on the prompt's shape and the holders' count (`policy/cache_aware.rs`): the
+    /// default before `cost_aware`, kept for comparison and as a fallback.
     CacheAware,
-    /// The cost in seconds (`policy/cost.rs`): opt-in while it trails `cache_aware` on some
-    /// workloads (docs/results.md, "Matrix").
+    /// The cost in seconds (`policy/cost.rs`, `policy/cost_aware.rs`): the default since it
+    /// led `cache_aware` on the matrix of workloads (docs/results.md, "Matrix").
+    #[default]
     CostAware,
     RoundRobin,
     Random,

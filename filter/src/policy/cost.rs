@@ -10,7 +10,9 @@
 //! is relative; a worker's rate absorbs its GPU and model.
 //!
 //! **Rate.** Worker `i` prefills `r_i` zero-context tokens per second: its learned rate when
-//! known, else `policy.cost.prefill_tokens_per_second` × its weight. Learned (`poll.rs`): the
+//! known, else the mean learned rate per unit weight of the model's workers that have one × its
+//! weight (a worker not yet busy is as fast as its fleet, neither favoured nor shunned for what
+//! its counters have not shown yet), else `policy.cost.prefill_tokens_per_second` × its weight. Learned (`poll.rs`): the
 //! uncached prompt tokens its counters (`sglang:prompt_tokens_total` − `cached_tokens_total`)
 //! grew by per second over windows in which every load poll showed requests waiting (busy
 //! throughout), averaged; slightly low, since those tokens had context.
@@ -109,7 +111,24 @@ impl Cost {
         new * (1.0 + context * self.per_context_token)
     }
 
-    /// A worker's rate: `learned` when known (> 0), else the configured rate × `weight`.
+    /// The rate per unit weight of workers whose rate is not learned (module docs, "Rate"): the
+    /// mean of `learned[i] / weights[i]` over the learned ones, else the configured rate.
+    pub fn with_fleet_rate(mut self, learned: &[f32], weights: impl Iterator<Item = f64>) -> Cost {
+        let (mut sum, mut n) = (0.0f64, 0u32);
+        for (&r, w) in learned.iter().zip(weights) {
+            if r > 0.0 && r.is_finite() && w > 0.0 {
+                sum += f64::from(r) / w;
+                n += 1;
+            }
+        }
+        if n > 0 {
+            self.default_rate = (sum / f64::from(n)).max(1.0);
+        }
+        self
+    }
+
+    /// A worker's rate: `learned` when known (> 0), else the fleet's (or configured) rate ×
+    /// `weight`.
     pub fn rate(&self, learned: f32, weight: f64) -> f64 {
         if learned > 0.0 && learned.is_finite() {
             f64::from(learned)
@@ -191,6 +210,14 @@ mod tests {
         };
         let slow = worker(0.0, 0.0);
         assert!(c.seconds(1000.0, 0.0, &fast) < c.seconds(1000.0, 0.0, &slow));
+        // Workers not learned yet count at the fleet's mean learned rate per unit weight.
+        let fleet = c.with_fleet_rate(&[40_000.0, 0.0, 20_000.0], [2.0, 1.0, 1.0].into_iter());
+        assert_eq!(fleet.rate(0.0, 1.0), 20_000.0);
+        assert_eq!(fleet.rate(0.0, 2.0), 40_000.0);
+        assert_eq!(fleet.rate(50_000.0, 1.0), 50_000.0);
+        let none =
+            Cost::new(&PolicyConfig::default()).with_fleet_rate(&[0.0, 0.0], [1.0; 2].into_iter());
+        assert_eq!(none.rate(0.0, 1.0), 30_000.0);
     }
 
     #[test]

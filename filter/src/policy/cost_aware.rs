@@ -69,6 +69,13 @@ fn held_tokens(inp: &Inputs, i: usize) -> u32 {
     inp.prompt_tokens.saturating_sub(uncached_tokens(inp, i))
 }
 
+/// [`held_tokens`] as the cost counts it: rounded like [`tokens_in`], so that a worker holding
+/// `b` blocks and one credited a fleet prefix of `b` blocks hold exactly as much (their costs
+/// tie, and the rendezvous order, not a rounding, breaks the tie).
+fn held_for_cost(inp: &Inputs, i: usize) -> f64 {
+    tokens_in(inp, inp.matched.get(i).copied().unwrap_or(0))
+}
+
 /// The prompt tokens in its first `blocks` blocks.
 fn tokens_in(inp: &Inputs, blocks: u32) -> f64 {
     match inp.total_blocks {
@@ -97,7 +104,7 @@ fn fleet_tokens(p: &PolicyConfig, inp: &Inputs) -> f64 {
 /// `fleet` from [`fleet_tokens`]: a prefix the fleet holds counts as held by every worker.
 fn seconds(c: &Cost, inp: &Inputs, deepest: f64, fleet: f64, i: usize) -> f64 {
     let w = cost::Worker {
-        held: f64::from(held_tokens(inp, i)).max(fleet),
+        held: held_for_cost(inp, i).max(fleet),
         queued: f64::from(inp.tokens.get(i).copied().unwrap_or(0)),
         reqs: f64::from(inp.reqs.get(i).copied().unwrap_or(0)),
         rate: rate_of(c, inp, i),
@@ -230,7 +237,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         };
     }
     // Someone holds a prefix: fewest seconds; rendezvous scores only to break exact ties.
-    let c = Cost::new(p);
+    let c = Cost::new(p).with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight));
     let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let cost_of = |i: usize| -> Option<f64> {
         let (r, m) = (inp.reqs[i], inp.matched[i]);
@@ -326,7 +333,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
     let total = total_reqs(inp) as f64;
-    let c = Cost::new(p);
+    let c = Cost::new(p).with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight));
     let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
@@ -557,12 +564,12 @@ mod tests {
 
     #[test]
     fn a_faster_worker_drains_the_same_queue_sooner() {
-        // Two workers hold the same prefix with the same prefill queued; worker 1 has been
-        // measured at twice the configured rate: its queue is half the seconds.
+        // Two workers hold the same prefix with the same prefill queued; one has been measured
+        // at twice the other's rate: its queue is half the seconds.
         let m = model(2);
         let p = PolicyConfig::default();
         let (reqs, tokens, matched) = ([0u32; 2], [3000u32; 2], [50u32; 2]);
-        for (rate, want) in [([0.0f32, 60_000.0], 1), ([60_000.0, 0.0], 0)] {
+        for (rate, want) in [([30_000.0f32, 60_000.0], 1), ([60_000.0, 30_000.0], 0)] {
             let inp = Inputs {
                 rate: &rate,
                 slot: &[],
@@ -575,6 +582,17 @@ mod tests {
         let c = Cost::new(&p);
         let h = deepest_held(&inp);
         assert_eq!(seconds(&c, &inp, h, 0.0, 0), seconds(&c, &inp, h, 0.0, 1));
+        // One not learned yet counts at the learned one's rate, not the configured one: a worker
+        // that was never busy is neither favoured nor shunned.
+        let rate = [0.0f32, 60_000.0];
+        let inp = Inputs {
+            rate: &rate,
+            ..inputs(&m, &reqs, &tokens, &matched, 7)
+        };
+        let c = Cost::new(&p).with_fleet_rate(&rate, [1.0; 2].into_iter());
+        assert_eq!(seconds(&c, &inp, h, 0.0, 0), seconds(&c, &inp, h, 0.0, 1));
+        let top = (0..2).max_by_key(|&i| mix(inp.affinity, m.workers[i].id));
+        assert_eq!(Some(choose(&p, &inp).0), top, "a tie: the rendezvous order");
     }
 
     #[test]
