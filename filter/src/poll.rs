@@ -1478,19 +1478,22 @@ mod tests {
         assert_eq!(ask(&mut p, t, 200, old).unwrap().1.unwrap().capacity, 0);
     }
 
+    /// Worker 0 of model 0 answers its next load poll with `running`, `waiting` and `cap`.
+    fn answer_load(p: &mut Poller, token: &mut u32, running: u32, waiting: u32, cap: u32) {
+        let t = p.round(0, 0, EVERY).find(|t| !t.info).unwrap();
+        *token += 1;
+        p.sent(*token, t, 0);
+        let body = format!(
+            r#"[{{"num_running_reqs":{running},"num_waiting_reqs":{waiting},"max_running_requests":{cap}}}]"#
+        );
+        p.answer(*token, Some(200), body.as_bytes()).unwrap();
+    }
+
     #[test]
     fn the_prefill_rate_is_learned_from_busy_windows_only() {
         let mut p = Poller::new([1usize].into_iter());
         let mut token = 0;
-        let mut answer = |p: &mut Poller, waiting: u32| {
-            let t = p.round(0, 0, EVERY).find(|t| !t.info).unwrap();
-            token += 1;
-            p.sent(token, t, 0);
-            let body = format!(
-                r#"[{{"num_running_reqs":4,"num_waiting_reqs":{waiting},"max_running_requests":8}}]"#
-            );
-            p.answer(token, Some(200), body.as_bytes()).unwrap();
-        };
+        let mut answer = |p: &mut Poller, waiting: u32| answer_load(p, &mut token, 4, waiting, 8);
         let rate = |p: &mut Poller, mi: usize, prompt: u64, cached: u64, now: u64| {
             let c = crate::hits::Counters {
                 prompt,
@@ -1532,13 +1535,7 @@ mod tests {
         let mut p = Poller::new([1usize].into_iter());
         let mut token = 0;
         let mut answer = |p: &mut Poller, running: u32, waiting: u32, cap: u32| {
-            let t = p.round(0, 0, EVERY).find(|t| !t.info).unwrap();
-            token += 1;
-            p.sent(token, t, 0);
-            let body = format!(
-                r#"[{{"num_running_reqs":{running},"num_waiting_reqs":{waiting},"max_running_requests":{cap}}}]"#
-            );
-            p.answer(token, Some(200), body.as_bytes()).unwrap();
+            answer_load(p, &mut token, running, waiting, cap)
         };
         let slot = |p: &mut Poller, requests: u64, now: u64| {
             let c = crate::hits::Counters {

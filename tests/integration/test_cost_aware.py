@@ -1,26 +1,15 @@
-"""The `cost_aware` policy (the default) (`policy/cost.rs`: one cost in seconds for every prompt shape)
-through the real Envoy with the compiled filter: the same follow-up sent as chat and as
-completions reaches its holder while the holder's queued prefill costs less than recomputing the
-conversation elsewhere, and leaves when it costs more."""
+"""The default `cost_aware` policy (`policy/cost.rs`: one cost in seconds for every prompt shape)
+on the module's fresh stack (tests/integration/conftest.py), through the real Envoy with the
+compiled filter: the same follow-up sent as chat and as completions reaches its holder while the
+holder's queued prefill costs less than recomputing the conversation elsewhere, and leaves when
+it costs more."""
 
 from __future__ import annotations
 
-import pytest
-
 from prkit.client import Client
-from prkit.stack import Stack
 
 from . import workload as wl
 from .test_queued_prefill import conversation, fresh_load
-
-
-@pytest.fixture(scope="module")
-def fresh():
-    """A fresh stack for this module with `policy.name: cost_aware` and the debug header."""
-    s = Stack(plugin_overrides={"debug_header": "x-prefix-router-decision",
-                                "policy": {"name": "cost_aware"}}).start()
-    yield s
-    s.close()
 
 
 def test_a_follow_up_stays_through_a_queue_shorter_than_its_recompute_as_chat_and_completions(fresh):
