@@ -51,7 +51,7 @@ use super::shared::{
 use super::{least_loaded, mix, uncached_tokens, Inputs, Policy, Reason};
 use crate::config::PolicyConfig;
 
-/// The default policy (stateless: everything it needs is in [`Inputs`]).
+/// The policy (stateless: everything it needs is in [`Inputs`]).
 pub struct CacheAware;
 
 impl Policy for CacheAware {

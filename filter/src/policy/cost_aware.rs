@@ -1,6 +1,6 @@
-//! The cost-aware policy (`policy.name: "cost_aware"`, opt-in): the eligible worker where the
-//! request costs the fewest seconds (`cost.rs`), with a hard load bound. One formula for every
-//! prompt shape.
+//! The cost-aware policy (`policy.name: "cost_aware"`, the default): the eligible worker where
+//! the request costs the fewest seconds (`cost.rs`), with a hard load bound. One formula for
+//! every prompt shape.
 //!
 //! For a prompt of `P` estimated tokens in `B` blocks:
 //!

@@ -1,8 +1,10 @@
 //! Worker choice: one interface ([`Policy`]) and one file per policy.
 //!
-//! * [`cache_aware`] (default): cache reuse weighed against load, with a hard load bound.
-//! * [`cost_aware`] (opt-in): the worker where the request costs the fewest seconds ([`cost`]:
-//!   prefill there, work queued ahead, the copy it leaves), with a hard load bound.
+//! * [`cost_aware`] (default): the worker where the request costs the fewest seconds ([`cost`]:
+//!   prefill there, work queued ahead, the copy it leaves, the wait for a slot in a full batch),
+//!   with a hard load bound.
+//! * [`cache_aware`] (the default until 2026-11-27): cache reuse weighed against load by rules
+//!   on the prompt's shape, with a hard load bound.
 //! * [`round_robin`] and [`random`]: O(1) baselines for comparisons (no index, no load bound);
 //!   their state (a rotation counter, a generator) lives in the policy, not in the router.
 //!
