@@ -538,8 +538,7 @@ sglang:num_requests_total{model_name="m",dp_rank="1"} 5.0
                 requests: 0,
             },
             at,
-            rate: 0,
-            slot_us: 0,
+            ..Sample::default()
         }
     }
 

@@ -465,17 +465,33 @@ struct Endpoint {
     /// Whether every load answer since the last counter sample showed requests waiting (`None`:
     /// no answer since): the worker was busy throughout, so its counters show its rate.
     backlogged: Option<bool>,
-    /// The last counter sample: prompt and cached token totals, when (ms).
-    counted: Option<(u64, u64, u64)>,
+    /// The last counter sample and when it was read (ms).
+    counted: Option<(crate::hits::Counters, u64)>,
     /// Learned prefill rate, uncached prompt tokens per busy second; 0: not yet.
     rate: f64,
-    /// Since the last counter sample: the sum of the running requests (requests less those
-    /// waiting) its load answers reported, how many answers, and the last capacity they carried.
-    running: (u64, u32, u32),
-    /// The finished-request counter at the last counter sample.
-    finished: Option<u64>,
+    /// The running requests its load answers reported since the last counter sample.
+    running: Running,
     /// Learned seconds between two requests finishing while its batch is full; 0: not yet.
     slot: f64,
+}
+
+/// The running requests (requests less those waiting) a worker's load answers reported over a
+/// counter window: their sum, how many answers, and the last capacity they carried.
+#[derive(Debug, Default, Clone, Copy)]
+struct Running {
+    sum: u64,
+    answers: u32,
+    capacity: u32,
+}
+
+/// `old` with a new window's `sample` averaged in (weight [`RATE_WEIGHT`]); the first sample
+/// (`old` 0: nothing learned) is taken as it is.
+fn average_in(old: f64, sample: f64) -> f64 {
+    if old > 0.0 {
+        old + RATE_WEIGHT * (sample - old)
+    } else {
+        sample
+    }
 }
 
 /// What the poller learned from a worker's counters ([`Poller::rate_sample`]).
@@ -777,9 +793,12 @@ impl Poller {
                     e.wants_info = true;
                     l.capacity = e.capacity;
                 }
-                let (sum, n, _) = e.running;
-                let running = u64::from(l.reqs.saturating_sub(l.waiting));
-                e.running = (sum.saturating_add(running), n.saturating_add(1), l.capacity);
+                let r = &mut e.running;
+                r.sum = r
+                    .sum
+                    .saturating_add(u64::from(l.reqs.saturating_sub(l.waiting)));
+                r.answers = r.answers.saturating_add(1);
+                r.capacity = l.capacity;
                 Some((t, Some(l)))
             }
             None => {
@@ -827,38 +846,28 @@ impl Poller {
         let Some(e) = self.endpoints.get_mut(mi).and_then(|m| m.get_mut(w)) else {
             return Learned::default();
         };
-        let (prompt, cached) = (c.prompt, c.cached);
-        let (run_sum, run_n, slots) = std::mem::take(&mut e.running);
-        if let (Some(f0), Some((_, _, t0))) = (e.finished.replace(c.requests), e.counted) {
-            let dt = now_ms.saturating_sub(t0);
-            if c.requests < f0 {
-                e.slot = 0.0;
-            } else if run_n > 0 && slots > 0 && c.requests - f0 >= SLOT_MIN_REQUESTS && dt > 0 {
-                // T / C = (N / X) / C, X = finished / dt.
-                let mean_running = run_sum as f64 / f64::from(run_n);
-                let per_second = (c.requests - f0) as f64 * 1000.0 / dt as f64;
-                let sample = mean_running / per_second / f64::from(slots);
-                e.slot = if e.slot > 0.0 {
-                    e.slot + RATE_WEIGHT * (sample - e.slot)
-                } else {
-                    sample
-                };
-            }
-        }
+        let run = std::mem::take(&mut e.running);
         let busy = e.backlogged.take() == Some(true);
-        if let Some((p0, c0, t0)) = e.counted.replace((prompt, cached, now_ms)) {
-            if prompt < p0 || cached < c0 {
+        if let Some((c0, t0)) = e.counted.replace((c, now_ms)) {
+            let dt = now_ms.saturating_sub(t0);
+            if c.requests < c0.requests {
+                e.slot = 0.0;
+            } else if run.answers > 0
+                && run.capacity > 0
+                && c.requests - c0.requests >= SLOT_MIN_REQUESTS
+                && dt > 0
+            {
+                // T / C = (N / X) / C, X = finished / dt.
+                let mean_running = run.sum as f64 / f64::from(run.answers);
+                let per_second = (c.requests - c0.requests) as f64 * 1000.0 / dt as f64;
+                e.slot = average_in(e.slot, mean_running / per_second / f64::from(run.capacity));
+            }
+            if c.prompt < c0.prompt || c.cached < c0.cached {
                 e.rate = 0.0;
             } else {
-                let done = (prompt - p0).saturating_sub(cached - c0);
-                let dt = now_ms.saturating_sub(t0);
+                let done = (c.prompt - c0.prompt).saturating_sub(c.cached - c0.cached);
                 if busy && dt >= RATE_MIN_WINDOW_MS && done >= RATE_MIN_TOKENS {
-                    let sample = done as f64 * 1000.0 / dt as f64;
-                    e.rate = if e.rate > 0.0 {
-                        e.rate + RATE_WEIGHT * (sample - e.rate)
-                    } else {
-                        sample
-                    };
+                    e.rate = average_in(e.rate, done as f64 * 1000.0 / dt as f64);
                 }
             }
         }

@@ -11,8 +11,8 @@
 //!   then, with that wait in its cost (`cost.rs`, `S_i`), once how fast its slots free is
 //!   learned; until then, and for a worker holding none of the prompt, a full batch excludes
 //!   it. A worker holding some of the prompt and under its capacity always is eligible: only
-//!   its cost can move the prompt. Any other worker (none of the prompt held, or no capacity known: polling off, a
-//!   stale answer) is eligible only while
+//!   its cost can move the prompt. Any other worker (none of the prompt held, or no capacity
+//!   known: polling off, a stale answer) is eligible only while
 //!   `reqs_i + 1 <= (1 + load_eps) * (R + 1) * w_i / W + s_i`, where `R` is the model's total
 //!   in-flight requests, and the slack `s_i` is 1 for a worker holding none of the prompt and
 //!   grows for a holder with the tokens it holds, up to `load_slack` (default 3) at

@@ -50,8 +50,9 @@ pub(super) fn follow_sibling(p: &PolicyConfig, inp: &Inputs) -> Option<usize> {
 /// Whether worker `i` starts a new request at once by its own account: fewer requests in
 /// flight than its admission limit (`Inputs::capacity`: the `max_running_requests` it reports
 /// plus the requests it reported waiting for prefill, which hold no running slot;
-/// `Some(false)`: saturated, the request would wait for a running one to finish). `None` when it reports no capacity (polling
-/// off, `/get_load`, a stale answer) and on PD models, whose prefill workers hold prefills only.
+/// `Some(false)`: saturated, the request would wait for a running one to finish). `None` when
+/// it reports no capacity (polling off, `/get_load`, a stale answer) and on PD models, whose
+/// prefill workers hold prefills only.
 pub(super) fn room(inp: &Inputs, i: usize) -> Option<bool> {
     if inp.model.pd.is_some() {
         return None;
