@@ -33,6 +33,7 @@ pub mod peers;
 pub mod placements;
 pub mod policy;
 pub mod poll;
+pub mod poll_lease;
 pub mod poller;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod process_store;
