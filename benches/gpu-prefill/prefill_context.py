@@ -5,8 +5,10 @@ Runs a decoder with a Llama-3.1-8B shape (32 layers, hidden 4096, 32 query / 8 K
 SwiGLU 14336, bf16, random weights, one layer's weights reused by every layer: the arithmetic
 and memory traffic are the same) through PyTorch's fused attention, for one request of `n` new
 tokens attending to `c` cached tokens (a lower-right causal mask over a KV buffer of c + n).
-Prints one JSON line per cell and a fit of t(n, c) = n * (a + b * (c + n/2) / 1000), the model
-the router's cost uses as w(n, c) = n * (1 + c / K) with K = 1000 * a / b.
+Prints one JSON line per cell and a fit of t(n, c) = n * (a + b * (c + n/2) / 1000); the router's
+cost (filter/src/policy/cost.rs) uses w(n, c) = n * (1 + (c + max(0, n - C)/2) / K) with
+K = 1000 * a / b and C the prefill chunk. `--new 8192` with several contexts times the chunks
+of one long prompt as SGLang's chunked prefill computes them (docs/gpu-cost.md).
 
 Needs a CUDA GPU and PyTorch >= 2.5; prints why and exits 0 otherwise.
 Usage: python3 benches/gpu-prefill/prefill_context.py [--shape 8b|32b] [--reps 5]

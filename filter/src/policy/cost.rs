@@ -2,12 +2,27 @@
 //! ranks workers by. One formula for every prompt, whatever its shape (chat or completions,
 //! messages or not, how many workers hold what).
 //!
-//! **Prefill work.** `n` new tokens computed after `c` cached context tokens cost
-//! `w(n, c) = n · (1 + c / K)` zero-context token equivalents: a linear part per token plus
-//! attention to the context, which grows with it. On an H200 with an 8B model a token costs
-//! ~29 us plus ~1.4 us per 1k context tokens, so `K` (`policy.cost.context_tokens`) ≈ 20k: a
-//! 512-token turn on a 32k history costs 2.6x the same turn on nothing (measured: 3x). The model
-//! is relative; a worker's rate absorbs its GPU and model.
+//! **Prefill work.** A worker prefills a prompt in chunks of `C` tokens
+//! (`policy.prefill_chunk_tokens`, SGLang's `--chunked-prefill-size`); each chunk attends to the
+//! cached context and to the chunks before it. `n` new tokens after `c` cached context tokens
+//! therefore cost
+//!
+//! ```text
+//! w(n, c) = n · (1 + (c + max(0, n − C) / 2) / K)
+//! ```
+//!
+//! zero-context token equivalents: a linear part per token plus attention to what came before,
+//! which grows with it (the mean earlier-chunk context of `n` tokens is `(n − C)/2`; attention
+//! inside a chunk is in the linear part). Measured with `benches/gpu-prefill/prefill_context.py`
+//! on an H200, 8B model (`docs/gpu-cost.md`): a token costs ~28 us plus ~1.6 us per 1k context
+//! tokens, so `K` (`policy.cost.context_tokens`, default 20480) ≈ 17.5k there (16.9-24.7k across
+//! the GPUs and models measured). A 512-token turn on a 32k history costs
+//! 2.6x the same turn on nothing; a 64k prompt computed afresh costs 2.4x its linear part. The
+//! earlier chunks are what make holding more of a prompt never cost more: without them a
+//! worker holding `h` tokens would be charged `(P − h)·h/K` for the context that a worker
+//! computing all `P` afresh was not, and once `P − h` passed `K` the model would rank
+//! recomputing a long history below extending it. `C` is capped at `K` for the same reason.
+//! The model is relative; a worker's rate absorbs its GPU and model.
 //!
 //! **Rate.** Worker `i` prefills `r_i` zero-context tokens per second: its learned rate when
 //! known, else the mean learned rate per unit weight of the model's workers that have one × its
@@ -88,6 +103,8 @@ pub struct Worker {
 pub struct Cost {
     /// `1 / K` (0: context is free).
     per_context_token: f64,
+    /// `C`, at most `K`: tokens per prefill chunk.
+    chunk: f64,
     load_weight: f64,
     request_tokens: f64,
     copy_weight: f64,
@@ -99,6 +116,7 @@ impl Cost {
         let k = p.cost.context_tokens;
         Cost {
             per_context_token: if k == 0 { 0.0 } else { 1.0 / f64::from(k) },
+            chunk: f64::from(p.prefill_chunk_tokens.min(k)),
             load_weight: p.cost.queue_weight,
             request_tokens: p.request_cost_tokens,
             copy_weight: p.cost.copy_weight,
@@ -108,7 +126,8 @@ impl Cost {
 
     /// `w(n, c)`: zero-context token equivalents of prefilling `new` tokens after `context`.
     pub fn work(&self, new: f64, context: f64) -> f64 {
-        new * (1.0 + context * self.per_context_token)
+        let earlier_chunks = (new - self.chunk).max(0.0) / 2.0;
+        new * (1.0 + (context + earlier_chunks) * self.per_context_token)
     }
 
     /// The rate per unit weight of workers whose rate is not learned (module docs, "Rate"): the
@@ -169,8 +188,62 @@ mod tests {
         // ms = 3.0x; 8192 on 32k: 628 / 245 ms = 2.6x).
         let r = c.work(512.0, 32_768.0) / c.work(512.0, 0.0);
         assert!((2.5..=2.7).contains(&r), "{r}");
-        // Recomputing a 32k history from nothing: its tokens at zero context.
-        assert_eq!(c.work(32_768.0, 0.0), 32_768.0);
+        // A prompt computed afresh in 8192-token chunks: its later chunks attend to the earlier
+        // ones. H200, 8B (docs/gpu-cost.md): 8192 tokens 227 ms, 65536 in chunks 4.87 s (21x;
+        // in one pass 3.54 s, 16x).
+        assert_eq!(c.work(8_192.0, 0.0), 8_192.0);
+        let r = c.work(65_536.0, 0.0) / c.work(8_192.0, 0.0);
+        assert!((18.0..=20.0).contains(&r), "{r}");
+        // Extending a 16k history by 16k tokens against computing all 32k: 1021 / 1304 ms in one
+        // pass, 1029 / 1611 ms in 8192-token chunks.
+        let r = c.work(16_384.0, 16_384.0) / c.work(32_768.0, 0.0);
+        assert!((0.6..=0.7).contains(&r), "{r}");
+    }
+
+    /// Whatever the prompt, the chunk and `K`, a worker holding more of it is charged no more
+    /// prefill: recomputing a history never looks cheaper than extending it.
+    #[test]
+    fn holding_more_of_a_prompt_never_costs_more() {
+        for (k, chunk) in [(20_480, 8_192), (1_280, 512), (4_096, 16_384), (0, 8_192)] {
+            let p = PolicyConfig {
+                prefill_chunk_tokens: chunk,
+                cost: crate::config::cost::CostConfig {
+                    context_tokens: k,
+                    ..PolicyConfig::default().cost
+                },
+                ..PolicyConfig::default()
+            };
+            let c = Cost::new(&p);
+            for prompt in [100.0, 5_000.0, 40_000.0, 200_000.0] {
+                let mut last = f64::INFINITY;
+                for step in 0..=100 {
+                    let held = prompt * f64::from(step) / 100.0;
+                    let w = c.work(prompt - held, held);
+                    assert!(w <= last, "K {k}, C {chunk}, P {prompt}, h {held}: {w} > {last}");
+                    last = w;
+                }
+            }
+        }
+    }
+
+    /// The Mooncake synthetic trace's longest prompts (in the replay's 16x scaled tokens: ~12k,
+    /// `K` 1280, `C` 512): an idle worker holding 8k of them keeps the next one, which the model
+    /// without earlier chunks sent to an idle worker holding nothing.
+    #[test]
+    fn an_idle_holder_keeps_a_long_prompt_that_goes_on_past_k() {
+        let p = PolicyConfig {
+            prefill_chunk_tokens: 512,
+            cost: crate::config::cost::CostConfig {
+                context_tokens: 1_280,
+                ..PolicyConfig::default().cost
+            },
+            ..PolicyConfig::default()
+        };
+        let c = Cost::new(&p);
+        let (prompt, held) = (11_968.0, 8_192.0);
+        let holder = c.seconds(prompt, held, &worker(held, 0.0));
+        let idle = c.seconds(prompt, held, &worker(0.0, 0.0));
+        assert!(holder < idle / 2.0, "{holder} vs {idle}");
     }
 
     #[test]
