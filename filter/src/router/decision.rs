@@ -91,12 +91,10 @@ pub enum Outcome {
 }
 
 impl Router {
-    /// The debug header's value for decision `d` (and a PD request's `decode` worker): the
-    /// worker, why, the matched and total blocks, and the deepest holder's load as the decision
-    /// saw it (requests / capacity, 0: not reported / queued prefill tokens).
-    /// The debug header's value: the worker that served (`d`'s), why, the match, the decode
-    /// worker of a PD pair, the deepest holder and its load, and the worker first chosen when a
-    /// fallback served (`chosen`).
+    /// The debug header's value: the worker that served (`d`'s), why, the matched and total
+    /// blocks, the decode worker of a PD pair, the deepest holder and its load as the decision
+    /// saw it (requests / capacity, 0: not reported / queued prefill tokens), and the worker
+    /// first chosen when a fallback served (`chosen`).
     pub fn debug_value(
         &self,
         d: &Decision,
