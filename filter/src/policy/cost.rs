@@ -171,6 +171,19 @@ impl Cost {
 mod tests {
     use super::*;
 
+    /// The default policy with `K` = `k` and `C` = `chunk`.
+    fn chunked(k: u32, chunk: u32) -> PolicyConfig {
+        let d = PolicyConfig::default();
+        PolicyConfig {
+            prefill_chunk_tokens: chunk,
+            cost: crate::config::cost::CostConfig {
+                context_tokens: k,
+                ..d.cost
+            },
+            ..d
+        }
+    }
+
     fn worker(held: f64, queued: f64) -> Worker {
         Worker {
             held,
@@ -205,21 +218,16 @@ mod tests {
     #[test]
     fn holding_more_of_a_prompt_never_costs_more() {
         for (k, chunk) in [(20_480, 8_192), (1_280, 512), (4_096, 16_384), (0, 8_192)] {
-            let p = PolicyConfig {
-                prefill_chunk_tokens: chunk,
-                cost: crate::config::cost::CostConfig {
-                    context_tokens: k,
-                    ..PolicyConfig::default().cost
-                },
-                ..PolicyConfig::default()
-            };
-            let c = Cost::new(&p);
+            let c = Cost::new(&chunked(k, chunk));
             for prompt in [100.0, 5_000.0, 40_000.0, 200_000.0] {
                 let mut last = f64::INFINITY;
                 for step in 0..=100 {
                     let held = prompt * f64::from(step) / 100.0;
                     let w = c.work(prompt - held, held);
-                    assert!(w <= last, "K {k}, C {chunk}, P {prompt}, h {held}: {w} > {last}");
+                    assert!(
+                        w <= last,
+                        "K {k}, C {chunk}, P {prompt}, h {held}: {w} > {last}"
+                    );
                     last = w;
                 }
             }
@@ -231,15 +239,7 @@ mod tests {
     /// without earlier chunks sent to an idle worker holding nothing.
     #[test]
     fn an_idle_holder_keeps_a_long_prompt_that_goes_on_past_k() {
-        let p = PolicyConfig {
-            prefill_chunk_tokens: 512,
-            cost: crate::config::cost::CostConfig {
-                context_tokens: 1_280,
-                ..PolicyConfig::default().cost
-            },
-            ..PolicyConfig::default()
-        };
-        let c = Cost::new(&p);
+        let c = Cost::new(&chunked(1_280, 512));
         let (prompt, held) = (11_968.0, 8_192.0);
         let holder = c.seconds(prompt, held, &worker(held, 0.0));
         let idle = c.seconds(prompt, held, &worker(0.0, 0.0));
