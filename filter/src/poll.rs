@@ -4,9 +4,10 @@
 //! Why: an Envoy's load vector (`load.rs`) counts only the requests *this* Envoy routed. With N
 //! replicas each sees about 1/N of a worker's queue, so N load bounds together admit N times the
 //! intended load; traffic that bypasses Envoy is invisible. Each worker knows its real queue, so
-//! one VM per Envoy (the holder of a lease in shared data, see [`PollLease`](crate::poll_lease::PollLease)) asks every worker for it
-//! every `load_poll.interval_ms` (`GET /v1/loads`; `GET /get_load` for a worker that answers 404)
-//! and publishes the answers in one shared-data value per model ([`publish`]). `/get_load`
+//! one VM per Envoy (the holder of a lease in shared data, see
+//! [`PollLease`](crate::poll_lease::PollLease)) asks every worker for it every
+//! `load_poll.interval_ms` (`GET /v1/loads`; `GET /get_load` for a worker that answers 404) and
+//! publishes the answers in one shared-data value per model ([`publish`]). `/get_load`
 //! reports no capacity, so a worker whose answers lack one is also asked once for its server
 //! information (`GET /get_server_info`, else `/server_info`), and again after a failed load
 //! poll (a restart may change it): its `max_running_requests` then goes with every load answer,
@@ -516,7 +517,8 @@ impl Poller {
         !self.inflight.iter().any(|t| t.model == mi)
     }
 
-    /// Appends each worker's schedule to a lease value ([`PollLease::hold_until`](crate::poll_lease::PollLease::hold_until)): per model
+    /// Appends each worker's schedule to a lease value
+    /// ([`PollLease::hold_until`](crate::poll_lease::PollLease::hold_until)): per model
     /// its worker count, per worker [`PACE_REC`] bytes (its id from `ids`, when it was last
     /// asked, its back-off, whether it is down, answered without a load endpoint, or uses the
     /// fallback path).

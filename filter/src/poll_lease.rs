@@ -5,13 +5,13 @@
 
 use crate::store::Store;
 
-/// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in
-/// ms). The holder renews it once half its time is gone (every few ticks: `ttl` spans
-/// several), reading it only then ([`LeaseView`]); another VM takes it over only once it expired (the
-/// holder's thread stalled, or its VM was replaced or trapped). Two pollers for a moment are
-/// harmless (both publish the same kind of answer). After the 16 bytes the value carries the
-/// holder's poll schedule as of its last write (`Poller::write_pace`, up to half a ttl old),
-/// which a VM taking the lease over adopts: a hand-over does not restart the back-offs.
+/// Election of the one VM per Envoy that polls: a lease in shared data (`owner`, `expires` in ms).
+/// The holder renews it once half its time is gone (every few ticks: `ttl` spans several), reading
+/// it only then ([`LeaseView`]); another VM takes it over only once it expired (the holder's thread
+/// stalled, or its VM was replaced or trapped). Two pollers for a moment are harmless (both publish
+/// the same kind of answer). After the 16 bytes the value carries the holder's poll schedule as of
+/// its last write (`Poller::write_pace`, up to half a ttl old), which a VM taking the lease over
+/// adopts: a hand-over does not restart the back-offs.
 pub struct PollLease;
 
 pub const LEASE_KEY: &str = "pr/poller";

@@ -2,9 +2,9 @@
 //! counter reads (`hits.rs`), sent from the root context's tick, and their answers.
 //!
 //! Invariants:
-//! - Only the holder of the poll lease ([`PollLease`](crate::poll_lease::PollLease), one VM per Envoy) sends; a root that cannot
-//!   make calls (a native worker thread) or a peer listener never takes the lease, so it never
-//!   takes it from one that can.
+//! - Only the holder of the poll lease ([`PollLease`](crate::poll_lease::PollLease), one VM per
+//!   Envoy) sends; a root that cannot make calls (a native worker thread) or a peer listener
+//!   never takes the lease, so it never takes it from one that can.
 //! - A worker has at most one load poll and one counter read in flight; a call whose answer
 //!   never comes expires after its timeout plus a margin (`schedule::Calls`) and counts as a
 //!   failure, so a lost answer never stops a worker's polls.
@@ -15,11 +15,13 @@
 //!   a stalled holder's thread does not make the next holder ask every backed-off worker at
 //!   once.
 //!
-//! Costs: every VM that may call reads the lease about once per half ttl or per expiry it saw,
-//! not every tick (`poll_lease::LeaseView`; the holder renews it with a CAS then). The holder makes one HTTP call per worker per round (fewer to a failing worker, see
-//! `poll::Pace`, and to one whose counter reads fail, see [`METRICS_BACKOFF_MS`]); per good answer one body read, one own-load read and the publish (a read and
-//! a CAS); per failed one the body read and a read (the CAS too when it was known before); at
-//! a round's last answer two gauge writes. Nothing here runs on a request's path.
+//! Costs: every VM that may call reads the lease about once per half ttl or per expiry it saw, not
+//! every tick (`poll_lease::LeaseView`; the holder renews it with a CAS then). The holder makes one
+//! HTTP call per worker per round (fewer to a failing worker, see `poll::Pace`, and to one whose
+//! counter reads fail, see [`METRICS_BACKOFF_MS`]); per good answer one body read, one own-load
+//! read and the publish (a read and a CAS); per failed one the body read and a read (the CAS too
+//! when it was known before); at a round's last answer two gauge writes. Nothing here runs on a
+//! request's path.
 
 use crate::config::{Config, Worker};
 use crate::hits;
@@ -477,8 +479,8 @@ impl HitPace {
 /// where the load polls' record at the same position named the same worker.
 const HIT_PACE_REC: usize = 5;
 
-/// The lease holder's schedule, written with each lease it writes (`poll_lease::PollLease`): the load
-/// polls' ([`Poller::write_pace`]), then per worker its counter reads' failures and rounds
+/// The lease holder's schedule, written with each lease it writes (`poll_lease::PollLease`):
+/// the load polls' ([`Poller::write_pace`]), then per worker its counter reads' failures and rounds
 /// still skipped, then when the last round of them started (`u64::MAX`: none yet). The next
 /// holder adopts it (`Polls::adopt_pace`).
 fn write_pace(

@@ -28,9 +28,9 @@
 //! known, else the mean learned rate per unit weight of the model's workers that have one × its
 //! weight (a worker not yet busy is as fast as its fleet, neither favoured nor shunned for what
 //! its counters have not shown yet), else `policy.cost.prefill_tokens_per_second` × its weight.
-//! Learned (`poll.rs`): the uncached prompt tokens its counters (`sglang:prompt_tokens_total` − `cached_tokens_total`)
-//! grew by per second over windows in which every load poll showed requests waiting (busy
-//! throughout), averaged; slightly low, since those tokens had context.
+//! Learned (`poll.rs`): the uncached prompt tokens its counters (`sglang:prompt_tokens_total`
+//! − `cached_tokens_total`) grew by per second over windows in which every load poll showed
+//! requests waiting (busy throughout), averaged; slightly low, since those tokens had context.
 //!
 //! **Cost.** Worker `i` holds `h_i` of the prompt's `P` tokens (the index's match), has `Q_i`
 //! tokens of prefill queued (polled `num_waiting_uncached_tokens` plus prompts sent since and not
@@ -58,14 +58,14 @@
 //!
 //! `λ` is `policy.cost.queue_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode
 //! steps a newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1). Why: this
-//! request's time to first token there is `(Q_i + own_i) / r_i`; its own prefill is paid again
-//! by the `m` requests that queue behind it on that worker before its queue empties
-//! (`m = u/(1 − u)` at prefill utilisation `u` for a single queue), so time to first token
-//! plus the seconds the choice adds to the fleet is `(Q_i + (1 + m)·own_i) / r_i`: `cost_i`
-//! with `λ = 1/(1 + m)`, and `λ = ¼` is `m = 3` (75% utilisation, where routing matters). An LRU cache runs full, so a
-//! second copy of `H − h_i` tokens evicts as many tokens of other prompts, which the fleet
-//! recomputes when they are asked again: `κ = 1`. (Trace replays, docs/results.md: `λ = ½` or
-//! `κ = ¼` left busy holders for recomputes and copies the fleet then paid for.)
+//! request's time to first token there is `(Q_i + own_i) / r_i`; its own prefill is paid again by
+//! the `m` requests that queue behind it on that worker before its queue empties (`m = u/(1 − u)`
+//! at prefill utilisation `u` for a single queue), so time to first token plus the seconds the
+//! choice adds to the fleet is `(Q_i + (1 + m)·own_i) / r_i`: `cost_i` with `λ = 1/(1 + m)`, and
+//! `λ = ¼` is `m = 3` (75% utilisation, where routing matters). An LRU cache runs full, so a second
+//! copy of `H − h_i` tokens evicts as many tokens of other prompts, which the fleet recomputes when
+//! they are asked again: `κ = 1`. (Trace replays, docs/results.md: `λ = ½` or `κ = ¼` left busy
+//! holders for recomputes and copies the fleet then paid for.)
 //!
 //! **What follows from it.**
 //! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
