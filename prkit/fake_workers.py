@@ -166,9 +166,13 @@ class Worker:
                 body = self._read_body()
                 if self._loads():
                     return
+                # Envoy's active health checks are not requests the worker runs: SGLang's load
+                # endpoints leave them out, and so does the in-flight count they report here (a
+                # poll that met a health check would otherwise show a busy worker).
+                running = int(not (self.command == "GET" and self.path.split("?")[0] == "/health"))
                 with worker.lock:
                     worker.stats.count += 1
-                    worker.stats.inflight += 1
+                    worker.stats.inflight += running
                     worker.stats.max_inflight = max(worker.stats.max_inflight, worker.stats.inflight)
                     worker.stats.requests.append(
                         {
@@ -209,7 +213,7 @@ class Worker:
                         self.wfile.write(payload)
                 finally:
                     with worker.lock:
-                        worker.stats.inflight -= 1
+                        worker.stats.inflight -= running
 
             def _stream(self, req: dict):
                 """SSE like an LLM server: headers, then `x_events` events `x_interval` s apart."""
