@@ -2,9 +2,9 @@
 `policy.cost.queue_weight` (λ in filter/src/policy/cost.rs), to see what a second of queue is
 worth against the prefill the fleet computes.
 
-Per λ: hit rate, share of the pooled-LRU bound, holder follow, TTFT mean / p50 / p90 / p99 (from
-the replay's per-request records). With --waits, also the requests that had a holder, split by
-the holder's queued prefill tokens when routed (the `x-prefix-router-decision` header's
+Per λ: hit rate, share of the pooled-LRU bound, holder follow, TTFT mean / p50 / p90 / p99 (the
+replay's, as load/compare reports them). With --waits, also the requests that had a holder, split
+by the holder's queued prefill tokens when routed (the `x-prefix-router-decision` header's
 `holder_load=<requests>/<capacity>/<queued tokens>`): followed (sent to the holder) or spilled
 (`load_spill`), their mean and median TTFT, and the queue's tokens over the simulator's
 zero-context prefill rate (what the cost model charges for it). From the repo root, in the
@@ -17,7 +17,6 @@ zero-context prefill rate (what the cost model charges for it). From the repo ro
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import statistics
 import tempfile
@@ -26,26 +25,23 @@ from pathlib import Path
 from load import matrix as m
 from load.run_one import run_one
 from load.trace_replay import SIM_PREFILL_TOKENS_PER_S
+from prkit.client import parse_decision
 
-HOLDER = re.compile(r"worker=([\w.-]+); reason=(\w+);.*holder=([\w.-]+); holder_load=(\d+)/(\d+)/(\d+)")
 BUCKETS = ((0, 1), (1, 1000), (1000, 3000), (3000, 6000), (6000, None))
-
-
-def quantile(xs: list[float], q: float) -> float:
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
 def waits(records: list[dict]) -> list[str]:
     """TTFT of followed and spilled requests by their holder's queued prefill tokens."""
     rows: dict[str, list[tuple[int, float]]] = {"followed": [], "spilled": []}
     for r in records:
-        hit = HOLDER.search(r.get("d") or "")
-        if not hit or r.get("ttft") is None:
+        d = parse_decision(r.get("d") or "")
+        load = d.get("holder_load", "").split("/")
+        if len(load) != 3 or not load[2].isdigit() or r.get("ttft") is None:
             continue
-        worker, reason, holder, queued = hit.group(1), hit.group(2), hit.group(3), int(hit.group(6))
-        kind = "followed" if worker == holder else "spilled" if reason == "load_spill" else None
+        followed = d.get("worker") == d.get("holder")
+        kind = "followed" if followed else "spilled" if d.get("reason") == "load_spill" else None
         if kind:
-            rows[kind].append((queued, r["ttft"]))
+            rows[kind].append((int(load[2]), r["ttft"]))
     out = ["| holder's queued tokens | routed | requests | TTFT mean / median | queue / prefill rate |",
            "|---|---|---|---|---|"]
     for lo, hi in BUCKETS:
@@ -77,25 +73,23 @@ def main() -> None:
     print("| λ | hit rate | share of pooled LRU | holder follow | TTFT mean / p50 / p90 / p99 |")
     print("|---|---|---|---|---|")
     tables = []
-    for lam in a.weights:
-        workdir = Path(tempfile.mkdtemp(prefix="queue-sweep-"))
-        try:
-            c = m._setup(cell, False, a.requests, 1.0, {}, workdir)
+    workdir = Path(tempfile.mkdtemp(prefix="queue-sweep-"))
+    try:
+        # The trace, its bounds and the fleet's sizing are the same for every λ: set up once.
+        c = m._setup(cell, False, a.requests, 1.0, {}, workdir)
+        for lam in a.weights:
             pol = {**c["policy"], "cost": {**c["policy"].get("cost", {}), "queue_weight": lam}}
             row = run_one("prefix_router_2t", c["scen"], c["k6_env"], c["sim"], pol, cell.replicas, False, None,
                           c["sends"])
             s = m._summary(cell, row, c["trace"])
-            records = row.get("records") or []
-            ts = sorted(r["ttft"] for r in records if r.get("ttft") is not None)
-            mean = statistics.mean(ts) if ts else 0.0
             print(f"| {lam:g} | {s['hit_rate']:.1%} | {s['share_of_pooled_lru']:.3f} | {s['follow_latest']:.0%} | "
-                  f"{mean:.0f} / {quantile(ts, .5):.0f} / {quantile(ts, .9):.0f} / {quantile(ts, .99):.0f} ms |",
-                  flush=True)
+                  f"{row['ttft'].get('avg', 0.0):.0f} / {s['ttft_p50']:.0f} / {s['ttft_p90']:.0f} / "
+                  f"{s['ttft_p99']:.0f} ms |", flush=True)
             if a.waits:
-                tables.append((lam, waits(records)))
+                tables.append((lam, waits(row.get("records") or [])))
             shutil.rmtree(row["workdir"], ignore_errors=True)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     for lam, lines in tables:
         print(f"\nλ = {lam:g}\n\n" + "\n".join(lines))
 

@@ -10,6 +10,16 @@ from dataclasses import dataclass
 from .fake_workers import DEBUG_HEADER
 
 
+def parse_decision(value: str) -> dict:
+    """A decision debug header's value: {'worker':..., 'reason':..., 'matched': int, 'total': int,
+    and 'holder', 'holder_load' where present}."""
+    out = {}
+    for part in value.split(";"):
+        k, _, val = part.strip().partition("=")
+        out[k] = int(val) if k in ("matched", "total") and val.isdigit() else val
+    return out
+
+
 @dataclass
 class Reply:
     status: int
@@ -23,15 +33,9 @@ class Reply:
 
     @property
     def decision(self) -> dict:
-        """The debug header parsed: {'worker':..., 'reason':..., 'matched': int, 'total': int}."""
+        """The debug header parsed (parse_decision)."""
         v = self.headers.get(DEBUG_HEADER)
-        if not v:
-            return {}
-        out = {}
-        for part in v[0].split(";"):
-            k, _, val = part.strip().partition("=")
-            out[k] = int(val) if k in ("matched", "total") and val.isdigit() else val
-        return out
+        return parse_decision(v[0]) if v else {}
 
     def json(self):
         return json.loads(self.body)

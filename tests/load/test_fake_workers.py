@@ -6,12 +6,14 @@ import http.client
 import json
 import threading
 
+from prkit.client import Client
 from prkit.fake_workers import Worker
 from prkit.wait import wait_until
 
 
 def running(w: Worker) -> int:
-    """`num_running_reqs` of the worker's `/v1/loads`, asked as the filter's poller asks it."""
+    """`num_running_reqs` of the worker's `/v1/loads`, asked as the filter's poller asks it (Host:
+    the worker's name, which prkit.client.Client, sending its own Host, cannot set)."""
     c = http.client.HTTPConnection("127.0.0.1", w.port, timeout=10)
     try:
         c.request("GET", "/v1/loads", headers={"Host": w.name})
@@ -20,11 +22,10 @@ def running(w: Worker) -> int:
         c.close()
 
 
-def send(w: Worker, method: str, path: str, body: bytes = b"") -> None:
-    c = http.client.HTTPConnection("127.0.0.1", w.port, timeout=30)
+def send(w: Worker, method: str, path: str, body: bytes | None = None) -> None:
+    c = Client(w.port)
     try:
-        c.request(method, path, body=body, headers={"Content-Type": "application/json"})
-        c.getresponse().read()
+        c.request(method, path, body)
     finally:
         c.close()
 

@@ -26,8 +26,3 @@ def test_waits_splits_followed_and_spilled_requests_by_the_holders_queue():
     assert "| 3000-5999 | followed | 2 | 400 / 400 ms | 150 ms |" in lines
     assert "| 3000-5999 | spilled | 1 | 40 / 40 ms | 150 ms |" in lines
     assert len(lines) == 5
-
-
-def test_quantile_of_an_empty_list_is_zero():
-    assert queue_sweep.quantile([], 0.99) == 0.0
-    assert queue_sweep.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 3.0
