@@ -66,7 +66,7 @@
 //! copy of `H − h_i` tokens evicts as many tokens of other prompts, which the fleet recomputes when
 //! they are asked again: `κ = 1`. (Trace replays, docs/results.md: `λ = ½` or `κ = ¼` left busy
 //! holders for recomputes and copies the fleet then paid for; `λ = ⅛` kept more of the trace
-//! cells' bound for 2-6% more mean time to first token, and lost hit rate on long documents.)
+//! cells' bound for 2-6% more mean time to first token and more agentic tail spikes.)
 //!
 //! **What follows from it.**
 //! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
