@@ -1,5 +1,7 @@
 """The README's shell blocks, run exactly as written (bash, from the repository root, as a user
-who has run scripts/setup: `.venv/bin` on PATH for `envoy`, no CARGO_TARGET_DIR).
+who has run scripts/setup: `.venv/bin` on PATH for `envoy`, no CARGO_TARGET_DIR and no
+CARGO_PROFILE_* override; scripts/test's release-profile override for its test builds would
+otherwise rebuild the shipped `.wasm` under the tests that run it).
 
 Which blocks run, by one rule: a ```sh block runs unless one of its commands
 - needs a container engine or a cluster (`docker`, `kubectl`), or
@@ -71,7 +73,8 @@ def test_readme_block_runs_as_written(line: int, block: str):
     if existing:
         pytest.fail(f"README.md:{line} writes {existing} in the repository root, which already exist(s): "
                     "move them away to run this test")
-    env = {k: v for k, v in os.environ.items() if k != "CARGO_TARGET_DIR"}
+    env = {k: v for k, v in os.environ.items()
+           if k != "CARGO_TARGET_DIR" and not k.startswith("CARGO_PROFILE_")}
     env["PATH"] = f"{Path(envoy_binary()).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PWD"] = str(REPO)
     try:
