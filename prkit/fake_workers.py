@@ -110,10 +110,14 @@ class Worker:
                 self.end_headers()
                 self.wfile.write(payload)
 
+            def _route(self) -> str:
+                """The request's path without its query."""
+                return self.path.split("?")[0]
+
             def _loads(self) -> bool:
                 """SGLang's load endpoints as the filter's poller asks them (authority = the worker's
                 cluster name): answered with the worker's load and not counted as client traffic."""
-                path = self.path.split("?")[0]
+                path = self._route()
                 poll = self.headers.get("Host") == worker.name
                 if self.command == "GET" and path == "/metrics" and poll:
                     # The index's self-check reads SGLang's token counters; this worker has no
@@ -169,7 +173,7 @@ class Worker:
                 # Envoy's active health checks are not requests the worker runs: SGLang's load
                 # endpoints leave them out, and so does the in-flight count they report here (a
                 # poll that met a health check would otherwise show a busy worker).
-                running = int(not (self.command == "GET" and self.path.split("?")[0] == "/health"))
+                running = int(not (self.command == "GET" and self._route() == "/health"))
                 with worker.lock:
                     worker.stats.count += 1
                     worker.stats.inflight += running
