@@ -184,6 +184,7 @@ fn policies(c: &mut Criterion) {
                 slot: &[],
                 placed: &[],
                 recent: None,
+                sharers: 0.0,
             };
             g.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter(|| policy::choose(&cfg.policy, black_box(&inp)))

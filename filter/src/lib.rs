@@ -42,6 +42,7 @@ pub mod request;
 pub mod router;
 pub mod schedule;
 pub mod served;
+pub mod sharers;
 pub mod store;
 pub mod xxh3;
 

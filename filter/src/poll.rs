@@ -1253,6 +1253,7 @@ mod tests {
                 slot: &[],
                 placed: &[],
                 recent: None,
+                sharers: 0.0,
             };
             cache_aware::choose(&pc, &inp)
         };

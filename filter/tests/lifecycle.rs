@@ -509,9 +509,15 @@ fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
     s.on_response_headers(&h);
     let v = response_header(&h, "x-debug").expect("debug header on the response");
     assert!(
-        v.ends_with(&format!("; holder={worker}; holder_load=0/0/0")),
+        v.ends_with(&format!("; holder={worker}; holder_load=0/0/0; sharers=0")),
         "{v}"
     );
+    s.on_done(&h);
+    // Asked again: one earlier request reached the same deepest prefix.
+    let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &long);
+    s.on_response_headers(&h);
+    let v = response_header(&h, "x-debug").expect("debug header on the response");
+    assert!(v.ends_with("; sharers=1"), "{v}");
     s.on_done(&h);
 
     let (h, root) = configured(&config(""));

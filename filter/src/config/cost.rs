@@ -20,12 +20,13 @@ pub struct CostConfig {
     #[serde(default = "default_context_tokens")]
     pub context_tokens: u32,
     /// Share of a second copy's tokens that the fleet recomputes later: a full LRU cache evicts
-    /// as many tokens of other prompts for it.
+    /// as many tokens of other prompts for it (shared by the requests that lately reached the
+    /// same prefix, `sharers.rs`).
     #[serde(default = "default_copy_weight")]
     pub copy_weight: f64,
     /// `λ` of `policy/cost.rs`: a second of prefill queued ahead counts 1/(1 + m) of a second
     /// of prefill the choice adds, which this request and the m requests that queue behind it
-    /// pay; m = 3 (M/M/1 at 75% prefill utilisation).
+    /// pay; m = 7 (M/M/1 at 87.5% prefill utilisation: near capacity).
     #[serde(default = "default_queue_weight")]
     pub queue_weight: f64,
 }
@@ -52,8 +53,8 @@ fn default_context_tokens() -> u32 {
 }
 fn default_queue_weight() -> f64 {
     // Trace replays (docs/results.md): 0.5 left busy holders for recomputes the fleet then
-    // paid for.
-    0.25
+    // paid for; 0.25 kept less of the cache and, near capacity, more time to first token.
+    0.125
 }
 fn default_copy_weight() -> f64 {
     // An LRU cache runs full: a copy displaces as many tokens of other prompts, recomputed when

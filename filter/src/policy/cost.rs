@@ -41,7 +41,7 @@
 //! own_i  = w(P − h_i, h_i)                         this request's prefill there
 //! cost_i = ( own_i                                 prefill it adds to the fleet
 //!          + λ · (Q_i + ρ · R_i)                   work queued ahead of it
-//!          + κ · (H − h_i) ) / r_i                 the second copy it leaves in the KV
+//!          + κ · (H − h_i) / (1 + n) ) / r_i       the second copy it leaves in the KV
 //!          + λ · S_i                               the wait for a slot in a full batch
 //! ```
 //!
@@ -56,23 +56,30 @@
 //! time when a full batch excluded them, docs/results.md); long ones make it the cost that
 //! moves the request.
 //!
-//! `λ` is `policy.cost.queue_weight` (0.25), `ρ` `policy.request_cost_tokens` (64: the decode
-//! steps a newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1). Why: this
+//! `λ` is `policy.cost.queue_weight` (0.125), `ρ` `policy.request_cost_tokens` (64: the decode
+//! steps a newcomer's prefill waits between), `κ` `policy.cost.copy_weight` (1), `n` the
+//! requests that lately reached the same deepest held prefix (`sharers.rs`). Why: this
 //! request's time to first token there is `(Q_i + own_i) / r_i`; its own prefill is paid again by
 //! the `m` requests that queue behind it on that worker before its queue empties (`m = u/(1 − u)`
 //! at prefill utilisation `u` for a single queue), so time to first token plus the seconds the
 //! choice adds to the fleet is `(Q_i + (1 + m)·own_i) / r_i`: `cost_i` with `λ = 1/(1 + m)`, and
-//! `λ = ¼` is `m = 3` (75% utilisation, where routing matters). An LRU cache runs full, so a second
-//! copy of `H − h_i` tokens evicts as many tokens of other prompts, which the fleet recomputes when
-//! they are asked again: `κ = 1`. (Trace replays, docs/results.md: `λ = ½` or `κ = ¼` left busy
-//! holders for recomputes and copies the fleet then paid for; `λ = ⅛` kept more of the trace
-//! cells' bound for 2-6% more mean time to first token and more agentic tail spikes.)
+//! `λ = ⅛` is `m = 7` (87.5% utilisation: near capacity, where the fleet's prefill decides every
+//! request's wait). An LRU cache runs full, so a second copy of `H − h_i` tokens evicts as many
+//! tokens of other prompts, which the fleet recomputes when they are asked again: `κ = 1`. A copy
+//! of a prefix that `n` other requests lately reached serves them too (and takes a share of their
+//! load): each pays `1/(1 + n)` of it, as a fleet prefix is paid once per worker. A
+//! conversation's own history has `n = 0` (its next turn extends it: a deeper prefix). (Trace
+//! replays, docs/results.md: `λ = ½` or `κ = ¼` left busy holders for recomputes and copies the
+//! fleet then paid for; at 1.1-1.25x the x32 rate, `λ = ⅛` held the conversations' time to first
+//! token and lost the synthetic trace's repeated prompts to queues behind their holders, which
+//! the shared copy gives back.)
 //!
 //! **What follows from it.**
 //! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
 //!   elsewhere: `λ·(Q_h − Q_x) < own_x − own_h + κ·h_h` (long histories stay through deep
 //!   queues, short ones move, as the seconds say). A hot prefix therefore spills once its
-//!   holder's queue exceeds `(1 + κ)/λ` (8) times the prefix's recompute: no hot-spot rule.
+//!   holder's queue exceeds `(1 + κ/(1 + n))/λ` times the prefix's recompute (16 for one
+//!   user's prompt, towards 8 for one many repeat): no hot-spot rule.
 //! - A prefix every worker holds adds the same to every cost: queued work decides, and the
 //!   rendezvous order breaks exact ties, so new conversations on a fleet-wide system prompt
 //!   spread instead of stacking on its first holders. `cost_aware` counts a prefix that a fleet
@@ -143,6 +150,15 @@ impl Cost {
         }
         if n > 0 {
             self.default_rate = (sum / f64::from(n)).max(1.0);
+        }
+        self
+    }
+
+    /// The copy term shared by `others` requests that will use the copy too (`sharers.rs`):
+    /// each pays `1/(1 + others)` of it.
+    pub fn shared_by(mut self, others: f32) -> Cost {
+        if others > 0.0 && others.is_finite() {
+            self.copy_weight /= 1.0 + f64::from(others);
         }
         self
     }
@@ -263,13 +279,45 @@ mod tests {
         }
     }
 
+    /// A prompt repeated whole: its holder has a queue, another worker none. Repeated by this
+    /// request alone, the copy is a second one of a single user's prompt and the holder keeps
+    /// it; repeated by three others lately, the copy serves them too and the request moves.
+    #[test]
+    fn a_copy_other_requests_will_use_costs_each_of_them_a_share() {
+        let p = PolicyConfig {
+            cost: crate::config::cost::CostConfig {
+                queue_weight: 0.25,
+                ..PolicyConfig::default().cost
+            },
+            ..PolicyConfig::default()
+        };
+        let (prompt, held, queued) = (6_000.0, 5_900.0, 36_000.0);
+        for (others, stays) in [(0.0, true), (3.0, false)] {
+            let c = Cost::new(&p).shared_by(others);
+            let holder = c.seconds(prompt, held, &worker(held, queued));
+            let idle = c.seconds(prompt, held, &worker(0.0, 0.0));
+            assert_eq!(holder < idle, stays, "{others}: {holder} vs {idle}");
+        }
+        // Nothing to share, or a count that is not a number, leaves the copy whole.
+        let whole = Cost::new(&p).seconds(prompt, held, &worker(0.0, 0.0));
+        for others in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let c = Cost::new(&p).shared_by(others);
+            assert_eq!(
+                c.seconds(prompt, held, &worker(0.0, 0.0)),
+                whole,
+                "{others}"
+            );
+        }
+    }
+
     #[test]
     fn a_prefix_every_worker_holds_leaves_the_queue_to_decide() {
-        let c = Cost::new(&PolicyConfig::default());
+        let p = PolicyConfig::default();
+        let c = Cost::new(&p);
         let a = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 100.0));
         let b = c.seconds(4_000.0, 2_000.0, &worker(2_000.0, 0.0));
         assert!(b < a);
-        assert!((a - b - 0.25 * 100.0 / 30_000.0).abs() < 1e-12);
+        assert!((a - b - p.cost.queue_weight * 100.0 / 30_000.0).abs() < 1e-12);
     }
 
     #[test]
@@ -300,7 +348,7 @@ mod tests {
         // 8k-token follow-up on a 6k history; the holder's batch is full with 2 requests ahead.
         let (p, history) = (8_000.0, 6_000.0);
         let idle = c.seconds(p, history, &worker(0.0, 0.0));
-        for (slot, stays) in [(0.02, true), (1.0, false)] {
+        for (slot, stays) in [(0.02, true), (2.0, false)] {
             let holder = Worker {
                 slot_wait: 3.0 * slot,
                 ..worker(history, 0.0)

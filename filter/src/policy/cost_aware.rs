@@ -237,7 +237,9 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         };
     }
     // Someone holds a prefix: fewest seconds; rendezvous scores only to break exact ties.
-    let c = Cost::new(p).with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight));
+    let c = Cost::new(p)
+        .with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight))
+        .shared_by(inp.sharers);
     let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let cost_of = |i: usize| -> Option<f64> {
         let (r, m) = (inp.reqs[i], inp.matched[i]);
@@ -333,7 +335,9 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
     let total = total_reqs(inp) as f64;
-    let c = Cost::new(p).with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight));
+    let c = Cost::new(p)
+        .with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight))
+        .shared_by(inp.sharers);
     let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
@@ -542,8 +546,8 @@ mod tests {
         };
         assert_eq!(choose(&p, &inp).1, Reason::LoadSpill);
         // Unless how fast its slots free is known: the wait is then a price. One request ahead
-        // of it frees in 20 ms: cheaper than recomputing 97 blocks elsewhere; in 4 s, dearer.
-        for (t, stays) in [(0.02f32, true), (4.0, false)] {
+        // of it frees in 20 ms: cheaper than recomputing 97 blocks elsewhere; in 8 s, dearer.
+        for (t, stays) in [(0.02f32, true), (8.0, false)] {
             let slot = [t; 8];
             let inp = Inputs {
                 capacity: &full,
@@ -653,6 +657,34 @@ mod tests {
                 seconds(&c, &completions, h, 0.0, b.0),
                 "{matched:?}"
             );
+        }
+    }
+
+    /// A 6000-token prompt repeated whole (98 of 100 blocks held by worker 0, behind a queue;
+    /// the rest of the fleet idle): one user's prompt stays, one that three other requests
+    /// lately reached is copied to an idle worker (`sharers.rs`, the shared copy in `cost.rs`).
+    #[test]
+    fn a_prompt_other_requests_repeat_is_copied_out_of_a_queue_one_users_prompt_is_not() {
+        let m = model(8);
+        let p = PolicyConfig::default();
+        let queued = (9_375.0 / p.cost.queue_weight) as u32;
+        let tokens = [queued, 0, 0, 0, 0, 0, 0, 0];
+        let reqs = [2u32, 0, 0, 0, 0, 0, 0, 0];
+        let cap = [16u32; 8];
+        let matched = [98u32, 0, 0, 0, 0, 0, 0, 0];
+        for (sharers, stays) in [(0.0f32, true), (3.0, false)] {
+            let inp = Inputs {
+                prompt_tokens: 6_000,
+                capacity: &cap,
+                sharers,
+                ..inputs(&m, &reqs, &tokens, &matched, 7)
+            };
+            let (w, r) = choose(&p, &inp);
+            assert_eq!(w == 0, stays, "sharers {sharers}: {w} {r:?}");
+            let mut g = model(8);
+            g.uniform_weights = false;
+            let general = Inputs { model: &g, ..inp };
+            assert_eq!(choose(&p, &general).0, w, "general path, sharers {sharers}");
         }
     }
 

@@ -120,6 +120,9 @@ pub struct Inputs<'a> {
     /// The worker some VM of this Envoy sent a prompt with the same sibling key moments ago,
     /// when nobody held it either (`placements.rs`): its sibling follows it.
     pub recent: Option<usize>,
+    /// Requests this VM lately sent whose deepest held prefix was this prompt's (`sharers.rs`):
+    /// the other users a second copy of it would serve; 0 when nobody holds any of it.
+    pub sharers: f32,
 }
 
 /// Estimated uncached prompt tokens if worker `i` serves the request.

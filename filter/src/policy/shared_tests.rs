@@ -62,6 +62,7 @@ pub fn inputs<'a>(
         slot: &[],
         placed: &[],
         recent: None,
+        sharers: 0.0,
     }
 }
 
@@ -406,9 +407,10 @@ pub fn equally_deep_holders_share_a_prompt_group(
             ..inp
         };
         assert_eq!(choose(&p, &inp), (fav, Reason::PrefixHit), "group {group}");
-        // Queued work above what it holds (+2628 > 1280): the other copy.
+        // Queued work far above what it holds (12,000 tokens, > 1280 at any queue weight down to
+        // a tenth): the other copy.
         let mut tokens2 = tokens;
-        tokens2[fav] = 5000;
+        tokens2[fav] = 12_000;
         let inp2 = Inputs {
             tokens: &tokens2,
             ..inp

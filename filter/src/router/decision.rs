@@ -64,13 +64,15 @@ impl Decision {
 }
 
 /// A worker's load as one decision saw it: requests in flight, its running-request capacity
-/// (0: not reported) and its queued prefill tokens.
+/// (0: not reported) and its queued prefill tokens; with the requests that lately reached the
+/// same deepest held prefix (`sharers.rs`, rounded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HolderLoad {
     pub worker: u16,
     pub reqs: u32,
     pub capacity: u32,
     pub tokens: u32,
+    pub sharers: u16,
 }
 
 /// The filter's answer for an inference request.
@@ -121,11 +123,12 @@ impl Router {
             };
             let _ = write!(
                 v,
-                "; holder={}; holder_load={}/{}/{}",
+                "; holder={}; holder_load={}/{}/{}; sharers={}",
                 self.cluster(&at),
                 hl.reqs,
                 hl.capacity,
-                hl.tokens
+                hl.tokens,
+                hl.sharers
             );
         }
         if let Some(c) = chosen {

@@ -37,6 +37,7 @@ use crate::placements::Placements;
 use crate::policy::{self, Inputs, Policy, Reason};
 use crate::records::ById;
 use crate::request::{self, Endpoint, PromptKind};
+use crate::sharers::Sharers;
 use crate::store::Store;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -88,6 +89,8 @@ pub struct Router {
     busy: Busy,
     /// Uncached prompt tokens sent to each worker lately (`footprint.rs`).
     footprint: Footprint,
+    /// Requests lately routed on each deepest held prefix (`sharers.rs`).
+    sharers: Sharers,
     /// Recent placements of prompts nobody held, shared by the VMs (`placements.rs`).
     placements: Placements,
     /// Predicted against reported reuse per worker, and the entries it no longer trusts
@@ -157,6 +160,7 @@ impl Router {
             ledger: Ledger::new(&cfg).seeded(seed),
             busy: Busy::new(&cfg),
             footprint: Footprint::new(&cfg),
+            sharers: Sharers::default(),
             placements: Placements::default(),
             verifier: Verifier::new(cfg.models.iter().map(|m| m.workers.len())),
             policy: policy::from_config(cfg.policy.name, seed),
@@ -521,6 +525,10 @@ impl Router {
         } else {
             None
         };
+        let window = cfg.policy.footprint_decay_ms();
+        let sharers = self
+            .sharers
+            .observe_held(&self.hashes, deepest, now, window);
         let mut sampled = false;
         let mut holder = None;
         let (w, tok, reason) = self
@@ -548,6 +556,7 @@ impl Router {
                     slot,
                     placed: footprint.of(mi),
                     recent,
+                    sharers,
                 };
                 let (w, reason) = policy.choose(&cfg.policy, &inp);
                 if deepest > 0 {
@@ -560,6 +569,7 @@ impl Router {
                             reqs: reqs.get(h).copied().unwrap_or(0),
                             capacity: capacity.get(h).copied().unwrap_or(0),
                             tokens: tokens.get(h).copied().unwrap_or(0),
+                            sharers: (sharers + 0.5).min(f32::from(u16::MAX)) as u16,
                         });
                 }
                 let tok = if uses_index {
