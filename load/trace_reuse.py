@@ -19,14 +19,14 @@ from prkit.trace import TRACE_BLOCK, TRACES, load_trace
 BUCKETS = ((1, 1), (2, 4), (5, 49), (50, None))
 
 
-def reuse(name: str, requests: int) -> list[str]:
-    """One row per bucket of earlier users: requests and reused tokens in it."""
+def reuse(name: str, requests: int) -> list[tuple[str, int, float]]:
+    """Per bucket of earlier users: its label, the requests in it and their reused tokens' share of
+    every prompt token of the first `requests`."""
     seen: Counter[tuple[int, ...]] = Counter()
     by: Counter[tuple[int, int | None]] = Counter()
     toks: Counter[tuple[int, int | None]] = Counter()
-    reqs = load_trace(name, requests)
     total = 0
-    for r in reqs:
+    for r in load_trace(name, requests):
         h = r.hash_ids
         depth = 0
         while depth < len(h) and seen[h[: depth + 1]]:
@@ -39,11 +39,8 @@ def reuse(name: str, requests: int) -> list[str]:
             toks[b] += min(depth * TRACE_BLOCK, r.input_length)
         for k in range(1, len(h) + 1):
             seen[h[:k]] += 1
-    out = []
-    for lo, hi in BUCKETS:
-        span = f"{lo}" if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}"
-        out.append(f"| {name} | {span} | {by[(lo, hi)]} of {len(reqs)} | {toks[(lo, hi)] / total:.1%} |")
-    return out
+    return [(f"{lo}" if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}", by[(lo, hi)],
+             toks[(lo, hi)] / max(total, 1)) for lo, hi in BUCKETS]
 
 
 def main() -> None:
@@ -53,7 +50,9 @@ def main() -> None:
     print("| trace | earlier requests on the deepest reused prefix | requests | reused tokens, of all prompt tokens |")
     print("|---|---|---|---|")
     for name in TRACES:
-        print("\n".join(reuse(name, a.requests)))
+        n = len(load_trace(name, a.requests))
+        for span, reqs, share in reuse(name, a.requests):
+            print(f"| {name} | {span} | {reqs} of {n} | {share:.1%} |")
 
 
 if __name__ == "__main__":

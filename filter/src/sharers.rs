@@ -17,7 +17,7 @@
 //! counts the requests it routes.
 //!
 //! Costs: 16 KiB per VM, allocated once; per request with a holder, one slot read and write and
-//! one `exp`; no host call.
+//! one decay step (`decay.rs`: one `exp`); no host call.
 
 /// Slots of the table (a power of two).
 pub const SLOTS: usize = 1024;
@@ -73,11 +73,12 @@ impl Sharers {
             };
             return 0.0;
         }
-        // A clock that stepped back decays nothing.
-        let dt_ms = f64::from(now.saturating_sub(s.at)) * 100.0;
-        let n = s.count * (-dt_ms / f64::from(window_ms)).exp() as f32;
+        // The same clock, or one that stepped back, decays nothing.
+        let n = match crate::decay::step(&mut s.at, now, window_ms) {
+            Some(crate::decay::Step::Keep(keep)) => s.count * keep,
+            _ => s.count,
+        };
         s.count = n + 1.0;
-        s.at = now;
         n
     }
 }
