@@ -125,7 +125,8 @@ def _summary(cell: Cell, row: dict, trace: dict | None) -> dict:
         s = trace_stats(row, trace)
         out.update(pooled_lru_bound=s["pooled_lru_bound"], share_of_pooled_lru=s["share_of_pooled_lru"],
                    infinite_bound=s["infinite_bound"], routed_bound=s["routed_bound"],
-                   routed_lru_bound=s["routed_lru_bound"],
+                   routed_lru_bound=s["routed_lru_bound"], held_lru_bound=s["held_lru_bound"],
+                   share_of_held_lru=s["share_of_held_lru"],
                    follow_latest=s["follow_latest"], eligible=s["eligible"],
                    follow_free=s["follow_free"] if s["free_eligible"] else None,
                    follow_under_capacity=s["follow_under_capacity"] if s["under_eligible"] else None,
@@ -141,21 +142,23 @@ def table(results: list[dict]) -> str:
     """One line per cell and router; `vs smg`: TTFT p99 as a multiple of smg's in the same cell,
     hit rate minus smg's in points."""
     base = {r["cell"]: r for r in results if r["router"] == BASELINE}
-    lines = ["| cell | router | hit rate | share of pooled LRU | reuse routed / infinite | routed LRU "
-             "| holder follow: all / under capacity / free "
-             "| TTFT p50 / p99 | p99 / smg's | hit - smg's | lateness p99 | errors |", "|" + "---|" * 12]
+    lines = ["| cell | router | hit rate | share of pooled LRU | share of it with running KV held "
+             "| reuse routed / infinite | routed LRU | holder follow: all / under capacity / free "
+             "| TTFT p50 / p99 | p99 / smg's | hit - smg's | lateness p99 | errors |", "|" + "---|" * 13]
     for r in results:
         b = base.get(r["cell"])
         vs_p99 = (f"{r['ttft_p99'] / b['ttft_p99']:.2f}x" if b and b is not r and b["ttft_p99"] > 0 else "")
         vs_hit = (f"{(r['hit_rate'] - b['hit_rate']) * 100:+.1f} pt" if b and b is not r else "")
         share = f"{r['share_of_pooled_lru']:.2f}" if "share_of_pooled_lru" in r else "-"
+        held = (f"{r['share_of_held_lru']:.2f} (bound {r['held_lru_bound']:.1%})" if r.get("held_lru_bound")
+                else "-")
         routed = (f"{r['routed_bound']:.1%} / {r['infinite_bound']:.1%}" if r.get("infinite_bound") else "-")
         routed_lru = _pct(r.get("routed_lru_bound"))
         free = "-" if r.get("follow_free") is None else f"{r['follow_free']:.0%}"
         under = "-" if r.get("follow_under_capacity") is None else f"{r['follow_under_capacity']:.0%}"
         follow = f"{r['follow_latest']:.0%} / {under} / {free}" if "follow_latest" in r else "-"
         late = f"{r['lateness_p99']:.0f} ms" if "lateness_p99" in r else "-"
-        lines.append(f"| {r['cell']} | {r['label']} | {_pct(r['hit_rate'])} | {share} | {routed} | {routed_lru} | {follow} "
+        lines.append(f"| {r['cell']} | {r['label']} | {_pct(r['hit_rate'])} | {share} | {held} | {routed} | {routed_lru} | {follow} "
                      f"| {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} ms | {vs_p99} | {vs_hit} | {late} | {r['errors']} |")
     return "\n".join(lines)
 

@@ -178,6 +178,20 @@ def _holder_state(header: str | None) -> str:
     return "queued" if tokens else "free"
 
 
+def held_bound(row: dict, t: dict) -> int:
+    """Tokens the pooled-LRU bound's cache (the fleet's KV) serves when each served request holds
+    its prompt and output from its first token to its end, as the run's records time them
+    (prkit.trace.held_lru_hits): a request's KV is allocated by the prefill that ends at its first
+    token, so the hold starts late by its own prefill, in the bound's favour."""
+    spans: list[tuple[float, float] | None] = [None] * t["requests"]
+    for r in row.get("records", []):
+        i = r.get("i")
+        if (isinstance(i, int) and 0 <= i < len(spans) and r.get("s") == 200 and r.get("ttft") is not None
+                and r.get("t0") is not None and r.get("t1") is not None):
+            spans[i] = (r["t0"] + r["ttft"], r["t1"])
+    return sum(tr.held_lru_hits(t["seqs"], t["out_tokens"], spans, t["kv"] * t["workers"]))
+
+
 def trace_stats(row: dict, t: dict) -> dict:
     """The replay's numbers beside the workers' hit rate: the offline bounds and the router's share
     of them, holder follow (prkit.trace.holder_follow on the workers the `x-worker-id` headers
@@ -202,6 +216,7 @@ def trace_stats(row: dict, t: dict) -> dict:
     routed_lru = sum(tr.routed_lru_hits(t["seqs"], workers, t["kv"])) / total if "seqs" in t and "kv" in t else 0.0
     inf = sum(t["infinite"]) / total
     lru = sum(t["pooled_lru"]) / total
+    held = held_bound(row, t) / total if "seqs" in t and "kv" in t else 0.0
     late = [r["late"] for r in recs.values()]
     return {
         "infinite_bound": inf,
@@ -215,6 +230,11 @@ def trace_stats(row: dict, t: dict) -> dict:
         # The same reuse through an LRU of the worker's KV size, fed what it was sent: the
         # placement's own eviction, without the time it is served in.
         "routed_lru_bound": routed_lru,
+        # The pooled LRU with the KV this run's running requests held taken out while they ran
+        # (prkit.trace.held_lru_hits): what one cache of the fleet's size delivers in this run's
+        # time, which no routing gives back.
+        "held_lru_bound": held,
+        "share_of_held_lru": row["hit_rate"] / held if held else 0.0,
         "planned_prompt_tokens": total,
         "records": len(recs),
         "served": hf.served,

@@ -18,6 +18,9 @@ partial). Replaying it needs prompts whose prefix sharing is exactly the trace's
   can reuse), and one LRU prefix cache as large as the whole fleet's KV ("pooled LRU": a perfect
   router over LRU workers whose caches never duplicate a block). Prompt tokens outside the blocks
   (BOS, the chat template: `Shape`) are counted as the simulator counts them.
+  `held_lru_hits` times the same caches: each request holds its prompt and output from its
+  start to its end, as a worker's running requests hold their KV, so a run's timing (given by
+  its records) takes out of the pooled LRU the room its running requests used.
 * `holder_follow()`: given the worker that served each request, how often a request whose prefix
   beyond its first block (in the conversation trace, the first block is a system prompt every
   request shares) was served before went to a worker that served it.
@@ -266,6 +269,77 @@ def pooled_lru_hits(seqs: Sequence[Sequence[Block]], capacity_tokens: int) -> li
             used -= tokens
             del victim.parent.children[victim.key]
     return out
+
+
+def held_lru_hits(seqs: Sequence[Sequence[Block]], outs: Sequence[int],
+                  spans: Sequence[tuple[float, float] | None], capacity_tokens: int,
+                  workers: Sequence[str | None] | None = None) -> list[int]:
+    """Per request, the tokens an LRU prefix cache of `capacity_tokens` would serve when, as on a
+    worker, each request holds its KV from `spans[i][0]` to `spans[i][1]` (any time unit; None: a
+    failed request, 0 and never inserted): at its start it matches its longest cached prefix, its
+    prompt blocks and `outs[i]` output tokens (a block of its own) are inserted and locked; at
+    its end they are unlocked, most recently used (the output stays cached, as SGLang's
+    `cache_finished_req` keeps it), and the least recently used unlocked blocks are evicted,
+    leaves first, until the cache fits (locked blocks may overfill it, as running requests do).
+
+    One cache (`workers` None): the pooled-LRU bound of `pooled_lru_hits` with the KV the run's
+    running requests held taken out of it while they ran, which no router can give back. Per
+    worker (`workers[i]`, each cache fed what it was sent): what the placement's caches deliver
+    in the time they were served. With every span of length zero and no outputs it is
+    `pooled_lru_hits` / `routed_lru_hits`."""
+    groups: dict[object, list[int]] = {}
+    for i, span in enumerate(spans):
+        w = None if workers is None else workers[i]
+        if span is not None and (workers is None or w is not None):
+            groups.setdefault(w, []).append(i)
+    out = [0] * len(seqs)
+    for idx in groups.values():
+        _held_lru(seqs, outs, spans, capacity_tokens, idx, out)
+    return out
+
+
+def _held_lru(seqs, outs, spans, capacity_tokens: int, idx: list[int], out: list[int]) -> None:
+    """`held_lru_hits` for the requests `idx` through one cache, into `out`."""
+    # (time, order, i): at one instant ends free their blocks before starts claim theirs; a
+    # request's own end (order 2) always follows its start.
+    events = []
+    for i in idx:
+        start, end = spans[i]
+        end = max(end, start)
+        events += [(start, 1, i), (end, 0 if end > start else 2, i)]
+    events.sort()
+    root = _Node()
+    counted: dict[_Node, int] = {}  # every cached node -> its tokens counted in `used`
+    lru: OrderedDict[_Node, None] = OrderedDict()  # the unlocked ones, LRU first
+    locks: dict[_Node, int] = {}
+    used = 0
+    held: dict[int, list[_Node]] = {}
+    for _, order, i in events:
+        if order == 1:
+            out[i] = _match(root, seqs[i])[0]
+            path = _insert(root, seqs[i])
+            parent = path[-1] if path else root
+            tail = parent.children[("out", i)] = _Node(parent, ("out", i))
+            tail.tokens = max(0, outs[i])
+            path.append(tail)
+            for node in path:
+                # a partial block cached shorter may have grown: count its new tokens
+                used += node.tokens - counted.get(node, 0)
+                counted[node] = node.tokens
+                lru.pop(node, None)
+                locks[node] = locks.get(node, 0) + 1
+            held[i] = path
+        else:
+            for node in reversed(held.pop(i)):  # leaf side first: older than its prefix
+                locks[node] -= 1
+                if locks[node] == 0:
+                    del locks[node]
+                    lru[node] = None
+        while used > capacity_tokens and lru:
+            victim, _ = lru.popitem(last=False)
+            used -= counted.pop(victim)
+            if victim.parent is not None and victim.parent.children.get(victim.key) is victim:
+                del victim.parent.children[victim.key]
 
 
 def routed_lru_hits(seqs: Sequence[Sequence[Block]], workers: Sequence[str | None],

@@ -41,10 +41,13 @@ def test_table_compares_each_router_with_smg_in_its_cell():
             {"cell": "c", "router": "prefix_router_2t", "label": "pr", "hit_rate": 0.25, "ttft_p50": 9.0,
              "ttft_p99": 100.0, "errors": 0, "share_of_pooled_lru": 0.97, "follow_latest": 0.9,
              "follow_free": None, "follow_under_capacity": 0.95, "lateness_p99": 3.0,
-             "routed_bound": 0.3, "infinite_bound": 0.4, "routed_lru_bound": 0.27}]
+             "routed_bound": 0.3, "infinite_bound": 0.4, "routed_lru_bound": 0.27, "held_lru_bound": 0.25,
+             "share_of_held_lru": 1.0}]
     t = matrix.table(rows)
-    assert ("| c | pr | 25.0% | 0.97 | 30.0% / 40.0% | 27.0% | 90% / 95% / - | 9 / 100 ms | 0.50x | +5.0 pt | 3 ms | 0 |"
-            in t), t
+    assert ("| c | pr | 25.0% | 0.97 | 1.00 (bound 25.0%) | 30.0% / 40.0% | 27.0% | 90% / 95% / - | 9 / 100 ms "
+            "| 0.50x | +5.0 pt | 3 ms | 0 |" in t), t
+    # smg's row (no trace statistics) leaves the bounds' columns empty.
+    assert "| c | smg | 20.0% | - | - | - | - | - |" in t, t
 
 
 def test_matrix_smoke_one_cell(repo_root, tmp_path):
@@ -66,6 +69,10 @@ def test_matrix_smoke_one_cell(repo_root, tmp_path):
         # LRUs fed what they were sent keep at most the latter.
         assert r["hit_rate"] <= r["routed_bound"] + 1e-9 <= r["infinite_bound"] + 2e-9, r
         assert 0 <= r["routed_lru_bound"] <= r["routed_bound"] + 1e-9, r
+        # The pooled cache with running requests' KV held: no cache serves more than the
+        # infinite one; the share is the hit rate over it.
+        assert 0 < r["held_lru_bound"] <= r["infinite_bound"] + 1e-9, r
+        assert abs(r["share_of_held_lru"] - r["hit_rate"] / r["held_lru_bound"]) < 1e-9, r
     md = (out / "matrix.md").read_text()
     # The command line as run (prefixed by the build variables it ran with, e.g. PREFIX_ROUTER_WASM).
     command = next(line for line in md.splitlines() if line.startswith("Command: `"))

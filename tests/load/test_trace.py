@@ -135,6 +135,44 @@ def test_pooled_lru_evicts_least_recently_used_leaves_first():
     assert tr.pooled_lru_hits([blocks(1, 2), blocks(3), blocks(4), blocks(1)], 12) == [0, 0, 0, 4]
 
 
+def test_held_lru_without_running_time_is_the_pooled_and_routed_lru():
+    seqs = [blocks(1, 2, 3), blocks(1, 2, 4), blocks(1, 5), blocks(1, 2, 3), blocks(1, 2, 4)]
+    instants = [(t, t) for t in range(len(seqs))]
+    outs = [0] * len(seqs)
+    for cap in (0, 12, 16, 20, 10**6):
+        assert tr.held_lru_hits(seqs, outs, instants, cap) == tr.pooled_lru_hits(seqs, cap)
+    workers = ["a", "b", "a", "a", "b"]
+    assert tr.held_lru_hits(seqs, outs, instants, 12, workers) == tr.routed_lru_hits(seqs, workers, 12)
+    # A failed request (no span, or no worker) neither hits nor is inserted.
+    assert tr.held_lru_hits(seqs, outs, [None] + instants[1:], 10**6) == [0, 0, 4, 8, 12]
+    assert tr.held_lru_hits(seqs, outs, instants, 10**6, [None, "a", "a", "a", "a"]) == [0, 0, 4, 8, 12]
+
+
+def test_held_lru_keeps_a_running_requests_blocks_and_loses_the_room_they_take():
+    # Room for 2 blocks. Request 0 runs from 0 to 10: its block 1 cannot be evicted while it runs,
+    # so request 3 (block 1 again, at 5) finds it, although 2 and 3 came after it; the pooled LRU,
+    # where nothing runs, evicted it.
+    seqs = [blocks(1), blocks(2), blocks(3), blocks(1)]
+    spans = [(0, 10), (1, 2), (3, 4), (5, 6)]
+    assert tr.held_lru_hits(seqs, [0] * 4, spans, 8) == [0, 0, 0, 4]
+    assert tr.pooled_lru_hits(seqs, 8) == [0, 0, 0, 0]
+    # Room for 2 blocks: a long request (block 2 and 4 output tokens) running from 2 to 100 fills
+    # it, so block 1, cached at 1, is gone when request 2 asks at 3; the pooled LRU keeps it.
+    seqs = [blocks(1), blocks(2), blocks(1)]
+    spans = [(0, 1), (2, 100), (3, 4)]
+    assert tr.held_lru_hits(seqs, [0, 4, 0], spans, 8) == [0, 0, 0]
+    assert tr.pooled_lru_hits(seqs, 8) == [0, 0, 4]
+    # Its output stays cached once it ends (as SGLang keeps it) and takes room: with 3 blocks of
+    # room, block 3 at 4 then evicts block 1, which request 4 no longer finds.
+    seqs = [blocks(1), blocks(2), blocks(3), blocks(2), blocks(1)]
+    spans = [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
+    assert tr.held_lru_hits(seqs, [0, 4, 0, 0, 0], spans, 12) == [0, 0, 0, 4, 0]
+    assert tr.held_lru_hits(seqs, [0] * 5, spans, 12) == [0, 0, 0, 4, 4]
+    # Ends free their blocks before starts at the same instant claim room.
+    seqs = [blocks(1), blocks(2), blocks(1)]
+    assert tr.held_lru_hits(seqs, [0, 0, 0], [(0, 1), (1, 3), (3, 4)], 8) == [0, 0, 4]
+
+
 def test_pooled_lru_never_beats_infinite_on_a_real_slice():
     reqs = tr.load_trace("conversation", 300)
     seqs = [tr.with_shape(tr.scale(r, 16)[0], tr.SHAPES["completions"]) for r in reqs]
