@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     xg.add_argument("--cells", default=None, metavar="GLOBS",
                     help="comma-separated glob patterns of cell names, e.g. 'conversation/x16/*/r1,agentic/*'")
     xg.add_argument("--list", action="store_true", help="print the matrix's cell names (after --cells) and exit")
+    xg.add_argument("--runs", type=int, default=1,
+                    help="runs per cell and router (interleaved); with more than one, a table of medians follows")
     args = ap.parse_args(argv)
     if args.matrix or args.list or args.cells:
         return matrix_main(ap, args, argv)
@@ -285,10 +287,14 @@ def matrix_main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: lis
             ap.error(f"unknown router {r!r}; known: {', '.join(ROUTERS)}")
     if args.requests is not None and args.requests < 1:
         ap.error("--requests must be >= 1")
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
     ts = args.time_scale if args.time_scale is not None else (0.2 if args.quick else 1.0)
     results, path = matrix.run_matrix(cells, routers, args.quick, args.requests, ts, json.loads(args.policy),
-                                      Path(args.out), command_line(argv), args.keep)
+                                      Path(args.out), command_line(argv), args.keep, args.runs)
     print("\n" + matrix.table(results) + "\n\n" + "\n".join(matrix.cell_notes(results)))
+    if args.runs > 1:
+        print("\n" + matrix.medians_table(results))
     print(f"\nwrote {path}")
     bad = sorted({r["cell"] + " " + r["router"] for r in results if r["errors"]})
     if bad:

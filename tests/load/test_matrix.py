@@ -50,6 +50,23 @@ def test_table_compares_each_router_with_smg_in_its_cell():
     assert "| c | smg | 20.0% | - | - | - | - | - |" in t, t
 
 
+def test_medians_take_each_cell_and_router_over_its_runs():
+    def row(cell, label, share, held, p99, hit=0.2):
+        r = {"cell": cell, "router": label, "label": label, "hit_rate": hit, "ttft_p99": p99}
+        if share is not None:
+            r.update(share_of_pooled_lru=share, share_of_held_lru=held)
+        return r
+    rows = [row("t", "pr", 0.90, 0.95, 300.0), row("t", "smg", 0.50, 0.52, 900.0),
+            row("t", "pr", 0.98, 1.00, 100.0), row("t", "smg", 0.40, 0.41, 800.0),
+            row("t", "pr", 0.94, 0.97, 200.0), row("t", "smg", 0.45, 0.47, 700.0),
+            row("s", "pr", None, None, 50.0, hit=0.8), row("s", "pr", None, None, 70.0, hit=0.9)]
+    t = matrix.medians_table(rows)
+    assert "| t | pr | 3 | 0.940 (0.900-0.980) | 0.970 (0.950-1.000) | 200 (100-300) |" in t, t
+    assert "| t | smg | 3 | 0.450 (0.400-0.500) | 0.470 (0.410-0.520) | 800 (700-900) |" in t, t
+    # A scenario cell (no trace bounds): its hit rate, and no held share.
+    assert "| s | pr | 2 | 85.0% (80.0%-90.0%) | - | 60 (50-70) |" in t, t
+
+
 def test_matrix_smoke_one_cell(repo_root, tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
