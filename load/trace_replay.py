@@ -257,10 +257,11 @@ def trace_stats(row: dict, t: dict) -> dict:
 def trace_table(rows: list[dict]) -> str:
     t0 = rows[0]["trace"] if rows else {}
     head = (f"| router | replicas | hit rate | share of infinite ({t0.get('infinite_bound', 0):.1%}) "
-            f"| share of pooled LRU ({t0.get('pooled_lru_bound', 0):.1%}) | holder follow latest / earliest / any "
+            f"| share of pooled LRU ({t0.get('pooled_lru_bound', 0):.1%}) | share of it with running KV held (bound) "
+            "| holder follow latest / earliest / any "
             "| TTFT p50 / p90 / p99 | E2E p50 / p90 / p99 | lateness p50 / p99 / max | errors | max/mean load "
             "| requests per worker |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         s, t, e = r["trace"], r["ttft"], r["e2e"]
         reqs = r["worker_requests"]
@@ -268,7 +269,7 @@ def trace_table(rows: list[dict]) -> str:
         replicas = str(n) if n == 1 else f"{n} {r.get('replica_mode', '')}"
         lines.append(
             f"| {r['label']} | {replicas} | {r['hit_rate']:.1%} | {s['share_of_infinite']:.0%} "
-            f"| {s['share_of_pooled_lru']:.0%} "
+            f"| {s['share_of_pooled_lru']:.0%} | {s['share_of_held_lru']:.0%} ({s['held_lru_bound']:.1%}) "
             f"| {s['follow_latest']:.0%} / {s['follow_earliest']:.0%} / {s['follow_any']:.0%} (of {s['eligible']}) "
             f"| {t.get('med', 0):.0f} / {t.get('p(90)', 0):.0f} / {t.get('p(99)', 0):.0f} ms "
             f"| {e.get('med', 0):.0f} / {e.get('p(90)', 0):.0f} / {e.get('p(99)', 0):.0f} ms "
@@ -304,7 +305,10 @@ def trace_notes(rows: list[dict], t: dict) -> list[str]:
         f"cached): one infinite prefix cache {rows[0]['trace']['infinite_bound']:.1%} of prompt tokens; one LRU "
         f"prefix cache of the whole fleet's KV ({t['kv'] * t['workers']} tokens, {t['block_tokens']}-token "
         f"blocks) {rows[0]['trace']['pooled_lru_bound']:.1%} (not a strict upper bound: the workers also cache "
-        "outputs and reserve KV for running requests, and LRU is not optimal). Share = hit rate / bound.",
+        "outputs and reserve KV for running requests, and LRU is not optimal). Share = hit rate / bound. "
+        "The same cache with each served request's prompt and output held in it from its first token to its "
+        "end, as this router's run timed them (prkit.trace.held_lru_hits), per router: what that run's "
+        "running requests left of the bound.",
         "Holder follow: of the requests an earlier served request shares more than the first block with "
         "(`of N`), the share sent to the worker that served the latest / the earliest request sharing the "
         "longest prefix, or to any worker that served one (workers from `x-worker-id`). Lateness: how long "

@@ -84,7 +84,7 @@ def test_compare_quick_trace_replay(repo_root, tmp_path):
     md, rows = run_compare(repo_root, out, "trace-conversation", "--scenario", "trace", "--trace", "conversation",
                            "--requests", "600", "--routers", ",".join(TRACE_ROUTERS), "--no-plots")
     assert [r["router"] for r in rows] == TRACE_ROUTERS
-    assert "share of infinite" in md and "Decision reasons" in md
+    assert "share of infinite" in md and "running KV held" in md and "Decision reasons" in md
     for r in rows:
         s = r["trace"]
         assert r["label"] in md
@@ -95,6 +95,7 @@ def test_compare_quick_trace_replay(repo_root, tmp_path):
         # The block texts tokenize in the simulator exactly as planned.
         assert r["prompt_tokens"] == s["planned_prompt_tokens"], r["label"]
         assert 0 < s["pooled_lru_bound"] <= s["infinite_bound"] < 1
+        assert 0 < s["held_lru_bound"] <= s["infinite_bound"]  # the same cache, running KV held
         assert 0 <= r["hit_rate"] <= 1 and s["eligible"] > 0
         assert s["lateness_max_ms"] >= 0
     by = {r["router"]: r for r in rows}
