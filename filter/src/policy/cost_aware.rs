@@ -100,6 +100,14 @@ fn fleet_tokens(p: &PolicyConfig, inp: &Inputs) -> f64 {
     tokens_in(inp, fleet_held_blocks(p, inp))
 }
 
+/// The cost model for this request: the configured constants, the fleet's learned rate for
+/// workers without one, and the copy shared by the requests that lately reached its prefix.
+fn cost_model(p: &PolicyConfig, inp: &Inputs) -> Cost {
+    Cost::new(p)
+        .with_fleet_rate(inp.rate, inp.model.workers.iter().map(|w| w.weight))
+        .shared_by(inp.sharers)
+}
+
 /// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`],
 /// `fleet` from [`fleet_tokens`]: a prefix the fleet holds counts as held by every worker.
 fn seconds(c: &Cost, inp: &Inputs, deepest: f64, fleet: f64, i: usize) -> f64 {
@@ -237,9 +245,7 @@ fn choose_uniform(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
         };
     }
     // Someone holds a prefix: fewest seconds; rendezvous scores only to break exact ties.
-    let c = Cost::new(p)
-        .with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight))
-        .shared_by(inp.sharers);
+    let c = cost_model(p, inp);
     let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let cost_of = |i: usize| -> Option<f64> {
         let (r, m) = (inp.reqs[i], inp.matched[i]);
@@ -335,9 +341,7 @@ fn choose_general(p: &PolicyConfig, inp: &Inputs) -> (usize, Reason) {
     let model = inp.model;
     let n = model.workers.len();
     let total = total_reqs(inp) as f64;
-    let c = Cost::new(p)
-        .with_fleet_rate(inp.rate, model.workers.iter().map(|w| w.weight))
-        .shared_by(inp.sharers);
+    let c = cost_model(p, inp);
     let (deepest, fleet) = (deepest_held(inp), fleet_tokens(p, inp));
     let mut top = 0usize; // rendezvous top overall
     let mut top_score = f64::MIN;
