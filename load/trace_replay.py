@@ -178,16 +178,15 @@ def _holder_state(header: str | None) -> str:
     return "queued" if tokens else "free"
 
 
-def held_bound(row: dict, t: dict) -> int:
+def held_bound(recs: dict[int, dict], t: dict) -> int:
     """Tokens the pooled-LRU bound's cache (the fleet's KV) serves when each served request holds
-    its prompt and output from its first token to its end, as the run's records time them
-    (prkit.trace.held_lru_hits): a request's KV is allocated by the prefill that ends at its first
-    token, so the hold starts late by its own prefill, in the bound's favour."""
+    its prompt and output from its first token to its end, as its record (`recs`, by request
+    index) times it (prkit.trace.held_lru_hits): a request's KV is allocated by the prefill that
+    ends at its first token, so the hold starts late by its own prefill, in the bound's favour."""
     spans: list[tuple[float, float] | None] = [None] * t["requests"]
-    for r in row.get("records", []):
-        i = r.get("i")
-        if (isinstance(i, int) and 0 <= i < len(spans) and r.get("s") == 200 and r.get("ttft") is not None
-                and r.get("t0") is not None and r.get("t1") is not None):
+    for i in range(t["requests"]):
+        r = recs.get(i)
+        if r and r["s"] == 200 and None not in (r.get("ttft"), r.get("t0"), r.get("t1")):
             spans[i] = (r["t0"] + r["ttft"], r["t1"])
     return sum(tr.held_lru_hits(t["seqs"], t["out_tokens"], spans, t["kv"] * t["workers"]))
 
@@ -216,7 +215,7 @@ def trace_stats(row: dict, t: dict) -> dict:
     routed_lru = sum(tr.routed_lru_hits(t["seqs"], workers, t["kv"])) / total if "seqs" in t and "kv" in t else 0.0
     inf = sum(t["infinite"]) / total
     lru = sum(t["pooled_lru"]) / total
-    held = held_bound(row, t) / total if "seqs" in t and "kv" in t else 0.0
+    held = held_bound(recs, t) / total if "seqs" in t and "kv" in t else 0.0
     late = [r["late"] for r in recs.values()]
     return {
         "infinite_bound": inf,
