@@ -142,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     xg.add_argument("--cells", default=None, metavar="GLOBS",
                     help="comma-separated glob patterns of cell names, e.g. 'conversation/x16/*/r1,agentic/*'")
     xg.add_argument("--list", action="store_true", help="print the matrix's cell names (after --cells) and exit")
+    xg.add_argument("--held-out", action="store_true",
+                    help="the trace cells on later stretches of the conversation trace (requests 4001-8000 and "
+                    "8001-12000 with the default --requests) instead of the matrix's cells; with --cells, --list and --runs as there")
     xg.add_argument("--runs", type=int, default=1,
                     help="runs per cell and router (interleaved); with more than one, a table of medians follows")
     args = ap.parse_args(argv)
-    if args.matrix or args.list or args.cells:
+    if args.matrix or args.list or args.cells or args.held_out:
         return matrix_main(ap, args, argv)
     trace_args = {k: getattr(args, k) for k in ("trace", "requests", "speed", "utilisation", "block_tokens", "api",
                                                     "client")}
@@ -269,14 +272,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def matrix_main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> int:
-    cells = matrix.select(matrix.all_cells(), args.cells)
+    cells = matrix.select(matrix.held_out_cells() if args.held_out else matrix.all_cells(), args.cells)
     if not cells:
         ap.error(f"--cells {args.cells!r} matches no cell; see --list")
     if args.list:
         print("\n".join(c.name for c in cells))
         return 0
     if not args.matrix:
-        ap.error("--cells needs --matrix or --list")
+        ap.error("--cells and --held-out need --matrix or --list")
     other = [k for k in ("trace", "speed", "utilisation", "block_tokens", "api", "client", "membership")
              if getattr(args, k) is not None] + (["replicas"] if args.replicas != 1 else [])
     if other:

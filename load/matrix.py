@@ -62,6 +62,7 @@ class Cell:
     trace: str | None = None
     rate: str | None = None
     workers: int | None = None  # None: the scenario's
+    skip: int = 0  # trace cells: requests of the trace before the replayed ones
 
 
 def all_cells() -> list[Cell]:
@@ -80,6 +81,25 @@ def all_cells() -> list[Cell]:
     cells.append(Cell("agentic/chat/r4", "agentic", 4, "v1", "chat"))
     for s in DOC_SCENARIOS:
         cells.append(Cell(f"{s}/r1", s))
+    return cells
+
+
+HELD_OUT_SKIPS = (4000, 8000)
+
+
+def held_out_cells() -> list[Cell]:
+    """The trace cells on stretches of the conversation trace nothing was tuned on (`--held-out`):
+    `conversation+S/RATE/LOADS/API/rR` replays the --requests requests after the trace's first S
+    (4000: requests 4001-8000, after the matrix's; 8000: 8001-12000 of 12,031), on the grid of the matrix's trace
+    cells. The synthetic trace has no more requests than the matrix replays."""
+    cells = []
+    for skip in HELD_OUT_SKIPS:
+        for rate in SPEEDS:
+            for loads in ("v1", "get_load"):
+                for api in ("completions", "chat"):
+                    for r in (1, 4):
+                        cells.append(Cell(f"conversation+{skip}/{rate}/{loads}/{api}/r{r}", "trace", r, loads, api,
+                                          "conversation", rate, skip=skip))
     return cells
 
 
@@ -103,7 +123,8 @@ def _setup(cell: Cell, quick: bool, requests: int | None, time_scale: float, pol
     pol = dict(policy)
     if cell.trace:
         n = requests or (TRACE_REQUESTS_QUICK if quick else TRACE_REQUESTS)
-        trace = trace_setup(cell.trace, n, SPEEDS[cell.rate], BLOCK_TOKENS, cell.api, len(scen["models"]), workdir)
+        trace = trace_setup(cell.trace, n, SPEEDS[cell.rate], BLOCK_TOKENS, cell.api, len(scen["models"]), workdir,
+                            skip=cell.skip)
         kv = trace["kv"]
         sends = tr.plan_sends(json.loads(trace["plan"].read_text()), cell.api, k6_env["MODELS"])
         pol = {**trace_scaled_policy(BLOCK_TOKENS, filter_has_cost_model(wasm_path())), **policy}

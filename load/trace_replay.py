@@ -88,15 +88,15 @@ def prefill_seconds(prompts: list[int], hits: list[int], block_tokens: int) -> f
 
 
 def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int, api: str, workers: int,
-                workdir: Path, utilisation: float | None = None) -> dict:
-    """The first `requests` requests of trace `name`: writes the replay plan (prkit.trace) to
+                workdir: Path, utilisation: float | None = None, skip: int = 0) -> dict:
+    """`requests` requests of trace `name` after its first `skip` (`tr.load_trace`): writes the replay plan (prkit.trace) to
     `workdir/plan.json` and computes the fleet's sizing and the offline bounds. KV per worker: the
     fleet holds KV_FLEET_SHARE of the slice's distinct prompt-block tokens, but at least twice the
     largest request (prompt + output: the simulator refuses a request its KV cannot hold, and one
     that fills a worker blocks it); --context-length: the largest request fits (at least 8192).
     Without `speed`, the speed-up at which the fleet's prefill utilisation (prefill_seconds at the
     pooled-LRU hits / (workers x replay seconds)) is `utilisation`."""
-    reqs = tr.load_trace(name, requests)
+    reqs = tr.load_trace(name, requests, skip)
     if not reqs:
         raise SystemExit(f"compare: trace {name!r} has no requests")
     shape = tr.SHAPES[api]
@@ -121,6 +121,7 @@ def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int
         "name": name,
         "stem": Path(name).name.removesuffix(".gz").removesuffix(".jsonl") if name not in tr.TRACES else name,
         "requests": len(reqs),
+        "skip": skip,
         "speed": speed,
         "block_tokens": block_tokens,
         "api": api,
@@ -146,7 +147,8 @@ def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int
 def trace_describe(t: dict) -> str:
     pr, out = t["prompt_tokens"], t["out_tokens"]
     fleet = t["kv"] * t["workers"]
-    return (f"first {t['requests']} requests of the {t['name']} trace ({t['span_s']:.0f} s of trace) replayed "
+    which = f"requests {t['skip'] + 1}-{t['skip'] + t['requests']}" if t.get("skip") else f"first {t['requests']} requests"
+    return (f"{which} of the {t['name']} trace ({t['span_s']:.0f} s of trace) replayed "
             f"open-loop at speed {t['speed']:g} ({t['replay_s']:.0f} s, {t['requests'] / max(t['replay_s'], 1e-9):.1f} "
             f"requests/s; estimated prefill utilisation {t.get('utilisation', 0):.0%} at the pooled-LRU bound's hits), "
             f"512-token blocks scaled to {t['block_tokens']} tokens, `/v1/{'chat/' if t['api'] == 'chat' else ''}"

@@ -66,16 +66,22 @@ def resolve_trace(name_or_path: str) -> Path:
     return p
 
 
-def load_trace(name_or_path: str, limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests (all with None), in file order (the traces are time-sorted)."""
+def load_trace(name_or_path: str, limit: int | None = None, skip: int = 0) -> list[TraceRequest]:
+    """`limit` requests (all with None) after the first `skip`, in file order (the traces are
+    time-sorted). A slice that skips some is a later stretch of the same traffic: prefixes its
+    requests share with the skipped ones are new to it."""
     path = resolve_trace(name_or_path)
     opener = gzip.open if path.suffix == ".gz" else open
     out: list[TraceRequest] = []
+    seen = 0
     with opener(path, "rt") as f:
         for n, line in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
             if not line.strip():
+                continue
+            seen += 1
+            if seen <= skip:
                 continue
             d = json.loads(line)
             ids = tuple(int(x) for x in d["hash_ids"])

@@ -26,6 +26,22 @@ def test_cells_cover_every_dimension_of_issue_35():
         assert f"{s}/r1" in names
 
 
+def test_held_out_cells_replay_later_stretches_of_the_conversation_trace(tmp_path):
+    held = matrix.held_out_cells()
+    tuned = [c for c in matrix.all_cells() if c.trace == "conversation" and not c.workers]
+    assert {c.skip for c in held} == {4000, 8000}
+    assert all(c.trace == "conversation" for c in held)
+    # The matrix's conversation grid, once per stretch; no name shared with the matrix.
+    for skip in (4000, 8000):
+        assert sorted(c.name.replace(f"+{skip}", "") for c in held if c.skip == skip) == sorted(c.name for c in tuned)
+    assert not {c.name for c in held} & {c.name for c in matrix.all_cells()}
+    # The replay plan starts after the skipped requests.
+    from load.trace_replay import trace_describe, trace_setup
+    t = trace_setup("conversation", 50, 16.0, 32, "completions", 8, tmp_path, skip=4000)
+    assert t["skip"] == 4000 and t["requests"] == 50
+    assert "requests 4001-4050 of the conversation trace" in trace_describe(t)
+
+
 def test_select_by_globs_keeps_matrix_order():
     cells = matrix.all_cells()
     got = [c.name for c in matrix.select(cells, "agentic/*, conversation/x32/get_load/chat/*")]

@@ -55,6 +55,8 @@ def test_load_trace_reads_gzip_and_rejects_bad_lengths(tmp_path):
     got = tr.load_trace(str(p))
     assert got == [tr.TraceRequest(0, 600, 3, (1, 2)), tr.TraceRequest(5, 512, 9, (1,))]
     assert len(tr.load_trace(str(p), limit=1)) == 1
+    assert tr.load_trace(str(p), skip=1) == got[1:]
+    assert tr.load_trace(str(p), limit=1, skip=2) == []
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [1, 2]}) + "\n")
     with pytest.raises(ValueError):
