@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     xg.add_argument("--list", action="store_true", help="print the matrix's cell names (after --cells) and exit")
     xg.add_argument("--held-out", action="store_true",
                     help="the trace cells on later stretches of the conversation trace (requests 4001-8000 and "
-                    "8001-12000 with the default --requests) instead of the matrix's cells; with --cells, --list and --runs as there")
+                    "8001-12000 with the default --requests) instead of the matrix's cells; with --cells, --list "
+                    "and --runs as there")
     xg.add_argument("--runs", type=int, default=1,
                     help="runs per cell and router (interleaved); with more than one, a table of medians follows")
     args = ap.parse_args(argv)

@@ -90,8 +90,8 @@ HELD_OUT_SKIPS = (4000, 8000)
 def held_out_cells() -> list[Cell]:
     """The trace cells on stretches of the conversation trace nothing was tuned on (`--held-out`):
     `conversation+S/RATE/LOADS/API/rR` replays the --requests requests after the trace's first S
-    (4000: requests 4001-8000, after the matrix's; 8000: 8001-12000 of 12,031), on the grid of the matrix's trace
-    cells. The synthetic trace has no more requests than the matrix replays."""
+    (4000: requests 4001-8000, after the matrix's; 8000: 8001-12000 of 12,031), on the grid of
+    the matrix's trace cells. The synthetic trace has no more requests than the matrix replays."""
     cells = []
     for skip in HELD_OUT_SKIPS:
         for rate in SPEEDS:

@@ -89,8 +89,8 @@ def prefill_seconds(prompts: list[int], hits: list[int], block_tokens: int) -> f
 
 def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int, api: str, workers: int,
                 workdir: Path, utilisation: float | None = None, skip: int = 0) -> dict:
-    """`requests` requests of trace `name` after its first `skip` (`tr.load_trace`): writes the replay plan (prkit.trace) to
-    `workdir/plan.json` and computes the fleet's sizing and the offline bounds. KV per worker: the
+    """`requests` requests of trace `name` after its first `skip` (`tr.load_trace`): writes the
+    replay plan (prkit.trace) to `workdir/plan.json` and computes the fleet's sizing and the offline bounds. KV per worker: the
     fleet holds KV_FLEET_SHARE of the slice's distinct prompt-block tokens, but at least twice the
     largest request (prompt + output: the simulator refuses a request its KV cannot hold, and one
     that fills a worker blocks it); --context-length: the largest request fits (at least 8192).
@@ -147,7 +147,8 @@ def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int
 def trace_describe(t: dict) -> str:
     pr, out = t["prompt_tokens"], t["out_tokens"]
     fleet = t["kv"] * t["workers"]
-    which = f"requests {t['skip'] + 1}-{t['skip'] + t['requests']}" if t.get("skip") else f"first {t['requests']} requests"
+    skip = t.get("skip", 0)
+    which = f"requests {skip + 1}-{skip + t['requests']}" if skip else f"first {t['requests']} requests"
     return (f"{which} of the {t['name']} trace ({t['span_s']:.0f} s of trace) replayed "
             f"open-loop at speed {t['speed']:g} ({t['replay_s']:.0f} s, {t['requests'] / max(t['replay_s'], 1e-9):.1f} "
             f"requests/s; estimated prefill utilisation {t.get('utilisation', 0):.0%} at the pooled-LRU bound's hits), "

@@ -33,7 +33,8 @@ def test_held_out_cells_replay_later_stretches_of_the_conversation_trace(tmp_pat
     assert all(c.trace == "conversation" for c in held)
     # The matrix's conversation grid, once per stretch; no name shared with the matrix.
     for skip in (4000, 8000):
-        assert sorted(c.name.replace(f"+{skip}", "") for c in held if c.skip == skip) == sorted(c.name for c in tuned)
+        names = sorted(c.name.replace(f"+{skip}", "") for c in held if c.skip == skip)
+        assert names == sorted(c.name for c in tuned)
     assert not {c.name for c in held} & {c.name for c in matrix.all_cells()}
     # The replay plan starts after the skipped requests.
     from load.trace_replay import trace_describe, trace_setup
