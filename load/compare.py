@@ -32,6 +32,8 @@ issue 35's matrix (trace x rate x /v1/loads or /get_load workers x completions o
 replicas, 2 and 16 workers, agentic as chat and as completions, every docs/results.md scenario)
 for smg cache_aware and prefix-router (2 threads), one table of hit rate, share of the pooled-LRU
 bound, holder follow and TTFT p50 / p99 against smg's in the same cell: `<out>/matrix.md`.
+--held-out runs the trace cells' grid on later stretches of the conversation trace instead
+(requests 4001-8000 and 8001-12000): traffic no routing change was measured on.
 
 Live membership (--scenario multi_turn --membership A:B:C [--duration S] [--membership-ms MS]
 [--no-baseline], prefix-router only): the model is a pool (`envoy/gen --model llama=eds:PATH`) whose
