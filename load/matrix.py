@@ -65,14 +65,15 @@ class Cell:
     skip: int = 0  # trace cells: requests of the trace before the replayed ones
 
 
+def trace_grid(trace: str, label: str, skip: int = 0) -> list[Cell]:
+    """One trace's cells `LABEL/RATE/LOADS/API/rR`: every rate, load endpoint, prompt form and
+    replica count."""
+    return [Cell(f"{label}/{rate}/{loads}/{api}/r{r}", "trace", r, loads, api, trace, rate, skip=skip)
+            for rate in SPEEDS for loads in ("v1", "get_load") for api in ("completions", "chat") for r in (1, 4)]
+
+
 def all_cells() -> list[Cell]:
-    cells = []
-    for trace in ("conversation", "synthetic"):
-        for rate in SPEEDS:
-            for loads in ("v1", "get_load"):
-                for api in ("completions", "chat"):
-                    for r in (1, 4):
-                        cells.append(Cell(f"{trace}/{rate}/{loads}/{api}/r{r}", "trace", r, loads, api, trace, rate))
+    cells = trace_grid("conversation", "conversation") + trace_grid("synthetic", "synthetic")
     for w in (2, 16):
         cells.append(Cell(f"conversation/x16/v1/completions/r1/w{w}", "trace", 1, "v1", "completions",
                           "conversation", "x16", w))
@@ -92,15 +93,7 @@ def held_out_cells() -> list[Cell]:
     `conversation+S/RATE/LOADS/API/rR` replays the --requests requests after the trace's first S
     (4000: requests 4001-8000, after the matrix's; 8000: 8001-12000 of 12,031), on the grid of
     the matrix's trace cells. The synthetic trace has no more requests than the matrix replays."""
-    cells = []
-    for skip in HELD_OUT_SKIPS:
-        for rate in SPEEDS:
-            for loads in ("v1", "get_load"):
-                for api in ("completions", "chat"):
-                    for r in (1, 4):
-                        cells.append(Cell(f"conversation+{skip}/{rate}/{loads}/{api}/r{r}", "trace", r, loads, api,
-                                          "conversation", rate, skip=skip))
-    return cells
+    return [c for skip in HELD_OUT_SKIPS for c in trace_grid("conversation", f"conversation+{skip}", skip)]
 
 
 def select(cells: list[Cell], patterns: str | None) -> list[Cell]:

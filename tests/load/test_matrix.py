@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from load import matrix
+from load.trace_replay import trace_describe, trace_setup
 
 
 def test_cells_cover_every_dimension_of_issue_35():
@@ -37,7 +38,6 @@ def test_held_out_cells_replay_later_stretches_of_the_conversation_trace(tmp_pat
         assert names == sorted(c.name for c in tuned)
     assert not {c.name for c in held} & {c.name for c in matrix.all_cells()}
     # The replay plan starts after the skipped requests.
-    from load.trace_replay import trace_describe, trace_setup
     t = trace_setup("conversation", 50, 16.0, 32, "completions", 8, tmp_path, skip=4000)
     assert t["skip"] == 4000 and t["requests"] == 50
     assert "requests 4001-4050 of the conversation trace" in trace_describe(t)
