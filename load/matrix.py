@@ -20,8 +20,9 @@ Per cell and router: hit rate, share of the pooled-LRU bound and holder follow (
 TTFT p50 / p99, and each router's TTFT p99 and hit rate against smg's in the same cell; the
 replay's send lateness p99. `--cells` picks cells by glob patterns (`conversation/*/v1/*/r1`),
 `--list` prints them; `--runs N` runs every cell N times per router (interleaved) and adds a
-table of medians and ranges. Results: `<out>/matrix.md` and `matrix.json`, rewritten after every cell, so
-an interrupted matrix keeps what ran.
+table of medians and ranges; `--held-out` runs `held_out_cells` instead. Results:
+`<out>/matrix.md` and `matrix.json`, rewritten after every cell, so an interrupted matrix keeps
+what ran.
 """
 
 from __future__ import annotations

@@ -91,9 +91,10 @@ def trace_setup(name: str, requests: int, speed: float | None, block_tokens: int
                 workdir: Path, utilisation: float | None = None, skip: int = 0) -> dict:
     """`requests` requests of trace `name` after its first `skip` (`tr.load_trace`): writes the
     replay plan (prkit.trace) to `workdir/plan.json` and computes the fleet's sizing and the
-    offline bounds. KV per worker: the fleet holds KV_FLEET_SHARE of the slice's distinct prompt-block tokens, but at least twice the
-    largest request (prompt + output: the simulator refuses a request its KV cannot hold, and one
-    that fills a worker blocks it); --context-length: the largest request fits (at least 8192).
+    offline bounds. KV per worker: the fleet holds KV_FLEET_SHARE of the slice's distinct
+    prompt-block tokens, but at least twice the largest request (prompt + output: the simulator
+    refuses a request its KV cannot hold, and one that fills a worker blocks it);
+    --context-length: the largest request fits (at least 8192).
     Without `speed`, the speed-up at which the fleet's prefill utilisation (prefill_seconds at the
     pooled-LRU hits / (workers x replay seconds)) is `utilisation`."""
     reqs = tr.load_trace(name, requests, skip)
