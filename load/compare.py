@@ -33,7 +33,9 @@ replicas, 2 and 16 workers, agentic as chat and as completions, every docs/resul
 for smg cache_aware and prefix-router (2 threads), one table of hit rate, share of the pooled-LRU
 bound, holder follow and TTFT p50 / p99 against smg's in the same cell: `<out>/matrix.md`.
 --held-out runs the trace cells' grid on later stretches of the conversation trace instead
-(requests 4001-8000 and 8001-12000): traffic no routing change was measured on.
+(requests 4001-8000 and 8001-12000): traffic no routing change was measured on. An A/B of two
+filter builds: `--routers prefix_router_2t,prefix_router_2t@/path/to/new.wasm --runs 3` (the
+first is PREFIX_ROUTER_WASM's build, or the checkout's), interleaved, with a paired table.
 
 Live membership (--scenario multi_turn --membership A:B:C [--duration S] [--membership-ms MS]
 [--no-baseline], prefix-router only): the model is a pool (`envoy/gen --model llama=eds:PATH`) whose
@@ -89,7 +91,7 @@ from load import matrix
 from load.report import table, write_report
 from load.run_one import run_one
 from load.runner import log
-from load.scenarios import LOAD, ROUTERS, SCENARIOS, TRACE_FULL, TRACE_QUICK
+from load.scenarios import LOAD, ROUTERS, SCENARIOS, TRACE_FULL, TRACE_QUICK, router_error
 from load.trace_replay import (filter_has_cost_model, trace_describe, trace_reasons_table, trace_scaled_policy,
                                trace_scaled_sim_args, trace_setup, trace_stats, trace_table)
 from prkit import trace as tr
@@ -181,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if membership and any(not r.startswith("prefix_router_") for r in routers):
         ap.error("--membership: prefix-router routers only (pools are an envoy/gen feature)")
     for r in routers:
-        if r not in ROUTERS:
-            ap.error(f"unknown router {r!r}; known: {', '.join(ROUTERS)}")
+        if (err := router_error(r)) is not None:
+            ap.error(err)
     policy = json.loads(args.policy)
     k6_env = dict(scen["quick"] if args.quick else scen["env"], SEED=1)
     trace = None
@@ -289,8 +291,10 @@ def matrix_main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: lis
         ap.error(f"--matrix sets these per cell: {', '.join('--' + k.replace('_', '-') for k in other)}")
     routers = matrix.ROUTERS if args.routers == ",".join(ROUTERS) else [r.strip() for r in args.routers.split(",")]
     for r in routers:
-        if r not in ROUTERS:
-            ap.error(f"unknown router {r!r}; known: {', '.join(ROUTERS)}")
+        if (err := router_error(r)) is not None:
+            ap.error(err)
+    if len(set(routers)) != len(routers):
+        ap.error("--routers names a router twice")
     if args.requests is not None and args.requests < 1:
         ap.error("--requests must be >= 1")
     if args.runs < 1:

@@ -20,7 +20,11 @@ Per cell and router: hit rate, share of the pooled-LRU bound and holder follow (
 TTFT p50 / p99, and each router's TTFT p99 and hit rate against smg's in the same cell; the
 replay's send lateness p99. `--cells` picks cells by glob patterns (`conversation/*/v1/*/r1`),
 `--list` prints them; `--runs N` runs every cell N times per router (interleaved) and adds a
-table of medians and ranges; `--held-out` runs `held_out_cells` instead. Results:
+table of medians and ranges; `--held-out` runs `held_out_cells` instead. A router given as
+`prefix_router_2t@WASM` runs that filter build: listed after `prefix_router_2t`, the two builds
+run interleaved on the same cells and a paired table gives each run's difference (an A/B of a
+routing change in one command; near capacity one run's share moves by several points, so judge
+on several runs). Results:
 `<out>/matrix.md` and `matrix.json`, rewritten after every cell, so an interrupted matrix keeps
 what ran.
 """
@@ -205,6 +209,50 @@ def medians_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _measure(r: dict) -> tuple[float, str]:
+    """What a paired comparison compares: the share of the pooled-LRU bound where the cell has a
+    trace, else the hit rate in points."""
+    if "share_of_pooled_lru" in r:
+        return r["share_of_pooled_lru"], ".3f"
+    return r["hit_rate"] * 100, ".1f"
+
+
+def paired_table(results: list[dict], routers: list[str]) -> str:
+    """Filter builds against the first prefix-router of `routers` (`NAME@WASM` entries, run
+    interleaved with it): per cell, each run's difference (share of the pooled-LRU bound, or hit
+    rate in points) and TTFT p99 ratio, their mean, and the runs the build was ahead; then the
+    totals over the cells. Empty without a second prefix-router."""
+    prs = [r for r in routers if r.startswith("prefix_router_")]
+    if len(prs) < 2:
+        return ""
+    ref, others = prs[0], prs[1:]
+    by = {(r["cell"], r["router"], r["run"]): r for r in results}
+    lines = [f"Paired against `{ref}`, run by run:", "",
+             "| cell | router | each run: difference (p99 ratio) | mean difference | runs ahead | mean p99 ratio |",
+             "|" + "---|" * 6]
+    totals: dict[str, list[float]] = {}
+    for o in others:
+        for cell in dict.fromkeys(r["cell"] for r in results):
+            pairs = [(a, b) for run in sorted({r["run"] for r in results})
+                     if (a := by.get((cell, ref, run))) and (b := by.get((cell, o, run)))]
+            if not pairs:
+                continue
+            fmt = _measure(pairs[0][0])[1]
+            diffs = [_measure(b)[0] - _measure(a)[0] for a, b in pairs]
+            ratios = [b["ttft_p99"] / a["ttft_p99"] for a, b in pairs if a["ttft_p99"] > 0]
+            each = ", ".join(f"{format(d, '+' + fmt)} ({q:.2f}x)" for d, q in zip(diffs, ratios))
+            mean = statistics.fmean(diffs)
+            totals.setdefault(o, []).append(1.0 if mean > 0 else 0.0 if mean < 0 else 0.5)
+            lines.append(f"| {cell} | {pairs[0][1]['label']} | {each} | {format(mean, '+' + fmt)} "
+                         f"| {sum(d > 0 for d in diffs)} of {len(diffs)} "
+                         f"| {statistics.fmean(ratios) if ratios else float('nan'):.2f}x |")
+    lines.append("")
+    for o, wins in totals.items():
+        lines.append(f"- `{o}`: ahead on the mean in {sum(w == 1.0 for w in wins)} of {len(wins)} cells, "
+                     f"behind in {sum(w == 0.0 for w in wins)}.")
+    return "\n".join(lines)
+
+
 def cell_notes(results: list[dict]) -> list[str]:
     """Per trace cell: its speed, estimated prefill utilisation and pooled-LRU bound."""
     seen, out = set(), []
@@ -246,6 +294,9 @@ def run_matrix(cells: list[Cell], routers: list[str], quick: bool, requests: int
               "", table(results), "", *cell_notes(results), ""]
         if runs > 1:
             md += [medians_table(results), ""]
+        paired = paired_table(results, routers)
+        if paired:
+            md += [paired, ""]
         path.write_text("\n".join(md))
         (out / "matrix.json").write_text(json.dumps(results, indent=2))
     return results, path

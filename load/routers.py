@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from load.scenarios import GEN, ROUTERS, SINGLE
+from load.scenarios import GEN, ROUTERS, SINGLE, split_router
 from prkit import envoy_config as ec
 from prkit.build import ensure_smg, smg_healthy_workers, wasm_path
 from prkit.envoy import Envoy
@@ -53,11 +53,12 @@ def gen_flags() -> set[str]:
 
 
 def prefix_router_config(fleet: SimFleet, policy: dict, listener: int, admin: int, extra: list[str],
-                         pool: Path | None = None) -> str:
+                         pool: Path | None = None, wasm: Path | None = None) -> str:
     """envoy/gen's config for the fleet (one cluster per worker, its models), loopback listeners,
     no rate limit, no stats listener, `policy` merged into the plugin's policy. In process
     (prkit.envoy_config); with ENVOY_GEN, that generator's output (no policy overrides). `pool`:
-    the fleet's one model is a pool whose hosts the EDS file at that path lists (--membership)."""
+    the fleet's one model is a pool whose hosts the EDS file at that path lists (--membership).
+    `wasm`: this filter build instead of the default one."""
     groups = _by_model(fleet)
     args = []
     for model, names in groups.items():
@@ -67,7 +68,7 @@ def prefix_router_config(fleet: SimFleet, policy: dict, listener: int, admin: in
         args += ["--model", model + "=" + ",".join(f"127.0.0.1:{fleet.ports[n]}" for n in names)]
     args += ["--default-model", next(iter(groups)), "--listen", f"127.0.0.1:{listener}",
              "--admin", f"127.0.0.1:{admin}", "--stats-listen", "none", "--rate-limit", "0",
-             "--wasm", str(wasm_path()), *extra]
+             "--wasm", str(wasm or wasm_path()), *extra]
     if os.environ.get("ENVOY_GEN"):
         if policy:
             raise SystemExit("compare: --policy needs the current generator (unset ENVOY_GEN)")
@@ -131,10 +132,12 @@ def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, repl
                  debug_header: bool = False, pool: Path | None = None,
                  membership_ms: int | None = None) -> tuple[list, list[str], str]:
     """Starts the router (`replicas` processes where the router scales out); returns (processes to
-    stop, target URLs, a note on how the replicas were configured). `debug_header`: the
+    stop, target URLs, a note on how the replicas were configured). `router` may name a filter
+    build (`prefix_router_2t@WASM`, `scenarios.split_router`). `debug_header`: the
     prefix-router answers with its decision header (envoy/gen --debug-header). `pool`: the
     prefix-router's model is a pool read from this EDS file (`--model llama=eds:PATH`), with
     `--membership-ms membership_ms` when given."""
+    router, wasm = split_router(router)
     procs: list = []
     try:
         if router in SINGLE:
@@ -191,10 +194,12 @@ def start_router(router: str, fleet: SimFleet, policy: dict, workdir: Path, repl
                 listener, admin = free_port(), free_port()
                 d = workdir / f"envoy{k}"
                 d.mkdir()
-                e = Envoy(prefix_router_config(fleet, policy, listener, admin, per_replica[k], pool),
+                e = Envoy(prefix_router_config(fleet, policy, listener, admin, per_replica[k], pool, wasm),
                           listener_port=listener, admin_port=admin, workdir=d, concurrency=threads)
                 procs.append(e)
                 e.start()
+            if wasm is not None:
+                note += f", filter build {wasm}"
             return procs, [e.base_url for e in procs], f"{replicas} Envoy process(es), {threads} threads each, {note}"
     except Exception:
         for p in procs:

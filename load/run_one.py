@@ -13,7 +13,7 @@ from pathlib import Path
 from load.membership import MembershipSchedule, envoy_pool_stats, membership_label, membership_stats
 from load.routers import start_router
 from load.runner import log, run_k6
-from load.scenarios import LABELS, LOAD, SINGLE
+from load.scenarios import LABELS, LOAD, SINGLE, split_router
 from prkit.envoy import METRICS_FLUSH_S, Envoy
 from prkit import replay
 from prkit.fleet import SimFleet
@@ -85,7 +85,10 @@ def envoy_peer_stats(procs: list) -> dict:
 
 
 def router_label(router: str, replicas: int, pin: bool) -> str:
-    label = LABELS.get(router, router)
+    """The router's name in tables; a prefix-router with its own filter build
+    (`NAME@WASM`) is named with that build's path."""
+    router, wasm = split_router(router)
+    label = LABELS.get(router, router) + (f" [{wasm}]" if wasm is not None else "")
     if router in SINGLE or replicas == 1:
         return label
     return f"{label} x{replicas} replicas" + (" (pinned)" if pin else "")
@@ -101,7 +104,7 @@ def run_one(router: str, scen: dict, k6_env: dict, sim_args: list[str], policy: 
     per-request records."""
     label = router_label(router, replicas, pin)
     workers = len(scen["models"])
-    workdir = Path(tempfile.mkdtemp(prefix=f"compare-{router}-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"compare-{split_router(router)[0]}-"))
     fleet = SimFleet(workers, workdir, sim_args, models=scen["models"])
     procs = []
     records_on = scen.get("records") or membership is not None

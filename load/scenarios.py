@@ -1,6 +1,6 @@
 """load/compare's workloads: per scenario its k6 script, env (full and --quick), KV capacity per
 worker, simulator flags and model per worker; the trace replay's default sizing; the routers it
-compares and their labels."""
+compares and their labels (a prefix-router with its own filter build: `NAME@WASM`)."""
 
 from __future__ import annotations
 
@@ -116,3 +116,22 @@ LABELS = {
 }
 # Routers that run one process whatever --replicas says.
 SINGLE = ("round_robin", "least_request")
+
+
+def split_router(spec: str) -> tuple[str, Path | None]:
+    """`NAME` or `NAME@WASM`: a prefix-router run with that filter build instead of the default
+    one (`PREFIX_ROUTER_WASM`, else built fresh), so two builds can share one interleaved run."""
+    name, sep, build = spec.partition("@")
+    return name, (Path(build) if sep else None)
+
+
+def router_error(spec: str) -> str | None:
+    """Why `spec` names no router (`split_router`), or None."""
+    name, build = split_router(spec)
+    if name not in ROUTERS:
+        return f"unknown router {name!r}; known: {', '.join(ROUTERS)}"
+    if build is not None and not name.startswith("prefix_router_"):
+        return f"{spec!r}: only a prefix_router_* router takes a filter build (@WASM)"
+    if build is not None and not build.is_file():
+        return f"{spec!r}: no filter build at {build}"
+    return None

@@ -84,16 +84,61 @@ def test_medians_take_each_cell_and_router_over_its_runs():
     assert "| s | pr | 2 | 85.0% (80.0%-90.0%) | - | 60 (50-70) |" in t, t
 
 
+def test_paired_table_gives_each_runs_difference_against_the_first_prefix_router():
+    def row(cell, router, run, share, p99, hit=0.2):
+        r = {"cell": cell, "router": router, "label": router.replace("prefix_router_2t", "pr"), "run": run,
+             "hit_rate": hit, "ttft_p99": p99}
+        if share is not None:
+            r["share_of_pooled_lru"] = share
+        return r
+    new = "prefix_router_2t@/b/new.wasm"
+    routers = ["smg_cache_aware", "prefix_router_2t", new]
+    rows = [row("t", "smg_cache_aware", 1, 0.5, 900.0),
+            row("t", "prefix_router_2t", 1, 0.90, 200.0), row("t", new, 1, 0.95, 100.0),
+            row("t", "prefix_router_2t", 2, 0.94, 200.0), row("t", new, 2, 0.93, 300.0),
+            row("s", "prefix_router_2t", 1, None, 50.0, hit=0.80), row("s", new, 1, None, 50.0, hit=0.78)]
+    t = matrix.paired_table(rows, routers)
+    assert "Paired against `prefix_router_2t`" in t, t
+    assert "| t | pr@/b/new.wasm | +0.050 (0.50x), -0.010 (1.50x) | +0.020 | 1 of 2 | 1.00x |" in t, t
+    # A scenario cell (no trace): hit rate in points.
+    assert "| s | pr@/b/new.wasm | -2.0 (1.00x) | -2.0 | 0 of 1 | 1.00x |" in t, t
+    assert f"- `{new}`: ahead on the mean in 1 of 2 cells, behind in 1." in t, t
+    # One prefix-router (the usual matrix): no paired table.
+    assert matrix.paired_table(rows, ["smg_cache_aware", "prefix_router_2t"]) == ""
+
+
+def test_a_router_may_name_its_filter_build(tmp_path):
+    from load.run_one import router_label
+    from load.scenarios import router_error, split_router
+    wasm = tmp_path / "b.wasm"
+    wasm.write_bytes(b"\0asm")
+    assert split_router("prefix_router_2t") == ("prefix_router_2t", None)
+    assert split_router(f"prefix_router_2t@{wasm}") == ("prefix_router_2t", wasm)
+    assert router_error(f"prefix_router_2t@{wasm}") is None
+    assert "no filter build" in router_error(f"prefix_router_2t@{tmp_path / 'missing.wasm'}")
+    assert "only a prefix_router" in router_error(f"smg_cache_aware@{wasm}")
+    assert "unknown router" in router_error("nginx")
+    assert router_label(f"prefix_router_2t@{wasm}", 4, False) == f"prefix-router (2 threads) [{wasm}] x4 replicas"
+
+
 def test_matrix_smoke_one_cell(repo_root, tmp_path):
+    # smg, prefix-router, and prefix-router named with its build (the A/B path: the same build
+    # here, so the paired table is there and the runs are like).
+    from prkit.build import wasm_path
     out = tmp_path / "results"
+    ab = f"prefix_router_2t@{wasm_path()}"
+    routers = [*matrix.ROUTERS, ab]
     proc = subprocess.run(
         [str(repo_root / "load" / "compare"), "--matrix", "--quick", "--requests", "80",
-         "--cells", "conversation/x16/get_load/chat/r1", "--out", str(out)],
+         "--cells", "conversation/x16/get_load/chat/r1", "--out", str(out), "--routers", ",".join(routers)],
         cwd=repo_root, capture_output=True, text=True, timeout=600)
     sys.stdout.write(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "matrix.json").read_text())
-    assert [r["router"] for r in rows] == matrix.ROUTERS
+    assert [r["router"] for r in rows] == routers
+    assert f"[{wasm_path()}]" in rows[-1]["label"]
+    md = (out / "matrix.md").read_text()
+    assert f"| conversation/x16/get_load/chat/r1 | {rows[-1]['label']} |" in md and "Paired against" in md
     for r in rows:
         assert r["cell"] == "conversation/x16/get_load/chat/r1" and r["client"] == "prkit.replay"
         assert r["requests"] == 80 and r["errors"] == 0, r
