@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="load/compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default="shared_prefix", choices=sorted(SCENARIOS))
-    ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS))
+    ap.add_argument("--routers", default=",".join(ROUTERS),
+                    help="comma-separated subset of: " + ", ".join(ROUTERS)
+                    + " (a prefix_router_* as NAME@WASM runs that filter build)")
     ap.add_argument("--quick", action="store_true", help="smoke sizing (seconds per router)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="router processes per smg / prefix-router router (Envoy round_robin/least_request: always 1)")
