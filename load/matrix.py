@@ -241,10 +241,13 @@ def paired_table(results: list[dict], routers: list[str]) -> str:
             diffs = [_measure(b)[0] - _measure(a)[0] for a, b in pairs]
             ratios = [b["ttft_p99"] / a["ttft_p99"] for a, b in pairs if a["ttft_p99"] > 0]
             each = ", ".join(f"{format(d, '+' + fmt)} ({q:.2f}x)" for d, q in zip(diffs, ratios))
+            # Signs as printed: a difference that rounds to zero is a tie, not a lead.
+            shown = [float(format(d, fmt)) for d in diffs]
             mean = statistics.fmean(diffs)
-            totals.setdefault(o, []).append(1.0 if mean > 0 else 0.0 if mean < 0 else 0.5)
+            m = float(format(mean, fmt))
+            totals.setdefault(o, []).append(1.0 if m > 0 else 0.0 if m < 0 else 0.5)
             lines.append(f"| {cell} | {pairs[0][1]['label']} | {each} | {format(mean, '+' + fmt)} "
-                         f"| {sum(d > 0 for d in diffs)} of {len(diffs)} "
+                         f"| {sum(d > 0 for d in shown)} of {len(diffs)} "
                          f"| {statistics.fmean(ratios) if ratios else float('nan'):.2f}x |")
     lines.append("")
     for o, wins in totals.items():

@@ -103,6 +103,10 @@ def test_paired_table_gives_each_runs_difference_against_the_first_prefix_router
     # A scenario cell (no trace): hit rate in points.
     assert "| s | pr@/b/new.wasm | -2.0 (1.00x) | -2.0 | 0 of 1 | 1.00x |" in t, t
     assert f"- `{new}`: ahead on the mean in 1 of 2 cells, behind in 1." in t, t
+    # A difference that rounds to zero is a tie: not a run ahead, not a cell led.
+    tie = [row("t", "prefix_router_2t", 1, 0.9000, 100.0), row("t", new, 1, 0.90004, 100.0)]
+    t = matrix.paired_table(tie, routers)
+    assert "| +0.000 | 0 of 1 |" in t and "ahead on the mean in 0 of 1 cells, behind in 0." in t, t
     # One prefix-router (the usual matrix): no paired table.
     assert matrix.paired_table(rows, ["smg_cache_aware", "prefix_router_2t"]) == ""
 
