@@ -230,7 +230,8 @@ def paired_table(results: list[dict], routers: list[str]) -> str:
     lines = [f"Paired against `{ref}`, run by run:", "",
              "| cell | router | each run: difference (p99 ratio) | mean difference | runs ahead | mean p99 ratio |",
              "|" + "---|" * 6]
-    totals: dict[str, list[float]] = {}
+    # Per build, the sign of each cell's mean difference.
+    signs: dict[str, list[int]] = {}
     for o in others:
         for cell in dict.fromkeys(r["cell"] for r in results):
             pairs = [(a, b) for run in sorted({r["run"] for r in results})
@@ -239,20 +240,23 @@ def paired_table(results: list[dict], routers: list[str]) -> str:
                 continue
             fmt = _measure(pairs[0][0])[1]
             diffs = [_measure(b)[0] - _measure(a)[0] for a, b in pairs]
-            ratios = [b["ttft_p99"] / a["ttft_p99"] for a, b in pairs if a["ttft_p99"] > 0]
+            # One ratio per run (nan where the reference's p99 is 0), so each stays with its run.
+            ratios = [b["ttft_p99"] / a["ttft_p99"] if a["ttft_p99"] > 0 else float("nan") for a, b in pairs]
             each = ", ".join(f"{format(d, '+' + fmt)} ({q:.2f}x)" for d, q in zip(diffs, ratios))
-            # Signs as printed: a difference that rounds to zero is a tie, not a lead.
-            shown = [float(format(d, fmt)) for d in diffs]
+            known = [q for q in ratios if q == q]
             mean = statistics.fmean(diffs)
-            m = float(format(mean, fmt))
-            totals.setdefault(o, []).append(1.0 if m > 0 else 0.0 if m < 0 else 0.5)
+
+            # Signs as printed: a difference that rounds to zero is a tie, not a lead.
+            def sign(d: float) -> int:
+                shown = float(format(d, fmt))
+                return (shown > 0) - (shown < 0)
+            signs.setdefault(o, []).append(sign(mean))
             lines.append(f"| {cell} | {pairs[0][1]['label']} | {each} | {format(mean, '+' + fmt)} "
-                         f"| {sum(d > 0 for d in shown)} of {len(diffs)} "
-                         f"| {statistics.fmean(ratios) if ratios else float('nan'):.2f}x |")
+                         f"| {sum(sign(d) > 0 for d in diffs)} of {len(diffs)} "
+                         f"| {statistics.fmean(known) if known else float('nan'):.2f}x |")
     lines.append("")
-    for o, wins in totals.items():
-        lines.append(f"- `{o}`: ahead on the mean in {sum(w == 1.0 for w in wins)} of {len(wins)} cells, "
-                     f"behind in {sum(w == 0.0 for w in wins)}.")
+    for o, ss in signs.items():
+        lines.append(f"- `{o}`: ahead on the mean in {ss.count(1)} of {len(ss)} cells, behind in {ss.count(-1)}.")
     return "\n".join(lines)
 
 

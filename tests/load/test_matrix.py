@@ -107,6 +107,11 @@ def test_paired_table_gives_each_runs_difference_against_the_first_prefix_router
     tie = [row("t", "prefix_router_2t", 1, 0.9000, 100.0), row("t", new, 1, 0.90004, 100.0)]
     t = matrix.paired_table(tie, routers)
     assert "| +0.000 | 0 of 1 |" in t and "ahead on the mean in 0 of 1 cells, behind in 0." in t, t
+    # A run whose reference p99 is 0 keeps its difference, with no ratio.
+    zero = [row("t", "prefix_router_2t", 1, 0.90, 0.0), row("t", new, 1, 0.95, 100.0),
+            row("t", "prefix_router_2t", 2, 0.90, 100.0), row("t", new, 2, 0.92, 50.0)]
+    t = matrix.paired_table(zero, routers)
+    assert "| +0.050 (nanx), +0.020 (0.50x) | +0.035 | 2 of 2 | 0.50x |" in t, t
     # One prefix-router (the usual matrix): no paired table.
     assert matrix.paired_table(rows, ["smg_cache_aware", "prefix_router_2t"]) == ""
 
