@@ -5,7 +5,8 @@ One place for what every Python tool around the filter needs:
 * `prkit.build`: the Envoy binary, the filter `.wasm`, the `sglang-sim` binary and the other
   tools, located or built by one policy (cargo builds once per process, so a stale artifact is
   never used; an environment variable names a prebuilt one instead).
-* `prkit.ports`: `free_port()` (never the same port twice in a process).
+* `prkit.ports`: `free_port()`, `port_pair()` (outside the ephemeral range; never one another
+  prkit process holds, never the same port twice in a process).
 * `prkit.envoy`: `Envoy`, one Envoy process (its own base id, hot-restart epochs, admin, stats);
   `wait_inflight_zero`; `check_config` / `validate_config` (`envoy --mode validate`).
 * `prkit.fleet`: `SimWorker` / `SimFleet`, simulated SGLang workers (also the `scripts/fleet` CLI).
