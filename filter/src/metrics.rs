@@ -66,6 +66,8 @@ metric_table! {
         PeerRecordsDropped = "prefix_router.peers.records_dropped",
         PeerRecordsReceived = "prefix_router.peers.records_received",
         PeerRecordsIgnored = "prefix_router.peers.records_ignored",
+        /// Placements of new prompts received from peers (`placements.rs`).
+        PeerPlacementsReceived = "prefix_router.peers.placements_received",
         PeerRequestsRejected = "prefix_router.peers.requests_rejected",
         PeerBatchesStale = "prefix_router.peers.batches_stale",
         PeerBatchesReplayed = "prefix_router.peers.batches_replayed",

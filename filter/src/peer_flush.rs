@@ -148,6 +148,7 @@ pub fn receive_batch(h: &impl Host, router: &RefCell<Router>, m: &Metrics, body:
     match res {
         Ok(a) => {
             m.add(Counter::PeerRecordsReceived, i64::from(a.records));
+            m.add(Counter::PeerPlacementsReceived, i64::from(a.placements));
             m.add(Counter::PeerRecordsIgnored, i64::from(a.ignored));
             m.index_writes(&a.writes);
             if a.over_budget > 0 {

@@ -3,7 +3,10 @@
 //!
 //! **Sending.** Every index write a decision makes (a checkpoint or a chat prompt's end, see
 //! `index.rs`) is also appended to the VM's [`Outbox`] as a 16-byte record `(model key, worker
-//! id, block hash)`. Each `peers.flush_ms` the VM's timer POSTs the batch to every peer cluster
+//! id, block hash)`; so is every new or changed placement of a prompt nobody held
+//! (`placements.rs`), as `(the model's placed_peer_key, worker id, sibling key)`: a sibling that
+//! reaches another replica before the first prompt's answer is indexed follows it there. Each
+//! `peers.flush_ms` the VM's timer POSTs the batch to every peer cluster
 //! (`dispatch_http_call`, fire-and-forget with `peers.timeout_ms`). The outbox holds at most
 //! `peers.max_batch` records; beyond that records are dropped and counted. Nothing waits on a
 //! peer: a down or slow peer costs freshness (its index misses what it was not told), never a
@@ -40,8 +43,10 @@
 //! (old protocol, wrong MAC, stale, replay), 429 (over budget: the records within it are applied;
 //! table full) or 503 (table contention), each counted and named in the response code details.
 //! Each accepted record is applied as a holder write with the receiver's own
-//! clock, exactly as a local decision would write it; records naming a model or worker this
-//! replica does not have are ignored. Received records are not forwarded again.
+//! clock, exactly as a local decision would write it, and each placement to the receiver's
+//! placement table one clock step back; records naming a model or worker this replica does not
+//! have are ignored (a replica that predates placements ignores them so: no new wire version).
+//! Received records are not forwarded again.
 //!
 //! **Clocks.** The window compares wall clocks of two machines: a replica whose clock is off by
 //! more than `window_s` has its batches refused (and counted as stale) until NTP brings it back;
@@ -54,6 +59,7 @@
 
 use crate::config::{Config, PeersConfig};
 use crate::index::{Index, IndexBuffers, WriteStats};
+use crate::placements::Placements;
 use crate::store::Store;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -249,7 +255,10 @@ const ADMIT_TRIES: usize = 8;
 /// What applying a batch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Applied {
+    /// Index records (holder writes).
     pub records: u32,
+    /// Placements of new prompts (`placements.rs`), remembered in this replica's table.
+    pub placements: u32,
     /// Records naming a model or worker this replica does not have.
     pub ignored: u32,
     /// Records beyond the sender's budget, not applied.
@@ -497,6 +506,7 @@ pub fn receive<S: Store>(
     now_ms: u64,
     now: u32,
     sc: &mut IndexBuffers,
+    placed: &mut Placements,
 ) -> Result<Applied, Refused> {
     let Some(p) = cfg.peers.as_ref() else {
         return Err(Refused::BadMac); // no secret: nothing authenticates
@@ -513,19 +523,23 @@ pub fn receive<S: Store>(
         o.records.get(..take).unwrap_or_default(),
         now,
         sc,
+        placed,
     );
     out.over_budget = ((o.records.len() - take) / REC) as u32;
     Ok(out)
 }
 
-/// Applies whole 16-byte records (a batch already received) to this replica's index at time
-/// `now` (100 ms units).
+/// Applies whole 16-byte records (a batch already received) at time `now` (100 ms units): index
+/// records to this replica's index, placement records (a model's `placed_peer_key`, the
+/// sibling key in the hash's place) to its placement table one step back (made at least a
+/// flush before).
 pub fn apply<S: Store>(
     store: &S,
     cfg: &Config,
     records: &[u8],
     now: u32,
     sc: &mut IndexBuffers,
+    placed: &mut Placements,
 ) -> Applied {
     let mut out = Applied::default();
     for r in records.chunks_exact(REC) {
@@ -534,13 +548,37 @@ pub fn apply<S: Store>(
             (u64_at(r, 0) >> 32) as u32,
             u64_at(r, 8),
         );
-        out.records += 1;
-        let Some(model) = cfg.models.iter().find(|m| m.peer_key == key) else {
+        let found = cfg.models.iter().find_map(|m| {
+            if m.peer_key == key {
+                Some((m, false))
+            } else if m.placed_peer_key == key {
+                Some((m, true))
+            } else {
+                None
+            }
+        });
+        let Some((model, placement)) = found else {
+            out.records += 1;
             out.ignored += 1;
             continue;
         };
+        if placement {
+            out.placements += 1;
+        } else {
+            out.records += 1;
+        }
         if !model.workers.iter().any(|x| x.id == worker) {
             out.ignored += 1;
+            continue;
+        }
+        if placement {
+            placed.remember(
+                store,
+                &model.placed_key,
+                hash,
+                worker,
+                now.saturating_sub(1),
+            );
             continue;
         }
         let ix = Index::for_model(cfg, model);
@@ -624,7 +662,7 @@ mod tests {
         let batch = ob.seal(SECRET, 42, 1, NOW).to_vec();
         assert_eq!(batch.len(), HEADER + 3 * REC + MAC_LEN);
         assert_eq!(batch, seal(SECRET, 42, 1, NOW, ob.records()));
-        let a = receive(&s, &c, &batch, NOW, 10, &mut sc).unwrap();
+        let a = receive(&s, &c, &batch, NOW, 10, &mut sc, &mut Placements::default()).unwrap();
         assert_eq!((a.records, a.ignored, a.writes.writes), (3, 2, 1));
         // The lookup for a one-block prompt with that hash finds worker b.
         let ix = Index::for_model(&c, m);
@@ -638,6 +676,42 @@ mod tests {
         ob.push(m.peer_key, m.workers[1].id, 0xABCE);
         let next = ob.seal(SECRET, 42, 2, NOW + 5).to_vec();
         assert_eq!(open(peers(&c), &next, NOW).unwrap().seq, 2);
+    }
+
+    #[test]
+    fn a_placement_from_a_peer_is_remembered_here_one_step_back() {
+        let c = cfg();
+        let m = &c.models[0];
+        let mut ob = Outbox::new(4);
+        ob.push(m.placed_peer_key, m.workers[1].id, 0x5151);
+        ob.push(m.placed_peer_key, 12345, 0x5152); // unknown worker
+        ob.push(m.peer_key, m.workers[0].id, 0xABCD); // an index record beside it
+        let (s, mut sc, mut placed) = (
+            MemStore::new(),
+            IndexBuffers::default(),
+            Placements::default(),
+        );
+        let batch = ob.seal(SECRET, 42, 1, NOW).to_vec();
+        let a = receive(&s, &c, &batch, NOW, 10, &mut sc, &mut placed).unwrap();
+        assert_eq!(
+            (a.records, a.placements, a.ignored, a.writes.writes),
+            (1, 2, 1, 1)
+        );
+        let mut other = Placements::default();
+        assert_eq!(
+            other.recent(&s, &m.placed_key, 0x5151, 10),
+            Some((m.workers[1].id, 9)),
+            "the sibling key names the peer's worker, stamped a step back"
+        );
+        assert_eq!(other.recent(&s, &m.placed_key, 0x5152, 10), None);
+        let ix = Index::for_model(&c, m);
+        let mut out = Matches::default();
+        ix.lookup(&s, &[0x5151], 11, &mut sc, &mut out);
+        assert_eq!(
+            out.blocks_for(m.workers[1].id),
+            0,
+            "a placement is no holder"
+        );
     }
 
     #[test]
@@ -663,18 +737,33 @@ mod tests {
             (&ragged, Refused::Format),
             (&legacy, Refused::Legacy),
         ] {
-            assert_eq!(receive(&s, &c, bad, NOW, 1, &mut sc), Err(why));
+            assert_eq!(
+                receive(&s, &c, bad, NOW, 1, &mut sc, &mut Placements::default()),
+                Err(why)
+            );
         }
         let big = seal(SECRET, 1, 1, NOW, &[0u8; REC * 5]);
         assert_eq!(
-            receive(&s, &c, &big, NOW, 1, &mut sc),
+            receive(&s, &c, &big, NOW, 1, &mut sc, &mut Placements::default()),
             Err(Refused::TooLarge)
         );
         assert_eq!(s.len(), 0, "nothing written");
         // Every prefix of a valid batch is refused without a panic.
         let ok = seal(SECRET, 1, 1, NOW, &[0u8; REC * 2]);
         for n in 0..ok.len() {
-            assert!(receive(&s, &c, &ok[..n], NOW, 1, &mut sc).is_err(), "{n}");
+            assert!(
+                receive(
+                    &s,
+                    &c,
+                    &ok[..n],
+                    NOW,
+                    1,
+                    &mut sc,
+                    &mut Placements::default()
+                )
+                .is_err(),
+                "{n}"
+            );
         }
     }
 

@@ -20,6 +20,12 @@
 //! reader fail; a slot only ever names a worker id, which the router maps to its own workers
 //! (unknown ids are ignored).
 //!
+//! Replicas: a placement this VM writes is also sent to the peers (`peers.rs`, a record under
+//! the model's `placed_peer_key`), which remember it in their own table with their own clock,
+//! one step back (it was made at least a flush before): a sibling reaching another replica
+//! before the first prompt's answer is indexed follows it there too. Only new or changed
+//! placements travel.
+//!
 //! Trust: a placement is written at decision time, before any answer, but it only steers
 //! prompts with the same keyed sibling key (chain hashes are seeded by `hash_key`, model and
 //! tenant, `blocks.rs`) for [`TICKS`], and only to a worker under the load bound: what one
@@ -106,7 +112,17 @@ impl Placements {
 
     /// Remembers in table `name` that a prompt with sibling key `key` went to worker id
     /// `worker` at `now` (after [`Placements::recent`] of the same table; re-reads otherwise).
-    pub fn remember<S: Store>(&mut self, store: &S, name: &str, key: u64, worker: u32, now: u32) {
+    /// True when the table now says something new: a new key, another worker, or a refreshed
+    /// stamp (what is worth telling the peers); false when it already said so, or after two
+    /// lost races.
+    pub fn remember<S: Store>(
+        &mut self,
+        store: &S,
+        name: &str,
+        key: u64,
+        worker: u32,
+        now: u32,
+    ) -> bool {
         for _ in 0..2 {
             if !self.fresh {
                 self.cas = store.get(name, &mut self.buf).unwrap_or(0);
@@ -125,10 +141,10 @@ impl Placements {
             };
             let mine = set(key).find(|&o| u64_at(b, o) == key);
             let Some(o) = mine.or_else(|| set(key).max_by_key(|&o| age(o))) else {
-                return;
+                return false;
             };
             if mine.is_some() && u32_at(b, o + 8) == worker && age(o) < REFRESH {
-                return;
+                return false;
             }
             if let Some(s) = self.buf.get_mut(o..o + SLOT) {
                 s[..8].copy_from_slice(&key.to_le_bytes());
@@ -136,9 +152,10 @@ impl Placements {
                 s[12..].copy_from_slice(&now.to_le_bytes());
             }
             if store.set(name, &self.buf, self.cas).is_ok() {
-                return;
+                return true;
             }
         }
+        false
     }
 }
 
@@ -202,11 +219,12 @@ mod tests {
         let s = MemStore::new();
         let mut a = Placements::default();
         a.recent(&s, "t", 5, 10).map(|r| r.0);
-        a.remember(&s, "t", 5, 1, 10);
+        assert!(a.remember(&s, "t", 5, 1, 10), "new: written");
         let sets = s.calls().1;
         a.recent(&s, "t", 5, 11).map(|r| r.0);
-        a.remember(&s, "t", 5, 1, 11);
+        assert!(!a.remember(&s, "t", 5, 1, 11), "nothing new to tell");
         assert_eq!(s.calls().1, sets, "same slot, still young: no write");
+        assert!(a.remember(&s, "t", 5, 2, 11), "another worker: written");
         // Another VM writes between this VM's read and its write: the CAS fails, it re-reads
         // and both placements survive.
         let mut b = Placements::default();
@@ -216,7 +234,7 @@ mod tests {
         a.remember(&s, "t", 6, 3, 12);
         assert_eq!(a.recent(&s, "t", 6, 12).map(|r| r.0), Some(3));
         assert_eq!(a.recent(&s, "t", 7, 12).map(|r| r.0), Some(2));
-        assert_eq!(a.recent(&s, "t", 5, 12).map(|r| r.0), Some(1));
+        assert_eq!(a.recent(&s, "t", 5, 12).map(|r| r.0), Some(2));
     }
 
     #[test]

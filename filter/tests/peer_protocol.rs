@@ -210,7 +210,9 @@ fn a_flood_from_one_sender_is_cut_at_its_budget() {
         statuses.push(deliver(&rh, &rx, &b));
     }
     let elapsed_s = (sh.state.borrow().now_nanos - start) as f64 / 1e9;
-    let got = counter(&rh, &mut rx, "records_received") as f64;
+    // Index records and new prompts' placements share the sender's budget.
+    let got = (counter(&rh, &mut rx, "records_received")
+        + counter(&rh, &mut rx, "placements_received")) as f64;
     let cut = counter(&rh, &mut rx, "records_over_budget") as f64;
     assert!(
         sent as f64 > 2.0 * (10.0 + 10.0 * elapsed_s),

@@ -80,6 +80,7 @@ UNKNOWN = "prefix_router_load_poll_unknown_workers"
 SEND_FAILURES = "prefix_router_peers_send_failures"
 REJECTED = "prefix_router_peers_requests_rejected"
 IGNORED = "prefix_router_peers_records_ignored"
+PLACED = "prefix_router_peers_placements_received"
 STALE = "prefix_router_peers_batches_stale"
 REPLAYED = "prefix_router_peers_batches_replayed"
 BAD_MAC = "prefix_router_peers_batches_bad_mac"
@@ -456,6 +457,43 @@ def test_conversation_keeps_its_worker_across_replicas(fl):
         assert 0 < d2["matched"] <= d2["total"] and d3["matched"] <= d3["total"], info
         # Turn 3 matched deeper than turn 1 ended: the end of turn 2, which only src2 recorded.
         assert d3["matched"] > d2["matched"], info
+
+
+def test_a_sibling_through_another_replica_follows_a_new_document_still_in_flight(fl):
+    """A new document's first question is still being answered through A (nothing indexed
+    anywhere yet); a second question on it reaches B. A's placement of the first reached B
+    through the peers, so B sends the second where the document is being computed. Without it
+    B would place the question by its own conversation key: one of six workers."""
+    A, B = fl["A"], fl["B"]
+    fl.pool.set_delay(1.5)
+    try:
+        for g in range(4):
+            wait_fresh_load([A, B])
+            doc = system_prompt(40_000)  # ~10k tokens: a holder's full load slack
+            out: dict = {}
+
+            def first(doc=doc, out=out):
+                c = Client(A.envoy.listener_port)
+                try:
+                    out["a"] = c.post("/v1/chat/completions", chat([doc, user()]))
+                finally:
+                    c.close()
+
+            base = B.stat(PLACED)
+            t = threading.Thread(target=first)
+            t.start()
+            wait_until(lambda: B.stat(PLACED) > base, f"group {g}: B hears of A's placement")
+            assert t.is_alive(), "the first question was answered before the second was sent"
+            rb = send(B, [doc, user()])
+            t.join(timeout=60)
+            ra = out.get("a")
+            assert ra is not None and ra.status == 200 and ra.decision, ra
+            check_served(A, ra, "if_healthy")
+            info = f"group {g}: A {ra.decision}, B {rb.decision}"
+            assert rb.decision["matched"] == 0, f"B found it indexed: nothing tested ({info})"
+            assert chosen(rb) == chosen(ra), info
+    finally:
+        fl.pool.set_delay(0.0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ pub struct Model {
     pub hits_key: String,
     /// Model identity in peer record batches (hash of the name, like worker ids).
     pub peer_key: u32,
+    /// Identity of this model's placements in peer record batches (`placements.rs`; hash of the
+    /// name and a suffix, so a replica without placements ignores them as an unknown model).
+    pub placed_peer_key: u32,
     /// Per worker: the cluster its load is polled through (`load_poll.cluster_suffix`).
     pub poll_clusters: Vec<String>,
     /// True when all weights are equal (rendezvous can skip the logarithm).
@@ -127,6 +130,7 @@ pub(super) fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), Confi
             placed_key: format!("pr/np/{name}"),
             hits_key: format!("pr/h2/{name}"),
             peer_key: worker_id(name),
+            placed_peer_key: worker_id(&format!("{name}\u{0}placed")),
             poll_clusters: workers
                 .iter()
                 .map(|w| format!("{}{}", w.cluster, raw.load_poll.cluster_suffix))

@@ -151,6 +151,7 @@ pub fn add_decode_models<'a>(
             placed_key: format!("pr/np/{hidden}"),
             hits_key: format!("pr/h2/{hidden}"),
             peer_key: worker_id(&hidden),
+            placed_peer_key: worker_id(&format!("{hidden}\u{0}placed")),
             poll_clusters: workers
                 .iter()
                 .map(|w| format!("{}{}", w.cluster, poll_suffix))

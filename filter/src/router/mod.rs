@@ -590,7 +590,10 @@ impl Router {
             if follow {
                 if let Some(wk) = model.workers.get(w) {
                     let key = &model.placed_key;
-                    self.placements.remember(store, key, sibling, wk.id, now);
+                    let new = self.placements.remember(store, key, sibling, wk.id, now);
+                    if let (true, Some(ob)) = (new, &mut self.outbox) {
+                        ob.push(model.placed_peer_key, wk.id, sibling);
+                    }
                 }
             }
             self.plan_record(mi, w, now);
@@ -1173,6 +1176,56 @@ mod tests {
             "... in the same step, spread: {followed:?}"
         );
         assert_eq!(followed[4], 16, "a document in the same step: {followed:?}");
+    }
+
+    #[test]
+    fn a_sibling_on_another_replica_follows_a_new_opening_once_the_peers_told_it() {
+        // Two replicas (their own shared data): replica A places a document's first question
+        // (nothing indexed yet: still in flight); more questions reach replica B a step later.
+        // Delivered, A's batch carries the placement and B's siblings follow; not delivered, B
+        // places them by its own keys.
+        let peers = r#","peers":{"clusters":["p"],"secret":"0123456789abcdef"}"#;
+        let (mut followed, mut alone, mut sent) = (0, 0, 0);
+        for deliver in [true, false] {
+            for g in 0..8 {
+                let (sa, sb) = (MemStore::new(), MemStore::new());
+                let mut a = Router::new(cfg(peers), 1);
+                let mut b = Router::new(cfg(peers), 2);
+                a.init_store(&sa);
+                b.init_store(&sb);
+                let doc = format!("{g} {}", "word ".repeat(10_000));
+                let first = routed(a.route(&sa, Endpoint::Chat, &chat("llama", &doc, "q"), 50));
+                assert_eq!(first.reason, Reason::HashAffinity);
+                let (_, ob) = a.outbox().unwrap();
+                sent += ob.len();
+                let batch = ob
+                    .seal("0123456789abcdef", 7, 1, 1_700_000_000_000)
+                    .to_vec();
+                if deliver {
+                    let got = b.receive_peer_batch(&sb, &batch, 1_700_000_000_000, 51);
+                    assert_eq!(got.map(|x| x.placements), Ok(1));
+                }
+                for q in 0..2 {
+                    let body = chat("llama", &doc, &format!("question {q}"));
+                    let d = routed(b.route(&sb, Endpoint::Chat, &body, 51));
+                    let same = usize::from(d.worker == first.worker);
+                    if deliver {
+                        followed += same;
+                    } else {
+                        alone += same;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            sent, 16,
+            "one placement per new opening, no index record before the answer"
+        );
+        assert_eq!(followed, 16, "every sibling followed");
+        assert!(
+            alone < 12,
+            "undelivered, the conversation keys scatter them: {alone}"
+        );
     }
 
     #[test]

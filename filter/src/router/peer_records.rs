@@ -28,6 +28,14 @@ impl Router {
         now_ms: u64,
         now: u32,
     ) -> Result<crate::peers::Applied, crate::peers::Refused> {
-        crate::peers::receive(store, &self.cfg, body, now_ms, now, &mut self.index_bufs)
+        crate::peers::receive(
+            store,
+            &self.cfg,
+            body,
+            now_ms,
+            now,
+            &mut self.index_bufs,
+            &mut self.placements,
+        )
     }
 }
