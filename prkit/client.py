@@ -12,11 +12,11 @@ from .fake_workers import DEBUG_HEADER
 
 def parse_decision(value: str) -> dict:
     """A decision debug header's value: {'worker':..., 'reason':..., 'matched': int, 'total': int,
-    and 'holder', 'holder_load' where present}."""
+    and 'holder', 'held' (int), 'holder_load' where present}."""
     out = {}
     for part in value.split(";"):
         k, _, val = part.strip().partition("=")
-        out[k] = int(val) if k in ("matched", "total") and val.isdigit() else val
+        out[k] = int(val) if k in ("matched", "total", "held") and val.isdigit() else val
     return out
 
 

@@ -508,8 +508,15 @@ fn the_debug_header_says_where_and_why_on_the_response_only_when_configured() {
     let (mut s, _) = request(&h, &root, "POST", "/v1/chat/completions", &[], &long);
     s.on_response_headers(&h);
     let v = response_header(&h, "x-debug").expect("debug header on the response");
+    // The same prompt again, on its holder: what it holds is what this request matched.
+    let matched = v
+        .split("; ")
+        .find_map(|f| f.strip_prefix("matched="))
+        .unwrap_or("?");
     assert!(
-        v.ends_with(&format!("; holder={worker}; holder_load=0/0/0; sharers=0")),
+        v.ends_with(&format!(
+            "; holder={worker}; held={matched}; holder_load=0/0/0; sharers=0"
+        )),
         "{v}"
     );
     s.on_done(&h);

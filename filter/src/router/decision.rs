@@ -69,6 +69,8 @@ impl Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HolderLoad {
     pub worker: u16,
+    /// The prompt blocks it holds (the deepest match).
+    pub blocks: u32,
     pub reqs: u32,
     pub capacity: u32,
     pub tokens: u32,
@@ -94,8 +96,8 @@ pub enum Outcome {
 
 impl Router {
     /// The debug header's value: the worker that served (`d`'s), why, the matched and total
-    /// blocks, the decode worker of a PD pair, the deepest holder and its load as the decision
-    /// saw it (requests / capacity, 0: not reported / queued prefill tokens), and the worker
+    /// blocks, the decode worker of a PD pair, the deepest holder, the blocks it holds and its
+    /// load as the decision saw it (requests / capacity, 0: not reported / queued prefill tokens), and the worker
     /// first chosen when a fallback served (`chosen`).
     pub fn debug_value(
         &self,
@@ -123,8 +125,9 @@ impl Router {
             };
             let _ = write!(
                 v,
-                "; holder={}; holder_load={}/{}/{}; sharers={}",
+                "; holder={}; held={}; holder_load={}/{}/{}; sharers={}",
                 self.cluster(&at),
+                hl.blocks,
                 hl.reqs,
                 hl.capacity,
                 hl.tokens,

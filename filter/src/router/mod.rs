@@ -566,6 +566,7 @@ impl Router {
                         .position(|&m| m == deepest)
                         .map(|h| HolderLoad {
                             worker: h as u16,
+                            blocks: deepest,
                             reqs: reqs.get(h).copied().unwrap_or(0),
                             capacity: capacity.get(h).copied().unwrap_or(0),
                             tokens: tokens.get(h).copied().unwrap_or(0),
