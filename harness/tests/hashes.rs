@@ -5,9 +5,12 @@
 //! all agree on every block hash, so a hash the `.wasm` computes differently would split the
 //! fleet's index without failing any single-build test. Here the `.wasm` reports the hashes it
 //! writes through its peer batches (16-byte records: model key, worker, block hash), and each
-//! must be one of the block hashes the native crate computes for the same prompt.
+//! index record must be one of the block hashes the native crate computes for the same prompt
+//! (a new prompt's placement travels in the same batches under the model's placement key, with
+//! its sibling key in the hash's place).
 
 use prefix_router::blocks::{chain_seed, hash_blocks, hash_token_blocks};
+use prefix_router::config::Config;
 use prefix_router::request::{self, Endpoint};
 use proxy_wasm_host::{Host, Options};
 use std::collections::HashSet;
@@ -45,6 +48,8 @@ fn native(ep: Endpoint, body: &[u8]) -> HashSet<u64> {
 fn the_wasm_hashes_every_block_as_the_native_build_does() {
     let host = Host::filter(Options::default()).expect("load prefix_router.wasm");
     let mut vm = host.vm(CONFIG).expect("configure");
+    let cfg = Config::from_json(CONFIG.as_bytes()).expect("config");
+    let (index_key, placed_key) = (cfg.models[0].peer_key, cfg.models[0].placed_peer_key);
     let mut cases: Vec<(&str, Endpoint, Vec<u8>)> = Vec::new();
     for (i, n) in [100usize, 1000, 4000, 9000].into_iter().enumerate() {
         let chat = format!(
@@ -77,6 +82,11 @@ fn the_wasm_hashes_every_block_as_the_native_build_does() {
             let recs = &call.body[28..call.body.len() - 32];
             assert_eq!(recs.len() % 16, 0);
             for rec in recs.chunks(16) {
+                let key = u32::from_le_bytes(rec[..4].try_into().unwrap());
+                if key == placed_key {
+                    continue;
+                }
+                assert_eq!(key, index_key, "{path}: a record of an unknown kind");
                 let h = u64::from_le_bytes(rec[8..16].try_into().unwrap());
                 assert!(
                     want.contains(&h),
