@@ -459,43 +459,6 @@ def test_conversation_keeps_its_worker_across_replicas(fl):
         assert d3["matched"] > d2["matched"], info
 
 
-def test_a_sibling_through_another_replica_follows_a_new_document_still_in_flight(fl):
-    """A new document's first question is still being answered through A (nothing indexed
-    anywhere yet); a second question on it reaches B. A's placement of the first reached B
-    through the peers, so B sends the second where the document is being computed. Without it
-    B would place the question by its own conversation key: one of six workers."""
-    A, B = fl["A"], fl["B"]
-    fl.pool.set_delay(1.5)
-    try:
-        for g in range(4):
-            wait_fresh_load([A, B])
-            doc = system_prompt(40_000)  # ~10k tokens: a holder's full load slack
-            out: dict = {}
-
-            def first(doc=doc, out=out):
-                c = Client(A.envoy.listener_port)
-                try:
-                    out["a"] = c.post("/v1/chat/completions", chat([doc, user()]))
-                finally:
-                    c.close()
-
-            base = B.stat(PLACED)
-            t = threading.Thread(target=first)
-            t.start()
-            wait_until(lambda: B.stat(PLACED) > base, f"group {g}: B hears of A's placement")
-            assert t.is_alive(), "the first question was answered before the second was sent"
-            rb = send(B, [doc, user()])
-            t.join(timeout=60)
-            ra = out.get("a")
-            assert ra is not None and ra.status == 200 and ra.decision, ra
-            check_served(A, ra, "if_healthy")
-            info = f"group {g}: A {ra.decision}, B {rb.decision}"
-            assert rb.decision["matched"] == 0, f"B found it indexed: nothing tested ({info})"
-            assert chosen(rb) == chosen(ra), info
-    finally:
-        fl.pool.set_delay(0.0)
-
-
 # --------------------------------------------------------------------------------------------
 # 2. Polled load: a worker with a deep queue (traffic no replica routed) gets no new conversations
 # --------------------------------------------------------------------------------------------
@@ -751,7 +714,51 @@ def test_a_flood_from_one_sender_is_cut_at_its_budget(fl):
 
 
 # --------------------------------------------------------------------------------------------
-# 4. In-flight accounting returns to 0 on every replica
+# 4. A new prompt's placement reaches the other replicas before its answer is indexed
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_sibling_through_another_replica_follows_a_new_document_still_in_flight(fl):
+    """A new document's first question is still being answered through A (nothing indexed
+    anywhere yet); a second question on it reaches B. A's placement of the first reached B
+    through the peers, so B sends the second where the document is being computed. Without it
+    B would place the question by its own conversation key: one of six workers. (Late in the
+    module: the documents' tokens stay in A's placement footprint for a while and steer A's new
+    prompts away from their workers; the tests that count where new prompts land come before.)"""
+    A, B = fl["A"], fl["B"]
+    fl.pool.set_delay(1.5)
+    try:
+        for g in range(4):
+            wait_fresh_load([A, B])
+            doc = system_prompt(40_000)  # ~10k tokens: a holder's full load slack
+            out: dict = {}
+
+            def first(doc=doc, out=out):
+                c = Client(A.envoy.listener_port)
+                try:
+                    out["a"] = c.post("/v1/chat/completions", chat([doc, user()]))
+                finally:
+                    c.close()
+
+            base = B.stat(PLACED)
+            t = threading.Thread(target=first)
+            t.start()
+            wait_until(lambda: B.stat(PLACED) > base, f"group {g}: B hears of A's placement")
+            assert t.is_alive(), "the first question was answered before the second was sent"
+            rb = send(B, [doc, user()])
+            t.join(timeout=60)
+            ra = out.get("a")
+            assert ra is not None and ra.status == 200 and ra.decision, ra
+            check_served(A, ra, "if_healthy")
+            info = f"group {g}: A {ra.decision}, B {rb.decision}"
+            assert rb.decision["matched"] == 0, f"B found it indexed: nothing tested ({info})"
+            assert chosen(rb) == chosen(ra), info
+    finally:
+        fl.pool.set_delay(0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. In-flight accounting returns to 0 on every replica
 # --------------------------------------------------------------------------------------------
 
 
