@@ -724,6 +724,7 @@ mod tests {
         assert_eq!((ob.len(), ob.dropped), (2, 3));
         let s = MemStore::new();
         let mut sc = IndexBuffers::default();
+        let mut pl = Placements::default();
         let rec = [0u8; REC];
         let short = seal(SECRET, 1, 1, NOW, &[]); // no record
         let ragged = seal(SECRET, 1, 1, NOW, &rec[..15]);
@@ -737,14 +738,11 @@ mod tests {
             (&ragged, Refused::Format),
             (&legacy, Refused::Legacy),
         ] {
-            assert_eq!(
-                receive(&s, &c, bad, NOW, 1, &mut sc, &mut Placements::default()),
-                Err(why)
-            );
+            assert_eq!(receive(&s, &c, bad, NOW, 1, &mut sc, &mut pl), Err(why));
         }
         let big = seal(SECRET, 1, 1, NOW, &[0u8; REC * 5]);
         assert_eq!(
-            receive(&s, &c, &big, NOW, 1, &mut sc, &mut Placements::default()),
+            receive(&s, &c, &big, NOW, 1, &mut sc, &mut pl),
             Err(Refused::TooLarge)
         );
         assert_eq!(s.len(), 0, "nothing written");
@@ -752,16 +750,7 @@ mod tests {
         let ok = seal(SECRET, 1, 1, NOW, &[0u8; REC * 2]);
         for n in 0..ok.len() {
             assert!(
-                receive(
-                    &s,
-                    &c,
-                    &ok[..n],
-                    NOW,
-                    1,
-                    &mut sc,
-                    &mut Placements::default()
-                )
-                .is_err(),
+                receive(&s, &c, &ok[..n], NOW, 1, &mut sc, &mut pl).is_err(),
                 "{n}"
             );
         }

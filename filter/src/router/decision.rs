@@ -97,8 +97,8 @@ pub enum Outcome {
 impl Router {
     /// The debug header's value: the worker that served (`d`'s), why, the matched and total
     /// blocks, the decode worker of a PD pair, the deepest holder, the blocks it holds and its
-    /// load as the decision saw it (requests / capacity, 0: not reported / queued prefill tokens), and the worker
-    /// first chosen when a fallback served (`chosen`).
+    /// load as the decision saw it (requests / capacity, 0: not reported / queued prefill
+    /// tokens), and the worker first chosen when a fallback served (`chosen`).
     pub fn debug_value(
         &self,
         d: &Decision,
