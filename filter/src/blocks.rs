@@ -264,6 +264,28 @@ pub fn checkpoints_upto(n: usize) -> usize {
     j
 }
 
+/// Sub-checkpoints strictly between checkpoint `j` and the next one: the gap cut in quarters
+/// (`a + s`, `a + 2s`, `a + 3s` for `a = nth_checkpoint(j)`, `s = gap / 4`; a gap of 2 or 3 blocks
+/// has the one or two counts between), ascending, at most [`SUB_CHECKPOINTS`].
+///
+/// Why: a prompt's deepest checkpoint under-states what a worker holds by up to a third (a
+/// worker that was sent 121 blocks of a 123-block follow-up matches at 96), and the cost then
+/// prices that holder as holding less than it does. A prompt is also recorded at the
+/// sub-checkpoints of its *top* gap (between its last checkpoint and its end: where a
+/// conversation's next turn will look for it), so a follow-up matches within an eighth of its
+/// previous prompt's end, for at most 3 more writes per prompt and 2 more probes per lookup.
+pub fn sub_checkpoints(j: usize) -> impl Iterator<Item = usize> {
+    let a = nth_checkpoint(j);
+    let b = nth_checkpoint(j.saturating_add(1));
+    let step = (b.saturating_sub(a) / 4).max(1);
+    (1..=SUB_CHECKPOINTS)
+        .map(move |i| a.saturating_add(i * step))
+        .filter(move |&x| x < b)
+}
+
+/// Most sub-checkpoints in one gap.
+pub const SUB_CHECKPOINTS: usize = 3;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +317,27 @@ mod tests {
         // 2·log2(n)+2 bound.
         for n in [1usize, 10, 256, 4096, 1 << 20] {
             assert!(checkpoints_upto(n) as f64 <= 2.0 * (n as f64).log2() + 2.0);
+        }
+    }
+
+    #[test]
+    fn sub_checkpoints_quarter_each_gap() {
+        let subs = |j: usize| sub_checkpoints(j).collect::<Vec<_>>();
+        assert_eq!(subs(0), Vec::<usize>::new(), "1 to 2: nothing between");
+        assert_eq!(subs(3), vec![5], "4 to 6");
+        assert_eq!(subs(5), vec![9, 10, 11], "8 to 12");
+        assert_eq!(subs(12), vec![104, 112, 120], "96 to 128");
+        for j in 0..60 {
+            let (a, b) = (nth_checkpoint(j), nth_checkpoint(j + 1));
+            let s = subs(j);
+            assert!(s.len() <= SUB_CHECKPOINTS && s.iter().all(|&x| a < x && x < b));
+            assert!(s.windows(2).all(|w| w[0] < w[1]));
+            // The points cut the gap to at most a quarter of it (at least one block).
+            let mut prev = a;
+            for &x in s.iter().chain(std::iter::once(&b)) {
+                assert!(x - prev <= ((b - a) / 4).max(1) + (b - a) % 4, "{j}: {s:?}");
+                prev = x;
+            }
         }
     }
 

@@ -8,7 +8,8 @@
 //! holder replaces the entry's oldest one. Because the key space is fixed, memory is bounded by
 //! configuration even though Envoy never deletes shared-data keys.
 //!
-//! Only checkpoint blocks are recorded (see [`crate::blocks::nth_checkpoint`]). Writes are CAS
+//! Only checkpoint blocks are recorded (see [`crate::blocks::nth_checkpoint`]), and the
+//! sub-checkpoints of a prompt's top gap ([`crate::blocks::sub_checkpoints`]). Writes are CAS
 //! read-modify-writes with bounded retries: under contention an update may be lost (counted),
 //! never half-applied, because every write replaces a whole, self-validating bucket.
 //!
@@ -17,7 +18,9 @@
 //! the table is *not* monotone in j (one checkpoint's bucket may evict it, or its record may be
 //! older than deeper ones). The lookup gallops (probe 0, 1, 3, 7, ...) and treats a miss as a
 //! hole when the next gallop position hits, then binary-searches: at most
-//! `2·ceil(log2(m+1)) + 2` probes, 2 for a prompt nobody has seen (checkpoints 0 and 1), plus at
+//! `2·ceil(log2(m+1)) + 2` probes, 2 for a prompt nobody has seen (checkpoints 0 and 1), then at
+//! most 2 over the sub-checkpoints above the deepest checkpoint found (recorded by a prompt that
+//! ended in that gap: a follow-up finds its previous prompt within an eighth of its end), plus at
 //! most [`BOUNDARY_PROBES`] message-boundary probes for chats ([`Index::lookup_bounds`]).
 //! Holes further up only shorten the match. [`Index::record`] repairs holes and rewrites a
 //! worker's whole path once any of its records on it is older than a quarter of the TTL, so a
@@ -33,7 +36,7 @@
 //! and a miss for a brand-new prefix falls back to rendezvous hashing, which every thread and
 //! replica computes identically.
 
-use crate::blocks::{checkpoints_upto, nth_checkpoint};
+use crate::blocks::{checkpoints_upto, nth_checkpoint, sub_checkpoints, SUB_CHECKPOINTS};
 use crate::config::{Config, Model};
 use crate::store::Store;
 use std::fmt::Write;
@@ -225,7 +228,8 @@ pub struct WriteStats {
 }
 
 /// Most index writes one request can plan: every checkpoint of the longest hashable prompt
-/// (`max_prompt_blocks` <= 2^20 blocks: 41 checkpoints) plus its chat end.
+/// (`max_prompt_blocks` <= 2^20 blocks: 41 checkpoints, or 40 and 3 sub-checkpoints) plus its
+/// chat end.
 pub const MAX_PLANNED: usize = 48;
 
 /// The index writes one decision plans ([`Index::plan`]), made later by [`Index::write`] once
@@ -493,6 +497,30 @@ impl<'a> Index<'a> {
                 hi = mid;
             }
         }
+        // The gap above the deepest checkpoint found: its sub-checkpoints within the prompt,
+        // recorded by prompts that ended in it. A prompt's are recorded all together, so a
+        // binary search finds the deepest (at most 2 probes).
+        let mut subs = [0usize; SUB_CHECKPOINTS];
+        let mut k = 0;
+        for (slot, x) in subs
+            .iter_mut()
+            .zip(sub_checkpoints(lo).take_while(|&x| x <= hashes.len()))
+        {
+            *slot = x;
+            k += 1;
+        }
+        let (mut below, mut above) = (0usize, k + 1); // positions in 1..=k; 0 = the checkpoint
+        while above - below > 1 {
+            let mid = below + (above - below) / 2;
+            let hit = subs
+                .get(mid - 1)
+                .is_some_and(|&x| self.probe_blocks(store, hashes, x, now, sc, out));
+            if hit {
+                below = mid;
+            } else {
+                above = mid;
+            }
+        }
     }
 
     /// After [`Index::lookup`]: probes the message boundaries `ends` (block counts, ascending)
@@ -549,14 +577,18 @@ impl<'a> Index<'a> {
         known.blocks > 0 && (known.hole || age(now, known.oldest) > self.ttl / 4)
     }
 
-    /// Plans what [`Index::record`] writes (checkpoints, then the chat end `end` in blocks when
-    /// given and deeper than what the worker is known to hold, or on a refresh).
+    /// Plans what [`Index::record`] writes (checkpoints and the sub-checkpoints of the top gap,
+    /// then the chat end `end` in blocks when given and deeper than what the worker is known to
+    /// hold, or on a refresh).
     pub fn plan(&self, hashes: &[u64], end: Option<usize>, known: Known, now: u32, out: &mut Plan) {
         out.len = 0;
         let refresh = self.needs_refresh(known, now);
         let m = checkpoints_upto(hashes.len());
-        for j in 0..m {
-            let blocks = nth_checkpoint(j);
+        let top = m
+            .checked_sub(1)
+            .map(|j| sub_checkpoints(j).take_while(|&x| x <= hashes.len()));
+        let top_sub = |b: usize| m > 0 && sub_checkpoints(m - 1).any(|x| x == b);
+        for blocks in (0..m).map(nth_checkpoint).chain(top.into_iter().flatten()) {
             if (blocks as u32) <= known.blocks && !refresh {
                 continue;
             }
@@ -566,7 +598,8 @@ impl<'a> Index<'a> {
         }
         if let Some(end) = end {
             let is_checkpoint = end > 0 && nth_checkpoint(checkpoints_upto(end) - 1) == end;
-            if !is_checkpoint && (end as u32 > known.blocks || refresh) {
+            let recorded = is_checkpoint || (end <= hashes.len() && top_sub(end));
+            if !recorded && (end as u32 > known.blocks || refresh) {
                 if let Some(&h) = hashes.get(end.wrapping_sub(1)) {
                     out.push(h);
                 }
@@ -874,6 +907,36 @@ mod tests {
     }
 
     #[test]
+    fn a_follow_up_matches_its_previous_prompt_within_the_gap() {
+        let s = MemStore::new();
+        let ix = idx(1 << 14);
+        let mut sc = IndexBuffers::default();
+        let mut m = Matches::default();
+        // Turn 1: 121 blocks, recorded at its checkpoints (deepest 96) and at the
+        // sub-checkpoints of its top gap (104, 112, 120).
+        let turn1 = b"a".repeat(8 * 121);
+        let st = ix.record(&s, &hashes(&turn1), 3, Known::default(), 10, &mut sc);
+        assert_eq!(st.writes as usize, checkpoints_upto(121) + 3);
+        // Turn 2 extends it to 123 blocks: matched at 120, not at 96.
+        let mut turn2 = turn1.clone();
+        turn2.extend_from_slice(&b"b".repeat(8 * 2));
+        let h2 = hashes(&turn2);
+        ix.lookup(&s, &h2, 11, &mut sc, &mut m);
+        assert_eq!((m.blocks_for(3), m.deepest), (120, 120));
+        let coarse = 2.0 * ((checkpoints_upto(123) + 1) as f64).log2().ceil() + 2.0;
+        assert!(f64::from(m.probes) <= coarse + 2.0, "{} probes", m.probes);
+        // Nothing new to write for turn 2 (no checkpoint or top sub-checkpoint above 120).
+        let mut p = Plan::default();
+        ix.plan(&h2, None, m.known_for(3), 11, &mut p);
+        assert!(p.is_empty());
+        // A sibling that left turn 1 after 100 blocks holds only what they share up to 96.
+        let mut sibling = turn1[..8 * 100].to_vec();
+        sibling.extend_from_slice(&b"c".repeat(8 * 23));
+        ix.lookup(&s, &hashes(&sibling), 12, &mut sc, &mut m);
+        assert_eq!(m.blocks_for(3), 96);
+    }
+
+    #[test]
     fn probe_cache_saves_host_calls_and_expires() {
         let s = MemStore::new();
         let ix = Index {
@@ -962,17 +1025,21 @@ mod tests {
 
     #[test]
     fn a_plan_holds_every_write_of_the_longest_prompt() {
-        let n = crate::config::MAX_PROMPT_BLOCKS;
-        assert!(checkpoints_upto(n) < MAX_PLANNED, "{}", checkpoints_upto(n));
-        let hs: Vec<u64> = (1..=n as u64).collect();
-        let mut p = Plan::default();
-        let known = Known {
-            blocks: 5,
-            oldest: 0,
-            hole: true,
-        };
-        idx(64).plan(&hs, Some(n - 1), known, 10, &mut p);
-        assert_eq!(p.hashes().len(), checkpoints_upto(n) + 1);
+        // The longest prompt, and the longest one with three sub-checkpoints in its top gap.
+        let max = crate::config::MAX_PROMPT_BLOCKS;
+        for (n, subs) in [(max, 0), (max - 1, SUB_CHECKPOINTS)] {
+            let writes = checkpoints_upto(n) + subs + 1;
+            assert!(writes <= MAX_PLANNED, "{writes}");
+            let hs: Vec<u64> = (1..=n as u64).collect();
+            let mut p = Plan::default();
+            let known = Known {
+                blocks: 5,
+                oldest: 0,
+                hole: true,
+            };
+            idx(64).plan(&hs, Some(n - 7), known, 10, &mut p);
+            assert_eq!(p.hashes().len(), writes);
+        }
     }
 
     #[test]
@@ -1009,7 +1076,11 @@ mod tests {
         // Another thread's clock is 1 s (10 units) behind, or ours stepped back.
         let mut m = Matches::default();
         ix.lookup(&s, &a, 4990, &mut sc, &mut m);
-        assert_eq!(m.blocks_for(9), 16);
+        assert_eq!(
+            m.blocks_for(9),
+            20,
+            "checkpoint 16, then sub-checkpoints 18 and 20"
+        );
         assert_eq!(age(4990, 5000), 0);
         assert_eq!(age(5000, 4990), 10);
         // A fresh-but-future holder is not the oldest one in its entry: a new holder replaces
