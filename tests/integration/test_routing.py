@@ -73,6 +73,24 @@ def test_shared_prefix_sequential_stays_on_one_worker(env, client):
         assert _covers(d["matched"], shared), (shared, d)
 
 
+def test_a_follow_up_matches_its_previous_prompt_between_checkpoints(env, client):
+    """A prompt of 121 blocks is recorded at its checkpoints (deepest 96) and at the
+    sub-checkpoints of its top gap (104, 112, 120): a follow-up that extends it by two blocks
+    matches 120 of them, where the checkpoints alone would say 96."""
+    r = wl.rng("follow-up between checkpoints")
+    block = int(env.plugin.get("text_block_bytes", 64))
+    first = wl.text(r, 121 * block)
+    follow = first + wl.text(r, 2 * block)
+    a = client.post("/v1/completions", {"model": MODEL, "prompt": first, "max_tokens": 8})
+    assert a.status == 200, a.body
+    b = client.post("/v1/completions", {"model": MODEL, "prompt": follow, "max_tokens": 8})
+    assert b.status == 200, b.body
+    d = b.decision
+    assert (d["reason"], b.worker) == ("prefix_hit", a.worker), d
+    assert d["total"] >= 123 and 8 * d["matched"] >= 7 * 121 and d["matched"] <= 121, d
+    assert d["held"] == d["matched"], d
+
+
 def test_shared_prefix_concurrent_spills_within_load_bound(env):
     r = wl.rng("conc")
     prefix = wl.text(r, 4096)
