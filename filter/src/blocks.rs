@@ -286,6 +286,21 @@ pub fn sub_checkpoints(j: usize) -> impl Iterator<Item = usize> {
 /// Most sub-checkpoints in one gap.
 pub const SUB_CHECKPOINTS: usize = 3;
 
+/// True when a prompt of `n` blocks has a checkpoint at `n`.
+pub fn is_checkpoint(n: usize) -> bool {
+    n > 0 && nth_checkpoint(checkpoints_upto(n) - 1) == n
+}
+
+/// The sub-checkpoints an `n`-block prompt is recorded at: those of its top gap (above its last
+/// checkpoint) that lie within it, ascending.
+pub fn top_sub_checkpoints(n: usize) -> impl Iterator<Item = usize> {
+    checkpoints_upto(n)
+        .checked_sub(1)
+        .into_iter()
+        .flat_map(sub_checkpoints)
+        .take_while(move |&x| x <= n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,6 +342,13 @@ mod tests {
         assert_eq!(subs(3), vec![5], "4 to 6");
         assert_eq!(subs(5), vec![9, 10, 11], "8 to 12");
         assert_eq!(subs(12), vec![104, 112, 120], "96 to 128");
+        let top = |n: usize| top_sub_checkpoints(n).collect::<Vec<_>>();
+        assert_eq!(top(0), Vec::<usize>::new());
+        assert_eq!(
+            (top(96), top(111), top(127)),
+            (vec![], vec![104], vec![104, 112, 120])
+        );
+        assert!(is_checkpoint(96) && !is_checkpoint(0) && !is_checkpoint(104));
         for j in 0..60 {
             let (a, b) = (nth_checkpoint(j), nth_checkpoint(j + 1));
             let s = subs(j);

@@ -36,7 +36,10 @@
 //! and a miss for a brand-new prefix falls back to rendezvous hashing, which every thread and
 //! replica computes identically.
 
-use crate::blocks::{checkpoints_upto, nth_checkpoint, sub_checkpoints, SUB_CHECKPOINTS};
+use crate::blocks::{
+    checkpoints_upto, is_checkpoint, nth_checkpoint, sub_checkpoints, top_sub_checkpoints,
+    SUB_CHECKPOINTS,
+};
 use crate::config::{Config, Model};
 use crate::store::Store;
 use std::fmt::Write;
@@ -562,8 +565,7 @@ impl<'a> Index<'a> {
         sc: &mut IndexBuffers,
     ) -> WriteStats {
         let mut st = WriteStats::default();
-        let is_checkpoint = blocks > 0 && nth_checkpoint(checkpoints_upto(blocks) - 1) == blocks;
-        if !is_checkpoint {
+        if !is_checkpoint(blocks) {
             if let Some(&h) = hashes.get(blocks.wrapping_sub(1)) {
                 self.add_holder(store, h, worker, now, sc, &mut st);
             }
@@ -584,11 +586,8 @@ impl<'a> Index<'a> {
         out.len = 0;
         let refresh = self.needs_refresh(known, now);
         let m = checkpoints_upto(hashes.len());
-        let top = m
-            .checked_sub(1)
-            .map(|j| sub_checkpoints(j).take_while(|&x| x <= hashes.len()));
-        let top_sub = |b: usize| m > 0 && sub_checkpoints(m - 1).any(|x| x == b);
-        for blocks in (0..m).map(nth_checkpoint).chain(top.into_iter().flatten()) {
+        let top = top_sub_checkpoints(hashes.len());
+        for blocks in (0..m).map(nth_checkpoint).chain(top) {
             if (blocks as u32) <= known.blocks && !refresh {
                 continue;
             }
@@ -597,8 +596,8 @@ impl<'a> Index<'a> {
             }
         }
         if let Some(end) = end {
-            let is_checkpoint = end > 0 && nth_checkpoint(checkpoints_upto(end) - 1) == end;
-            let recorded = is_checkpoint || (end <= hashes.len() && top_sub(end));
+            let recorded =
+                is_checkpoint(end) || top_sub_checkpoints(hashes.len()).any(|x| x == end);
             if !recorded && (end as u32 > known.blocks || refresh) {
                 if let Some(&h) = hashes.get(end.wrapping_sub(1)) {
                     out.push(h);
