@@ -274,7 +274,7 @@ pub fn checkpoints_upto(n: usize) -> usize {
 /// sub-checkpoints of its *top* gap (between its last checkpoint and its end: where a
 /// conversation's next turn will look for it), so a follow-up matches within an eighth of its
 /// previous prompt's end, for at most 3 more writes per prompt and 2 more probes per lookup.
-pub fn sub_checkpoints(j: usize) -> impl Iterator<Item = usize> {
+pub fn sub_checkpoints(j: usize) -> impl Iterator<Item = usize> + Clone {
     let a = nth_checkpoint(j);
     let b = nth_checkpoint(j.saturating_add(1));
     let step = (b.saturating_sub(a) / 4).max(1);
@@ -293,7 +293,7 @@ pub fn is_checkpoint(n: usize) -> bool {
 
 /// The sub-checkpoints an `n`-block prompt is recorded at: those of its top gap (above its last
 /// checkpoint) that lie within it, ascending.
-pub fn top_sub_checkpoints(n: usize) -> impl Iterator<Item = usize> {
+pub fn top_sub_checkpoints(n: usize) -> impl Iterator<Item = usize> + Clone {
     checkpoints_upto(n)
         .checked_sub(1)
         .into_iter()

@@ -11,7 +11,9 @@
 //! Only checkpoint blocks are recorded (see [`crate::blocks::nth_checkpoint`]), and the
 //! sub-checkpoints of a prompt's top gap ([`crate::blocks::sub_checkpoints`]). Writes are CAS
 //! read-modify-writes with bounded retries: under contention an update may be lost (counted),
-//! never half-applied, because every write replaces a whole, self-validating bucket.
+//! never half-applied, because every write replaces a whole, self-validating bucket. A decision
+//! writes the records its worker is not known to hold at once and its request takes them back if
+//! it fails ([`Plan`], [`Index::write_ahead`], [`Index::retract`]).
 //!
 //! Lookup cost: a prompt of `n` blocks has `m <= 2·log2(n) + 2` checkpoints. A hash covers its
 //! whole prefix, so a worker holding checkpoint j received every shallower one; but presence in
@@ -228,6 +230,8 @@ pub struct WriteStats {
     pub writes: u32,
     pub conflicts: u32,
     pub dropped: u32,
+    /// Records written ahead and taken back ([`Index::retract`]).
+    pub retracted: u32,
 }
 
 /// Most index writes one request can plan: every checkpoint of the longest hashable prompt
@@ -235,9 +239,17 @@ pub struct WriteStats {
 /// chat end.
 pub const MAX_PLANNED: usize = 48;
 
-/// The index writes one decision plans ([`Index::plan`]), made later by [`Index::write`] once
-/// the response proves the worker took the request. `Copy` and fixed-size: the stream keeps it
-/// without allocating, and it bounds what one request can write.
+/// The index writes one decision plans ([`Index::plan`]). `Copy` and fixed-size: the stream
+/// keeps it without allocating, and it bounds what one request can write.
+///
+/// Its first [`Plan::fresh`] hashes are prefixes the worker is not known to hold; the rest
+/// rewrite what it holds (a refresh). The fresh ones are written when the request is routed
+/// ([`Index::write_ahead`]): a follow-up or sibling routed while this request is still queued
+/// for prefill sees where its prefix is going, and queues behind it there, where it will be
+/// cached by the time the follow-up is prefilled (the worker serves its queue in order). The
+/// refresh waits for a 2xx response ([`Index::write`]); a request that fails or ends without a
+/// response takes its fresh records back ([`Index::retract`]), restoring the stamps they
+/// replaced, so what a failed request leaves in the index is nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
     pub model: u16,
@@ -246,7 +258,14 @@ pub struct Plan {
     /// Decision time (the records' time stamp when the caller has no fresher clock).
     pub at: u32,
     len: u8,
+    /// Leading hashes the worker is not known to hold.
+    fresh: u8,
+    /// Leading hashes written ahead ([`Index::write_ahead`]); those of them in `ahead_ok` were
+    /// applied, each replacing `prior` (the worker's previous stamp there, 0: none).
+    ahead: u8,
+    ahead_ok: u64,
     hashes: [u64; MAX_PLANNED],
+    prior: [u32; MAX_PLANNED],
 }
 
 impl Default for Plan {
@@ -256,7 +275,11 @@ impl Default for Plan {
             worker: 0,
             at: 0,
             len: 0,
+            fresh: 0,
+            ahead: 0,
+            ahead_ok: 0,
             hashes: [0; MAX_PLANNED],
+            prior: [0; MAX_PLANNED],
         }
     }
 }
@@ -267,6 +290,25 @@ impl Plan {
     }
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+    /// How many leading hashes the worker is not known to hold.
+    pub fn fresh(&self) -> usize {
+        usize::from(self.fresh)
+    }
+    /// The hashes written ahead ([`Index::write_ahead`]) and applied.
+    pub fn written_ahead(&self) -> impl Iterator<Item = u64> + '_ {
+        self.hashes()
+            .iter()
+            .take(usize::from(self.ahead))
+            .enumerate()
+            .filter(|(i, _)| self.ahead_ok & (1 << i) != 0)
+            .map(|(_, &h)| h)
+    }
+    /// The hashes a 2xx response still has to write: all of them when none was written ahead.
+    pub fn due_at_answer(&self) -> &[u64] {
+        self.hashes()
+            .get(usize::from(self.ahead)..)
+            .unwrap_or_default()
     }
     fn push(&mut self, h: u64) {
         if let Some(slot) = self.hashes.get_mut(usize::from(self.len)) {
@@ -580,30 +622,76 @@ impl<'a> Index<'a> {
     }
 
     /// Plans what [`Index::record`] writes (checkpoints and the sub-checkpoints of the top gap,
-    /// then the chat end `end` in blocks when given and deeper than what the worker is known to
-    /// hold, or on a refresh).
+    /// then the chat end `end` in blocks): first those deeper than what the worker is known to
+    /// hold ([`Plan::fresh`]), then, on a refresh, those it holds.
     pub fn plan(&self, hashes: &[u64], end: Option<usize>, known: Known, now: u32, out: &mut Plan) {
         out.len = 0;
+        out.ahead = 0;
+        out.ahead_ok = 0;
         let refresh = self.needs_refresh(known, now);
         let m = checkpoints_upto(hashes.len());
         let top = top_sub_checkpoints(hashes.len());
-        for blocks in (0..m).map(nth_checkpoint).chain(top) {
-            if (blocks as u32) <= known.blocks && !refresh {
-                continue;
-            }
-            if let Some(&h) = hashes.get(blocks - 1) {
+        let end = end
+            .filter(|&e| !is_checkpoint(e) && !top_sub_checkpoints(hashes.len()).any(|x| x == e));
+        let points = (0..m).map(nth_checkpoint).chain(top).chain(end);
+        for blocks in points.clone().filter(|&b| b as u32 > known.blocks) {
+            if let Some(&h) = hashes.get(blocks.wrapping_sub(1)) {
                 out.push(h);
             }
         }
-        if let Some(end) = end {
-            let recorded =
-                is_checkpoint(end) || top_sub_checkpoints(hashes.len()).any(|x| x == end);
-            if !recorded && (end as u32 > known.blocks || refresh) {
-                if let Some(&h) = hashes.get(end.wrapping_sub(1)) {
+        out.fresh = out.len;
+        if refresh {
+            for blocks in points.filter(|&b| b as u32 <= known.blocks) {
+                if let Some(&h) = hashes.get(blocks.wrapping_sub(1)) {
                     out.push(h);
                 }
             }
         }
+    }
+
+    /// Writes a plan's fresh records when its request is routed ([`Plan`]): `plan.worker`
+    /// becomes a holder of each, stamped `plan.at`, and the plan keeps the stamps they replaced
+    /// for [`Index::retract`]. The caller then writes [`Plan::due_at_answer`] on a 2xx.
+    pub fn write_ahead<S: Store>(
+        &self,
+        store: &S,
+        plan: &mut Plan,
+        sc: &mut IndexBuffers,
+    ) -> WriteStats {
+        let mut st = WriteStats::default();
+        let n = plan.fresh();
+        for i in 0..n {
+            let Some(&h) = plan.hashes.get(i) else { break };
+            if let Some(prior) = self.add_holder(store, h, plan.worker, plan.at, sc, &mut st) {
+                if let Some(p) = plan.prior.get_mut(i) {
+                    *p = prior;
+                }
+                plan.ahead_ok |= 1 << i;
+            }
+        }
+        plan.ahead = plan.fresh;
+        st
+    }
+
+    /// Takes back what [`Index::write_ahead`] wrote for a request that failed or ended without
+    /// an answer: each record still stamped `plan.at` for `plan.worker` gets its prior stamp
+    /// back, or is removed where it had none. A record rewritten since (a later request to the
+    /// same worker) is left alone.
+    pub fn retract<S: Store>(&self, store: &S, plan: &Plan, sc: &mut IndexBuffers) -> WriteStats {
+        let mut st = WriteStats::default();
+        for (i, &h) in plan
+            .hashes()
+            .iter()
+            .enumerate()
+            .take(usize::from(plan.ahead))
+        {
+            if plan.ahead_ok & (1 << i) == 0 {
+                continue;
+            }
+            let prior = plan.prior.get(i).copied().unwrap_or(0);
+            self.restore_holder(store, h, plan.worker, plan.at, prior, sc, &mut st);
+        }
+        st
     }
 
     /// Makes a plan's writes: `worker` becomes a holder of each planned prefix.
@@ -640,12 +728,51 @@ impl<'a> Index<'a> {
         self.write(store, p.hashes(), worker, now, sc)
     }
 
+    /// Makes `worker` a holder of `h` stamped `now`; returns the stamp it replaced (0: it was
+    /// not a holder) once written, `None` when the write was dropped.
     fn add_holder<S: Store>(
         &self,
         store: &S,
         h: u64,
         worker: u32,
         now: u32,
+        sc: &mut IndexBuffers,
+        st: &mut WriteStats,
+    ) -> Option<u32> {
+        self.key_for(h, &mut sc.key);
+        let tag = tag_of(h);
+        let mut enc = [0u8; BUCKET_BYTES];
+        for _ in 0..self.cas_retries {
+            let cas = store.get(&sc.key, &mut sc.buf).unwrap_or(0);
+            let mut bucket = decode(&sc.buf);
+            let (i, prior) = upsert(&mut bucket, tag, worker, now);
+            encode(&bucket, &mut enc);
+            match store.set(&sc.key, &enc, cas) {
+                Ok(()) => {
+                    st.writes += 1;
+                    sc.written.push(h);
+                    if self.cache_ttl > 0 {
+                        sc.cache.put(tag, now, bucket[i].holders);
+                    }
+                    return Some(prior);
+                }
+                Err(_) => st.conflicts += 1,
+            }
+        }
+        st.dropped += 1;
+        None
+    }
+
+    /// Gives `worker`'s record of `h` its `prior` stamp back (removes it when `prior` is 0), if
+    /// it still carries `stamp`. Counted in `st.retracted`; a record already changed is not.
+    #[allow(clippy::too_many_arguments)]
+    fn restore_holder<S: Store>(
+        &self,
+        store: &S,
+        h: u64,
+        worker: u32,
+        stamp: u32,
+        prior: u32,
         sc: &mut IndexBuffers,
         st: &mut WriteStats,
     ) {
@@ -655,14 +782,20 @@ impl<'a> Index<'a> {
         for _ in 0..self.cas_retries {
             let cas = store.get(&sc.key, &mut sc.buf).unwrap_or(0);
             let mut bucket = decode(&sc.buf);
-            let i = upsert(&mut bucket, tag, worker, now);
+            let Some(e) = bucket.iter_mut().find(|e| e.tag == tag) else {
+                return;
+            };
+            let Some(slot) = e.holders.iter_mut().find(|x| **x == (worker, stamp)) else {
+                return;
+            };
+            *slot = if prior == 0 { (0, 0) } else { (worker, prior) };
+            let holders = e.holders;
             encode(&bucket, &mut enc);
             match store.set(&sc.key, &enc, cas) {
                 Ok(()) => {
-                    st.writes += 1;
-                    sc.written.push(h);
+                    st.retracted += 1;
                     if self.cache_ttl > 0 {
-                        sc.cache.put(tag, now, bucket[i].holders);
+                        sc.cache.put(tag, stamp, holders);
                     }
                     return;
                 }
@@ -704,8 +837,8 @@ pub fn clear_some<S: Store>(store: &S, range: &mut std::ops::Range<u32>, n: u32,
 }
 
 /// Inserts or refreshes `worker` as a holder of `tag` in the bucket (LRU replacement); returns
-/// the entry's position.
-fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) -> usize {
+/// the entry's position and the worker's stamp it replaced (0: it was not a holder).
+fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) -> (usize, u32) {
     let recency = |e: &Entry| {
         e.holders
             .iter()
@@ -732,8 +865,9 @@ fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) -> usize {
     };
     let e = &mut bucket[idx];
     if let Some(h) = e.holders.iter_mut().find(|h| h.0 == worker) {
+        let prior = h.1;
         h.1 = now;
-        return idx;
+        return (idx, prior);
     }
     // Empty slot, else the oldest holder.
     let slot = e
@@ -743,7 +877,7 @@ fn upsert(bucket: &mut Bucket, tag: u64, worker: u32, now: u32) -> usize {
         .max_by_key(|(_, h)| if h.0 == 0 { u32::MAX } else { age(now, h.1) })
         .map_or(0, |(i, _)| i);
     e.holders[slot] = (worker, now);
-    idx
+    (idx, 0)
 }
 
 #[cfg(test)]
@@ -1039,6 +1173,79 @@ mod tests {
             idx(64).plan(&hs, Some(n - 7), known, 10, &mut p);
             assert_eq!(p.hashes().len(), writes);
         }
+    }
+
+    #[test]
+    fn records_written_ahead_are_taken_back_as_they_were() {
+        let s = MemStore::new();
+        let ix = idx(1 << 16);
+        let mut sc = IndexBuffers::default();
+        let a = hashes(&b"w".repeat(8 * 40));
+        // Worker 3 holds the first 16 blocks since t=10 (worker 5 too); a request for all 40 is
+        // routed to it at t=20: fresh are the checkpoints past 16, a refresh would add the rest.
+        ix.record(&s, &a[..16], 3, Known::default(), 10, &mut sc);
+        ix.record(&s, &a[..16], 5, Known::default(), 10, &mut sc);
+        let known = Known {
+            blocks: 16,
+            oldest: 10,
+            hole: true,
+        };
+        let mut p = Plan {
+            worker: 3,
+            at: 20,
+            ..Plan::default()
+        };
+        ix.plan(&a, None, known, 20, &mut p);
+        assert_eq!(p.fresh(), 4, "24, 32 and the top gap's 36 and 40");
+        assert!(p.hashes().len() > p.fresh(), "the refresh after them");
+        let st = ix.write_ahead(&s, &mut p, &mut sc);
+        assert_eq!(
+            (st.writes, p.due_at_answer().len()),
+            (4, p.hashes().len() - 4)
+        );
+        let mut m = Matches::default();
+        ix.lookup(&s, &a, 21, &mut sc, &mut m);
+        assert_eq!(
+            (m.blocks_for(3), m.blocks_for(5)),
+            (40, 16),
+            "seen before any answer"
+        );
+        // A later request's write of checkpoint 24 for the same worker stays; 32, 36, 40 go.
+        ix.write(&s, &a[23..24], 3, 22, &mut sc);
+        assert_eq!(ix.retract(&s, &p, &mut sc).retracted, 3);
+        ix.lookup(&s, &a, 23, &mut sc, &mut m);
+        assert_eq!(m.blocks_for(3), 24, "24 was rewritten since");
+        // A worker that did not hold 24 loses it again; one that did gets its old stamp back.
+        let holders = |h: u64| {
+            let (mut key, mut buf) = (String::new(), Vec::new());
+            ix.key_for(h, &mut key);
+            s.get(&key, &mut buf);
+            decode(&buf)
+                .iter()
+                .find(|e| e.tag == tag_of(h))
+                .map(|e| e.holders)
+        };
+        for (worker, after) in [(5, None), (3, Some((3, 22)))] {
+            let mut q = Plan {
+                worker,
+                at: 30,
+                ..Plan::default()
+            };
+            ix.plan(&a[..24], None, known, 30, &mut q);
+            assert_eq!(ix.write_ahead(&s, &mut q, &mut sc).writes, 1);
+            ix.lookup(&s, &a[..24], 31, &mut sc, &mut m);
+            assert_eq!(m.blocks_for(worker), 24);
+            assert_eq!(ix.retract(&s, &q, &mut sc).retracted, 1);
+            assert_eq!(ix.retract(&s, &q, &mut sc).retracted, 0, "nothing twice");
+            let got = holders(a[23]).unwrap_or_default();
+            assert_eq!(
+                got.iter().find(|x| x.0 == worker).copied(),
+                after,
+                "{got:?}"
+            );
+        }
+        ix.lookup(&s, &a[..24], 32, &mut sc, &mut m);
+        assert_eq!((m.blocks_for(5), m.blocks_for(3)), (16, 24));
     }
 
     #[test]

@@ -51,11 +51,13 @@ metric_table! {
     Counter {
         BlocksPrompt = "prefix_router.blocks.prompt",
         BlocksMatched = "prefix_router.blocks.matched",
-        /// Index record writes, CAS conflicts and dropped writes: commits (2xx) and applied peer
-        /// batches.
+        /// Index record writes, CAS conflicts and dropped writes: decisions (a prompt's records
+        /// its worker is not known to hold), commits (2xx) and applied peer batches; records
+        /// written at a decision and taken back when its request failed.
         IndexWrites = "prefix_router.index.writes",
         IndexConflicts = "prefix_router.index.cas_conflicts",
         IndexDropped = "prefix_router.index.dropped_updates",
+        IndexRetracted = "prefix_router.index.retracted",
         IndexProbes = "prefix_router.index.probes",
         Truncated = "prefix_router.prompts.truncated",
         PollAnswers = "prefix_router.load_poll.answers",
@@ -211,6 +213,7 @@ impl Metrics {
         p.add(Counter::IndexWrites, w.writes);
         p.add(Counter::IndexConflicts, w.conflicts);
         p.add(Counter::IndexDropped, w.dropped);
+        p.add(Counter::IndexRetracted, w.retracted);
     }
 
     /// One request answered for `reason` without a routed decision (passthrough, rejected).

@@ -2,9 +2,9 @@
 //! (`pr/np/<model>`), read and written by every VM, so a sibling that reaches another Envoy
 //! thread before the first prompt's answer is indexed follows it.
 //!
-//! Why: a prompt's index records are written only once its response is a 2xx (`router/mod.rs`), so
-//! for the length of a prefill the index says nobody holds a new prompt group. Siblings arriving
-//! in that window were spread by their own keys (chat siblings have different conversation keys)
+//! Why: a prompt its worker holds none of is recorded only once its response is a 2xx
+//! (`router/mod.rs`, `write_ahead`), so for the length of a prefill the index says nobody holds
+//! a new prompt group. Siblings arriving in that window were spread by their own keys (chat siblings have different conversation keys)
 //! and each got a copy of the group's opening: measured with `load/pd_compare --sizes 4` on a
 //! tight KV cache, about 4 of 7 misses more than SGLang's router were such start-up siblings on
 //! the other Envoy thread (SGLang's router inserts into its tree when it routes). A placement

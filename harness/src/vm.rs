@@ -376,8 +376,9 @@ impl Vm {
         })
     }
 
-    /// Ends a stream: `on_response_headers` (with `response_headers`), then `on_done`,
-    /// `on_log`, `on_delete` as Envoy does. Returns the response headers after the filter.
+    /// Ends a stream: `on_response_headers` (with `response_headers`, after a `:status` of 200
+    /// unless they carry their own), then `on_done`, `on_log`, `on_delete` as Envoy does.
+    /// Returns the response headers after the filter.
     pub fn finish(
         &mut self,
         ctx: i32,
@@ -386,7 +387,9 @@ impl Vm {
         {
             let st = self.store.data_mut();
             st.response_headers.clear();
-            st.response_headers.push((":status".into(), "200".into()));
+            if !response_headers.iter().any(|(k, _)| *k == ":status") {
+                st.response_headers.push((":status".into(), "200".into()));
+            }
             st.response_headers.extend(
                 response_headers
                     .iter()

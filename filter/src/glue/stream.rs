@@ -1,12 +1,14 @@
 //! One HTTP stream's context ([`Stream`]): reads the request head and body, asks the router,
-//! points the request at the worker, credits the worker that served, writes the index records
-//! for a 2xx and gives the load charge back (see the invariants in `glue.rs`).
+//! points the request at the worker, credits the worker that served, settles the index records
+//! the decision wrote (the rest written for a 2xx, all taken back for a failure or a reset) and
+//! gives the load charge back (see the invariants in `glue.rs`).
 //!
 //! Host calls per inference request (steady state, cache-aware): 1 header-map read (and 1
 //! removal per filter header the client sent), 1 clock read, 1 body read, 1 load read + 1 load
 //! CAS, the index probes (O(log log n), see `index.rs`), 1 header add, a metric flush at most
-//! once per 100 ms; at the response headers the queued-prefill release, when the decision
-//! planned records 1 `:status` read (the writes only for a 2xx), and the `upstream.address`
+//! once per 100 ms (a new prefix: its records, written at the decision); at the response
+//! headers the queued-prefill release, when the decision planned records 1 `:status` read (a
+//! refresh's writes for a 2xx, the retraction for a failure), and the `upstream.address`
 //! read only on the responses `served.rs` picks; at the end the release (`load.rs`: 1 load
 //! read + 1 CAS, or parked on a busy thread). The queued-prefill part released at the response
 //! headers makes no host call in the Wasm build: it rides on the end's write (or the next
@@ -39,7 +41,8 @@ pub struct Stream {
     charge: Charge,
     /// A peer's record batch (peer listener only), applied when its body is complete.
     peer_batch: bool,
-    /// Index writes of this stream's decision, made once the response status is 2xx.
+    /// Index writes of this stream's decision: those written ahead are settled (kept or taken
+    /// back) by the response status, or taken back at the end when no response came.
     plan: Option<Plan>,
     /// The response status was 2xx: the decision's prediction joins the self-check at the end.
     served: bool,
@@ -153,6 +156,7 @@ impl Stream {
             let mut r = self.state.router.borrow_mut();
             let o = r.route_for(h, ep, body, &self.tenant, now);
             self.plan = r.take_plan();
+            self.state.metrics.index_writes(&r.take_ahead_stats());
             o
         };
         let m = &self.state.metrics;
@@ -436,7 +440,8 @@ impl Stream {
         }
     }
 
-    /// Writes the decision's index records if the response status is 2xx (one `:status` read).
+    /// Settles the decision's index records by the response status (one `:status` read): the
+    /// rest written for a 2xx, what was written ahead taken back otherwise.
     fn commit(&mut self, h: &impl Host, plan: &Plan) {
         let status = host::status(h, Map::ResponseHeaders).unwrap_or(0);
         let Ok(mut r) = self.state.router.try_borrow_mut() else {
@@ -462,6 +467,14 @@ impl Stream {
     /// whichever way (response complete, client reset, local reply). Releases the charge.
     pub fn on_done(&mut self, h: &impl Host) {
         self.release(h, Due::End);
+        // No response headers came (a client or upstream reset): take back what the decision
+        // wrote ahead.
+        if let Some(plan) = self.plan.take() {
+            if let Ok(mut r) = self.state.router.try_borrow_mut() {
+                let w = r.abandon(h, &plan);
+                self.state.metrics.index_writes(&w);
+            }
+        }
         if let (true, Some(d)) = (self.served, self.decision) {
             if let Ok(mut r) = self.state.router.try_borrow_mut() {
                 r.observe_served(&d);

@@ -104,6 +104,8 @@ pub struct Router {
     rotation: usize,
     /// Index writes planned by the last decision (see [`Router::take_plan`]).
     plan: Option<Plan>,
+    /// What writing that plan's fresh records ahead did ([`Router::take_ahead_stats`]).
+    ahead: WriteStats,
     /// Index buckets this VM still has to empty after the table shrank (`index::resize`).
     shrink: Option<std::ops::Range<u32>>,
     /// PD models: body rewriting buffer and room generator (`pd_body.rs`).
@@ -167,6 +169,7 @@ impl Router {
             outbox: cfg.peers.as_ref().map(|p| Outbox::new(p.max_batch)),
             rotation: (seed as usize) % 1024,
             plan: None,
+            ahead: WriteStats::default(),
             shrink: None,
             pd_body: Rewriter::new(seed ^ 0x7064),
             seed,
@@ -484,6 +487,7 @@ impl Router {
             ids.position(h.id)
                 .is_none_or(|w| !verifier.stale(mi, w, h.oldest, now))
         });
+        let total_blocks = self.hashes.len() as u32;
         let mut deepest = 0;
         for &Held { id, blocks, .. } in &self.matches.workers {
             if let Some(m) = ids.position(id).and_then(|i| self.matched.get_mut(i)) {
@@ -491,7 +495,6 @@ impl Router {
                 deepest = deepest.max(blocks);
             }
         }
-        let total_blocks = self.hashes.len() as u32;
         let conversation_blocks = if self.ends.len() >= 3 {
             self.ends.get(1).map_or(0, |&e| e as u32)
         } else {
@@ -597,14 +600,43 @@ impl Router {
                     }
                 }
             }
-            self.plan_record(mi, w, now);
+            if self.plan_record(mi, w, now) {
+                self.write_ahead(store);
+            }
         }
         d
     }
 
-    /// Plans the chosen worker's index records (the prompt's checkpoints and chat end); they
-    /// are written by [`Router::commit`] once the response shows the worker took the request.
-    fn plan_record(&mut self, mi: usize, w: usize, now: u32) {
+    /// Writes the planned records past what the worker holds now, before any answer
+    /// (`index::Plan`), for a request that extends a prefix its worker holds: a follow-up
+    /// routed while this request waits for its prefill sees where its prefix is going, and
+    /// queues behind it there. A prompt its worker holds none of is left to the answer: its
+    /// siblings (other conversations on the same new opening, often sent in one burst) would
+    /// all follow it into the same prefill batch, computing the opening side by side and
+    /// reusing none of it; `placements.rs` places those. Peers hear of the records only once
+    /// the answer is a 2xx ([`Router::commit`]).
+    fn write_ahead<S: Store>(&mut self, store: &S) {
+        let Some(plan) = self.plan.as_mut() else {
+            return;
+        };
+        let Some(model) = self.cfg.models.get(usize::from(plan.model)) else {
+            return;
+        };
+        let ix = Index::for_model(&self.cfg, model);
+        self.ahead = ix.write_ahead(store, plan, &mut self.index_bufs);
+        self.index_bufs.written.clear();
+    }
+
+    /// The index writes [`Router::write_ahead`] made for the last decision (the glue counts
+    /// them with the other index writes).
+    pub fn take_ahead_stats(&mut self) -> WriteStats {
+        std::mem::take(&mut self.ahead)
+    }
+
+    /// Plans the chosen worker's index records (the prompt's checkpoints and chat end); true
+    /// when the worker is known to hold some of the prompt (its fresh records may be written
+    /// ahead, [`Router::write_ahead`]).
+    fn plan_record(&mut self, mi: usize, w: usize, now: u32) -> bool {
         let model = &self.cfg.models[mi];
         let ix = Index::for_model(&self.cfg, model);
         let id = model.workers[w].id;
@@ -627,6 +659,7 @@ impl Router {
         if !plan.is_empty() {
             self.plan = Some(plan);
         }
+        known.blocks > 0
     }
 
     /// The index writes planned by the last [`Router::route`] (none for a request that does not
@@ -636,10 +669,11 @@ impl Router {
         self.plan.take()
     }
 
-    /// Writes a plan's index records when the response `status` is 2xx (the worker accepted
-    /// the request and computed the prefix), and queues them for the peers. A request that fails
-    /// (4xx, 5xx, a local reply) writes nothing: what one request can put in the index is
-    /// bounded by one accepted request's checkpoints.
+    /// Settles a plan once the response `status` is known: on a 2xx (the worker accepted the
+    /// request and computes the prefix) writes what was not written ahead and queues every
+    /// record for the peers; otherwise (4xx, 5xx, a local reply) takes back what was written
+    /// ahead: what a failed request leaves in the index is nothing, and what one request can
+    /// put there is bounded by one accepted request's checkpoints.
     pub fn commit<S: Store>(
         &mut self,
         store: &S,
@@ -648,21 +682,38 @@ impl Router {
         now: u32,
     ) -> WriteStats {
         if !(200..300).contains(&status) {
-            return WriteStats::default();
+            return self.abandon(store, plan);
         }
         let Some(model) = self.cfg.models.get(usize::from(plan.model)) else {
             return WriteStats::default();
         };
         let ix = Index::for_model(&self.cfg, model);
         self.index_bufs.written.clear();
-        let stats = ix.write(store, plan.hashes(), plan.worker, now, &mut self.index_bufs);
+        let stats = ix.write(
+            store,
+            plan.due_at_answer(),
+            plan.worker,
+            now,
+            &mut self.index_bufs,
+        );
         if let Some(ob) = &mut self.outbox {
-            for &h in &self.index_bufs.written {
+            for h in plan
+                .written_ahead()
+                .chain(self.index_bufs.written.iter().copied())
+            {
                 ob.push(model.peer_key, plan.worker, h);
             }
         }
         self.index_bufs.written.clear();
         stats
+    }
+
+    /// Takes back a plan's records written ahead: its request failed or ended with no answer.
+    pub fn abandon<S: Store>(&mut self, store: &S, plan: &Plan) -> WriteStats {
+        let Some(model) = self.cfg.models.get(usize::from(plan.model)) else {
+            return WriteStats::default();
+        };
+        Index::for_model(&self.cfg, model).retract(store, plan, &mut self.index_bufs)
     }
 
     fn least_loaded<S: Store>(
@@ -1347,33 +1398,99 @@ mod tests {
     }
 
     #[test]
-    fn only_a_2xx_response_records_and_tenants_never_share() {
+    fn only_a_2xx_response_keeps_records_and_tenants_never_share() {
         let s = MemStore::new();
         let mut r = Router::new(cfg(""), 13);
         r.init_store(&s);
-        let body = chat("llama", &"tenant data ".repeat(40), "u");
-        // A failed request plans records but writes none.
-        let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 1));
-        let plan = r.take_plan().expect("a cache-aware decision plans records");
-        assert!(plan.hashes().len() >= 2);
+        let system = "tenant data ".repeat(40);
+        let body = chat("llama", &system, "u");
+        // A prompt nobody holds writes nothing before its answer; a failed one, nothing at all.
         for status in [0, 199, 300, 404, 429, 500, 503] {
+            let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 1));
+            assert_eq!(r.take_ahead_stats(), WriteStats::default());
+            let plan = r.take_plan().expect("a cache-aware decision plans records");
+            assert!(plan.hashes().len() >= 2);
             assert_eq!(r.commit(&s, &plan, status, 1), WriteStats::default());
+            r.release(&s, &d);
         }
-        r.release(&s, &d);
         let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 2));
         assert_eq!(d.matched_blocks, 0, "nothing recorded for a failed request");
         let plan = r.take_plan().unwrap();
         assert!(r.commit(&s, &plan, 200, 2).writes >= 2);
         r.release(&s, &d);
+        // A prompt that extends what its worker holds writes its new records at the decision;
+        // a failed answer takes them back, a repeat of the failure finds nothing left to take.
+        let longer = chat("llama", &system, &"a longer question ".repeat(40));
+        for status in [0, 404, 503] {
+            let d = routed(r.route_for(&s, Endpoint::Chat, &longer, b"acme", 20));
+            let ahead = r.take_ahead_stats();
+            let plan = r.take_plan().unwrap();
+            assert!(ahead.writes >= 1 && plan.fresh() >= 1, "{ahead:?}");
+            let back = r.commit(&s, &plan, status, 20);
+            assert_eq!((back.writes, back.retracted), (0, ahead.writes), "{status}");
+            assert_eq!(r.commit(&s, &plan, status, 20).retracted, 0);
+            r.release(&s, &d);
+        }
         // Same tenant: a hit. Another tenant or none: the same prompt matches nothing.
-        let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 3));
+        let d = routed(r.route_for(&s, Endpoint::Chat, &body, b"acme", 30));
         assert!(d.matched_blocks > 0);
         r.release(&s, &d);
         for tenant in [&b"globex"[..], b""] {
-            let d = routed(r.route_for(&s, Endpoint::Chat, &body, tenant, 3));
+            let d = routed(r.route_for(&s, Endpoint::Chat, &body, tenant, 30));
             assert_eq!((d.matched_blocks, d.probes > 0), (0, true), "{tenant:?}");
             r.release(&s, &d);
         }
+    }
+
+    #[test]
+    fn a_follow_up_sees_its_previous_prompt_while_that_is_queued() {
+        // A conversation's second turn is routed by one thread to the worker holding its first
+        // and waits there for its prefill; the third turn reaches another thread before that
+        // answer. It matches the whole second turn on the same worker, and once the second
+        // turn fails, only the first.
+        let s = MemStore::new();
+        let mut a = Router::new(cfg(""), 1);
+        let mut b = Router::new(cfg(""), 2);
+        a.init_store(&s);
+        b.init_store(&s);
+        let body = |t: &str| format!(r#"{{"model":"llama","prompt":"{t}"}}"#).into_bytes();
+        let t1 = format!(
+            "{} user: the first question.",
+            "A system prompt. ".repeat(40)
+        );
+        let t2 = format!(
+            "{t1} assistant: {} user: the next one?",
+            "an answer ".repeat(60)
+        );
+        let t3 = format!("{t2} assistant: more. user: and then?");
+        let d1 = routed(a.route(&s, Endpoint::Completions, &body(&t1), 10));
+        let plan = a.take_plan().unwrap();
+        a.commit(&s, &plan, 200, 10);
+        a.release(&s, &d1);
+        let d2 = routed(a.route(&s, Endpoint::Completions, &body(&t2), 50));
+        assert_eq!((d2.worker, d2.matched_blocks > 0), (d1.worker, true));
+        assert!(a.take_ahead_stats().writes > 0);
+        let plan = a.take_plan().unwrap();
+        let d = routed(b.route(&s, Endpoint::Completions, &body(&t3), 51));
+        assert_eq!((d.worker, d.reason), (d1.worker, Reason::PrefixHit));
+        // (At its deepest checkpoint: the turn's last block is partial.)
+        assert!(
+            d.matched_blocks * 3 >= d2.total_blocks * 2 && d.matched_blocks > d2.matched_blocks,
+            "{} of {} (the first turn: {})",
+            d.matched_blocks,
+            d2.total_blocks,
+            d2.matched_blocks
+        );
+        b.release(&s, &d);
+        let _ = b.take_plan();
+        assert!(a.commit(&s, &plan, 503, 52).retracted >= 1);
+        a.release(&s, &d2);
+        // (Past the other thread's probe cache, `index.local_cache_ms`.)
+        let d = routed(b.route(&s, Endpoint::Completions, &body(&t3), 70));
+        assert_eq!(
+            d.matched_blocks, d2.matched_blocks,
+            "the failed turn left nothing"
+        );
     }
 
     #[test]
