@@ -11,6 +11,7 @@ from collections import Counter
 from prkit.client import Client
 from prkit.envoy import wait_inflight_zero
 from prkit.prom import delta
+from prkit.wait import wait_until
 
 from . import workload as wl
 
@@ -89,6 +90,47 @@ def test_a_follow_up_matches_its_previous_prompt_between_checkpoints(env, client
     assert (d["reason"], b.worker) == ("prefix_hit", a.worker), d
     assert d["total"] >= 123 and 8 * d["matched"] >= 7 * 121 and d["matched"] <= 121, d
     assert d["held"] == d["matched"], d
+
+
+def test_a_follow_up_sent_while_its_previous_turn_waits_matches_that_turn(env, client):
+    """A conversation's second turn extends its first on the worker that answered it, and waits
+    there (the worker holds it: its prefill is queued). The third turn, sent meanwhile, matches
+    the second turn's prompt on that worker, not only the first's: the second turn's records
+    are written at its decision, not at its answer."""
+    r = wl.rng("follow-up while queued")
+    block = int(env.plugin.get("text_block_bytes", 64))
+    t1 = wl.text(r, 40 * block)
+    t2 = t1 + wl.text(r, 40 * block)
+    t3 = t2 + wl.text(r, 4 * block)
+    a = client.post("/v1/completions", {"model": MODEL, "prompt": t1, "max_tokens": 8})
+    assert a.status == 200, a.body
+    results: dict = {}
+
+    def send(name: str, prompt: str):
+        c = Client(env.envoy.listener_port)
+        try:
+            results[name] = c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8})
+        finally:
+            c.close()
+
+    seen = sum(env.pool.counts().values())
+    env.pool.hold()
+    threads = []
+    try:
+        for k, (name, prompt) in enumerate((("t2", t2), ("t3", t3)), start=1):
+            threads.append(threading.Thread(target=send, args=(name, prompt)))
+            threads[-1].start()
+            wait_until(lambda k=k: sum(env.pool.counts().values()) >= seen + k, f"{name} at its worker")
+    finally:
+        env.pool.release()
+    for t in threads:
+        t.join(timeout=60)
+    b, c = results["t2"], results["t3"]
+    assert (b.status, c.status) == (200, 200), (b.body, c.body)
+    assert b.worker == a.worker == c.worker, (a.worker, b.worker, c.worker)
+    d2, d3 = b.decision, c.decision
+    assert d3["reason"] == "prefix_hit" and d3["matched"] > d2["matched"], (d2, d3)
+    assert _covers(d3["matched"], _text_blocks(env, len(t2))), (d2, d3)
 
 
 def test_shared_prefix_concurrent_spills_within_load_bound(env):
