@@ -182,6 +182,7 @@ fn policies(c: &mut Criterion) {
                 busy: &[],
                 rate: &[],
                 slot: &[],
+                util: &[],
                 placed: &[],
                 recent: None,
                 sharers: 0.0,

@@ -10,7 +10,7 @@
 //! **Samples.** The poll lease holder (`poll.rs`) reads each worker's Prometheus page every
 //! `load_poll.metrics_interval_ms` ([`parse`]: the two counters and the finished requests, each
 //! summed over every series, `sglang:` or `sglang_` prefix) and publishes them with the time of
-//! the answer in one shared-data value per model (`pr/h2/<model>`, [`publish`]), with what the
+//! the answer in one shared-data value per model (`pr/h3/<model>`, [`publish`]), with what the
 //! poller learned from them (`poll.rs`: the prefill rate, and how fast running slots free).
 //!
 //! **Check.** Each VM sums, per worker, the prompt blocks of the requests it routed there that
@@ -65,11 +65,13 @@ pub struct Sample {
     pub at: u32,
     pub rate: u32,
     pub slot_us: u32,
+    /// Prefill utilisation, parts per million (`poll::Learned::util_ppm`).
+    pub util_ppm: u32,
 }
 
-/// Published record: worker id, prompt (u64), cached (u64), time, rate, slot interval.
-/// Little-endian.
-const REC: usize = 32;
+/// Published record: worker id, prompt (u64), cached (u64), time, rate, slot interval,
+/// utilisation. Little-endian.
+const REC: usize = 36;
 
 /// A window needs this many prompt blocks sent to the worker with a predicted hit.
 pub const MIN_BLOCKS: u64 = 256;
@@ -169,6 +171,7 @@ pub fn publish<S: Store>(
         wr(b, o + 20, s.at);
         wr(b, o + 24, s.rate);
         wr(b, o + 28, s.slot_us);
+        wr(b, o + 32, s.util_ppm);
     })
 }
 
@@ -187,6 +190,7 @@ pub fn decode(b: &[u8], ids: &ById, n: usize, out: &mut Vec<Sample>) {
                 at: rd(b, o + 20),
                 rate: rd(b, o + 24),
                 slot_us: rd(b, o + 28),
+                util_ppm: rd(b, o + 32),
             };
         }
     });
@@ -252,6 +256,9 @@ pub struct Verifier {
     /// Per model, each worker's published seconds between two requests finishing while its
     /// running batch is full (0: not learned): the wait for a slot in the cost.
     slots: Vec<Vec<f32>>,
+    /// Per model, each worker's published prefill utilisation (0..1; 0: not learned): the
+    /// queue weight's bound in the cost.
+    utils: Vec<Vec<f32>>,
     samples: Vec<Sample>,
     buf: Vec<u8>,
     last_read: u32,
@@ -269,6 +276,7 @@ impl Verifier {
         Verifier {
             rates: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
             slots: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
+            utils: windows.iter().map(|m| vec![0.0; m.len()]).collect(),
             windows,
             samples: Vec::new(),
             buf: Vec::new(),
@@ -332,6 +340,12 @@ impl Verifier {
         self.slots.get(mi).map_or(&[], Vec::as_slice)
     }
 
+    /// Model `mi`'s workers' learned prefill utilisation (0..1; 0: not learned; empty for an
+    /// unknown model).
+    pub fn utils(&self, mi: usize) -> &[f32] {
+        self.utils.get(mi).map_or(&[], Vec::as_slice)
+    }
+
     pub fn window(&self, mi: usize, w: usize) -> Option<&Window> {
         self.windows.get(mi)?.get(w)
     }
@@ -373,6 +387,9 @@ impl Verifier {
             }
             if let Some(t) = self.slots.get_mut(mi).and_then(|m| m.get_mut(w)) {
                 *t = s.slot_us as f32 / 1e6;
+            }
+            if let Some(u) = self.utils.get_mut(mi).and_then(|m| m.get_mut(w)) {
+                *u = (s.util_ppm as f32 / 1e6).min(1.0);
             }
         }
         self.samples = samples;
@@ -521,6 +538,7 @@ sglang:num_requests_total{model_name="m",dp_rank="1"} 5.0
             at: 9,
             rate: 31_000,
             slot_us: 21_000,
+            util_ppm: 870_000,
         };
         assert!(publish(&s, "h", 33, 2, &big, &mut buf));
         assert!(publish(&s, "h", 11, 0, &Sample::default(), &mut buf));

@@ -335,6 +335,10 @@ struct Endpoint {
     running: Running,
     /// Learned seconds between two requests finishing while its batch is full; 0: not yet.
     slot: f64,
+    /// Learned prefill utilisation (0..1; 0: not yet): 1 for a window with requests waiting
+    /// at every poll, else its uncached prompt tokens per second over the learned rate;
+    /// averaged like the rate.
+    util: f64,
 }
 
 /// The running requests (requests less those waiting) a worker's load answers reported over a
@@ -364,6 +368,10 @@ pub struct Learned {
     /// Microseconds between two requests finishing while the running batch is full; 0: not
     /// learned.
     pub slot_us: u32,
+    /// Prefill utilisation in parts per million: 1 for a window in which every load answer
+    /// showed requests waiting (its prefill never idle), else the uncached prompt tokens it
+    /// prefilled per second over its learned rate; averaged like the rate; 0: not learned.
+    pub util_ppm: u32,
 }
 
 /// A window needs this many finished requests to say how long a request runs.
@@ -727,16 +735,34 @@ impl Poller {
             }
             if c.prompt < c0.prompt || c.cached < c0.cached {
                 e.rate = 0.0;
+                e.util = 0.0;
             } else {
                 let done = (c.prompt - c0.prompt).saturating_sub(c.cached - c0.cached);
+                let per_second = done as f64 * 1000.0 / dt.max(1) as f64;
                 if busy && dt >= RATE_MIN_WINDOW_MS && done >= RATE_MIN_TOKENS {
-                    e.rate = average_in(e.rate, done as f64 * 1000.0 / dt as f64);
+                    e.rate = average_in(e.rate, per_second);
+                }
+                if e.rate > 0.0 && dt >= RATE_MIN_WINDOW_MS {
+                    // A window with requests waiting at every poll had its prefill busy
+                    // throughout: 1, whatever its counters' noise says. Otherwise throughput
+                    // over rate; an idle window is a sample of 0, not "nothing learned".
+                    let u = if busy {
+                        1.0
+                    } else {
+                        (per_second / e.rate).clamp(0.0, 1.0)
+                    };
+                    e.util = if e.util > 0.0 || u > 0.0 {
+                        e.util + RATE_WEIGHT * (u - e.util)
+                    } else {
+                        0.0
+                    };
                 }
             }
         }
         Learned {
             rate: e.rate.min(f64::from(u32::MAX)) as u32,
             slot_us: (e.slot * 1e6).min(f64::from(u32::MAX)) as u32,
+            util_ppm: (e.util * 1e6) as u32,
         }
     }
 }
@@ -1251,6 +1277,7 @@ mod tests {
                 busy: &[],
                 rate: &[],
                 slot: &[],
+                util: &[],
                 placed: &[],
                 recent: None,
                 sharers: 0.0,
@@ -1327,6 +1354,53 @@ mod tests {
         assert_eq!(rate(&mut p, 0, 5, 0, 12_000), 0);
         // Unknown workers: 0.
         assert_eq!(rate(&mut p, 3, 5, 0, 12_000), 0);
+    }
+
+    #[test]
+    fn the_utilisation_is_prefill_throughput_over_the_learned_rate_in_every_window() {
+        let mut p = Poller::new([1usize].into_iter());
+        let mut token = 0;
+        let mut answer = |p: &mut Poller, waiting: u32| answer_load(p, &mut token, 4, waiting, 8);
+        let util = |p: &mut Poller, prompt: u64, now: u64| {
+            let c = crate::hits::Counters {
+                prompt,
+                cached: 0,
+                requests: 0,
+            };
+            p.rate_sample(0, 0, c, now).util_ppm
+        };
+        assert_eq!(
+            util(&mut p, 0, 0),
+            0,
+            "first sample: nothing to compare with"
+        );
+        // Before a rate is learned there is nothing to divide by.
+        answer(&mut p, 0);
+        assert_eq!(util(&mut p, 5_000, 1000), 0);
+        // A busy window learns 10k tokens/s and is itself busy throughout: u = 1, averaged in
+        // from nothing (weight 1/4), so one busy window does not make a fleet saturated.
+        answer(&mut p, 3);
+        assert_eq!(util(&mut p, 15_000, 2000), 250_000);
+        // An idle window at 5k tokens/s: u = 1/2.
+        answer(&mut p, 0);
+        assert_eq!(util(&mut p, 20_000, 3000), 312_500);
+        // A window with nothing prefilled: u = 0, averaged in.
+        answer(&mut p, 0);
+        assert_eq!(util(&mut p, 20_000, 4000), 234_375);
+        // A busy window counts 1 even when its counters show less than the rate (they count a
+        // request's tokens when it finishes): 6k tokens/s here.
+        answer(&mut p, 3);
+        assert_eq!(util(&mut p, 26_000, 5000), 425_781);
+        // Busy throughout for long: towards 1.
+        let mut last = 0;
+        for k in 1..=40u64 {
+            answer(&mut p, 3);
+            last = util(&mut p, 26_000 + 10_000 * k, 5000 + 1000 * k);
+        }
+        assert!(last > 990_000, "{last}");
+        // Counters went backwards (a restart): forgotten.
+        answer(&mut p, 3);
+        assert_eq!(util(&mut p, 5, 60_000), 0);
     }
 
     #[test]

@@ -374,6 +374,7 @@ impl Polls {
             at: at.max(1),
             rate: learned.rate,
             slot_us: learned.slot_us,
+            util_ppm: learned.util_ppm,
         };
         let mut buf = Vec::new();
         hits::publish(h, &model.hits_key, w.id, wi, &sample, &mut buf);

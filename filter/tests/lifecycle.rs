@@ -290,7 +290,7 @@ fn worker_token_counters_are_read_at_the_metrics_interval_and_published() {
         root.on_http_call_response(&h, *token, body.len());
     }
     let mut buf = Vec::new();
-    h.get("pr/h2/llama", &mut buf);
+    h.get("pr/h3/llama", &mut buf);
     let parsed: Config = Config::from_json(cfg.as_bytes()).unwrap();
     let ids = ById::new(parsed.models[0].workers.iter().map(|w| w.id));
     let mut samples = Vec::new();
@@ -342,7 +342,7 @@ fn a_counter_read_in_flight_at_a_reconfiguration_is_not_filed_under_the_new_work
     }
     root.on_http_call_response(&h, token, body.len());
     let mut buf = Vec::new();
-    h.get("pr/h2/llama", &mut buf);
+    h.get("pr/h3/llama", &mut buf);
     let parsed = Config::from_json(new.as_bytes()).unwrap();
     let ids = ById::new(parsed.models[0].workers.iter().map(|w| w.id));
     let mut samples = Vec::new();

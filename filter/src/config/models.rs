@@ -128,7 +128,7 @@ pub(super) fn check_models(raw: &RawConfig) -> Result<(Vec<Model>, usize), Confi
             load_key: format!("pr/l2/{name}"),
             poll_key: format!("pr/p3/{name}"),
             placed_key: format!("pr/np/{name}"),
-            hits_key: format!("pr/h2/{name}"),
+            hits_key: format!("pr/h3/{name}"),
             peer_key: worker_id(name),
             placed_peer_key: worker_id(&format!("{name}\u{0}placed")),
             poll_clusters: workers

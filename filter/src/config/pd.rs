@@ -149,7 +149,7 @@ pub fn add_decode_models<'a>(
             load_key: format!("pr/l2/{hidden}"),
             poll_key: format!("pr/p3/{hidden}"),
             placed_key: format!("pr/np/{hidden}"),
-            hits_key: format!("pr/h2/{hidden}"),
+            hits_key: format!("pr/h3/{hidden}"),
             peer_key: worker_id(&hidden),
             placed_peer_key: worker_id(&format!("{hidden}\u{0}placed")),
             poll_clusters: workers

@@ -74,6 +74,26 @@
 //! token and lost the synthetic trace's repeated prompts to queues behind their holders, which
 //! the shared copy gives back.)
 //!
+//! **Utilisation.** `m = u/(1 − u)` holds only below capacity: a fleet whose prefill
+//! utilisation `u` reaches 1 has queues that only grow, and every recompute it takes on adds to
+//! all of them, so `λ = 1/(1 + m) = 1 − u` goes to 0. The configured `λ` is the bound (the
+//! m = 7 of a fleet near capacity); the learned one only lowers it:
+//!
+//! ```text
+//! λ = min(policy.cost.queue_weight, max(1 − u, 0.001))
+//! ```
+//!
+//! `u` is the mean over the model's workers of their learned utilisation (`poll.rs`: per
+//! counter window, 1 when every load answer in it showed requests waiting, else the uncached
+//! prompt tokens prefilled per second over the learned rate; averaged from 0 with weight ¼ a
+//! window, so it takes ~8 busy windows, 16 s at the default
+//! `metrics_interval_ms`, to pass ⅞); with none learned `λ` is as configured. Below ⅞ nothing
+//! changes. Above it the queue counts less against a history, down to breaking ties between
+//! equal recomputes: on 2 workers replaying the conversation trace at 16x (about twice what
+//! they can prefill, TTFT p50 ~26 s) the configured `λ` split conversations whose next turn
+//! arrived while the last one queued, and following every holder kept the same TTFT with more
+//! hits (docs/results.md, "A saturated fleet's queue weight").
+//!
 //! **What follows from it.**
 //! - A holder keeps a follow-up while its queue costs less than recomputing what it holds
 //!   elsewhere: `λ·(Q_h − Q_x) < own_x − own_h + κ·h_h` (long histories stay through deep
@@ -90,6 +110,10 @@
 //! Costs: a few floating-point operations per worker; no allocation.
 
 use crate::config::PolicyConfig;
+
+/// The least queue weight a saturated fleet gets (`Cost::at_utilisation`): the queue still
+/// breaks ties between equal recomputes.
+pub const MIN_QUEUE_WEIGHT: f64 = 0.001;
 
 /// One worker's inputs to its cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -159,6 +183,25 @@ impl Cost {
     pub fn shared_by(mut self, others: f32) -> Cost {
         if others > 0.0 && others.is_finite() {
             self.copy_weight /= 1.0 + f64::from(others);
+        }
+        self
+    }
+
+    /// The queue weight bounded by the fleet's prefill utilisation `u` (module docs,
+    /// "Utilisation"): `λ = min(λ, 1 − u)`, never below [`MIN_QUEUE_WEIGHT`]. `utils` are the
+    /// workers' learned utilisations (0 or not finite: not learned); their mean is `u`, and
+    /// with none learned `λ` stays as configured.
+    pub fn at_utilisation(mut self, utils: &[f32]) -> Cost {
+        let (mut sum, mut n) = (0.0f64, 0u32);
+        for &u in utils {
+            if u > 0.0 && u.is_finite() {
+                sum += f64::from(u.min(1.0));
+                n += 1;
+            }
+        }
+        if n > 0 {
+            let free = 1.0 - sum / f64::from(n);
+            self.load_weight = self.load_weight.min(free.max(MIN_QUEUE_WEIGHT));
         }
         self
     }
@@ -356,5 +399,35 @@ mod tests {
             let s = c.seconds(p, history, &holder);
             assert_eq!(s < idle, stays, "slot {slot}: {s} vs {idle}");
         }
+    }
+
+    /// A follow-up whose 1k-token history sits behind 20k queued tokens on its holder: at half
+    /// the fleet's prefill capacity (or with nothing learned) the queue moves it to an idle
+    /// worker; in a saturated fleet, where every worker's queue only grows, the recompute would
+    /// add to it and the follow-up stays.
+    #[test]
+    fn a_saturated_fleet_weighs_the_queue_less_than_the_recompute() {
+        let (p, history) = (1_200.0, 1_000.0);
+        let base = Cost::new(&PolicyConfig::default());
+        for (utils, stays) in [
+            (&[][..], false),
+            (&[0.0, 0.0][..], false),
+            (&[0.5, 0.6][..], false),
+            (&[0.85, 0.9][..], false),
+            (&[1.0, 0.98][..], true),
+            (&[1.0, f32::NAN, 1.0][..], true),
+        ] {
+            let c = base.at_utilisation(utils);
+            let holder = c.seconds(p, history, &worker(history, 20_000.0));
+            let idle = c.seconds(p, history, &worker(0.0, 0.0));
+            assert_eq!(holder < idle, stays, "{utils:?}: {holder} vs {idle}");
+        }
+        // The bound only lowers the configured weight, and never to 0.
+        assert_eq!(base.at_utilisation(&[0.2]).load_weight, 0.125);
+        assert_eq!(
+            base.at_utilisation(&[0.95]).load_weight,
+            1.0 - 0.95f32 as f64
+        );
+        assert_eq!(base.at_utilisation(&[1.0]).load_weight, MIN_QUEUE_WEIGHT);
     }
 }

@@ -106,6 +106,7 @@ fn cost_model(p: &PolicyConfig, inp: &Inputs) -> Cost {
     Cost::new(p)
         .with_fleet_rate(inp.rate, inp.model.workers.iter().map(|w| w.weight))
         .shared_by(inp.sharers)
+        .at_utilisation(inp.util)
 }
 
 /// The seconds the request costs on worker `i` (`cost.rs`); `deepest` from [`deepest_held`],
@@ -556,6 +557,7 @@ mod tests {
             let inp = Inputs {
                 capacity: &full,
                 slot: &slot,
+                util: &[],
                 ..ask(&matched)
             };
             assert_eq!(choose(&p, &inp).0 == 0, stays, "slot {t} s");
@@ -581,6 +583,7 @@ mod tests {
             let inp = Inputs {
                 rate: &rate,
                 slot: &[],
+                util: &[],
                 ..inputs(&m, &reqs, &tokens, &matched, 7)
             };
             assert_eq!(choose(&p, &inp), (want, Reason::PrefixHit));

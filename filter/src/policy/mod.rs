@@ -114,6 +114,9 @@ pub struct Inputs<'a> {
     /// Each worker's learned seconds between two requests finishing while its batch is full
     /// (`poll.rs`); empty, shorter or 0: not known (a full batch then excludes it, `cost.rs`).
     pub slot: &'a [f32],
+    /// Each worker's learned prefill utilisation (0..1, `poll.rs`); empty, shorter or 0: not
+    /// known (the configured queue weight applies, `cost.rs`).
+    pub util: &'a [f32],
     /// Each worker's decayed sum of uncached prompt tokens it was sent (`footprint.rs`); empty
     /// or shorter: 0.
     pub placed: &'a [f32],

@@ -60,6 +60,7 @@ pub fn inputs<'a>(
         busy: &[],
         rate: &[],
         slot: &[],
+        util: &[],
         placed: &[],
         recent: None,
         sharers: 0.0,

@@ -501,7 +501,11 @@ impl Router {
             0
         };
         let (policy, matched, busy) = (&mut self.policy, &self.matched, &mut self.busy);
-        let (rate, slot) = (self.verifier.rates(mi), self.verifier.slots(mi));
+        let (rate, slot, util) = (
+            self.verifier.rates(mi),
+            self.verifier.slots(mi),
+            self.verifier.utils(mi),
+        );
         let footprint = &mut self.footprint;
         footprint.decay(mi, now, cfg.policy.footprint_decay_ms());
         // A new prompt (nobody holds any of it) may have a sibling placed moments ago. One sent
@@ -557,6 +561,7 @@ impl Router {
                     busy: busy.of(mi),
                     rate,
                     slot,
+                    util,
                     placed: footprint.of(mi),
                     recent,
                     sharers,
@@ -925,6 +930,7 @@ mod tests {
             at,
             rate: 0,
             slot_us: 0,
+            util_ppm: 0,
         };
         assert!(crate::hits::publish(
             s,
