@@ -739,28 +739,17 @@ impl<'a> Index<'a> {
         sc: &mut IndexBuffers,
         st: &mut WriteStats,
     ) -> Option<u32> {
-        self.key_for(h, &mut sc.key);
         let tag = tag_of(h);
-        let mut enc = [0u8; BUCKET_BYTES];
-        for _ in 0..self.cas_retries {
-            let cas = store.get(&sc.key, &mut sc.buf).unwrap_or(0);
-            let mut bucket = decode(&sc.buf);
-            let (i, prior) = upsert(&mut bucket, tag, worker, now);
-            encode(&bucket, &mut enc);
-            match store.set(&sc.key, &enc, cas) {
-                Ok(()) => {
-                    st.writes += 1;
-                    sc.written.push(h);
-                    if self.cache_ttl > 0 {
-                        sc.cache.put(tag, now, bucket[i].holders);
-                    }
-                    return Some(prior);
-                }
-                Err(_) => st.conflicts += 1,
-            }
+        let (prior, holders) = self.update_bucket(store, h, sc, st, |bucket| {
+            let (i, prior) = upsert(bucket, tag, worker, now);
+            bucket.get(i).map(|e| (prior, e.holders))
+        })?;
+        st.writes += 1;
+        sc.written.push(h);
+        if self.cache_ttl > 0 {
+            sc.cache.put(tag, now, holders);
         }
-        st.dropped += 1;
-        None
+        Some(prior)
     }
 
     /// Gives `worker`'s record of `h` its `prior` stamp back (removes it when `prior` is 0), if
@@ -776,33 +765,47 @@ impl<'a> Index<'a> {
         sc: &mut IndexBuffers,
         st: &mut WriteStats,
     ) {
-        self.key_for(h, &mut sc.key);
         let tag = tag_of(h);
+        let restored = self.update_bucket(store, h, sc, st, |bucket| {
+            let e = bucket.iter_mut().find(|e| e.tag == tag)?;
+            let slot = e.holders.iter_mut().find(|x| **x == (worker, stamp))?;
+            *slot = if prior == 0 { (0, 0) } else { (worker, prior) };
+            Some(e.holders)
+        });
+        if let Some(holders) = restored {
+            st.retracted += 1;
+            if self.cache_ttl > 0 {
+                sc.cache.put(tag, stamp, holders);
+            }
+        }
+    }
+
+    /// One CAS read-modify-write of `h`'s bucket: `change` edits the decoded bucket and says
+    /// what to return once it is written (`None`: nothing to write, and nothing is). A lost
+    /// race rereads and retries (`st.conflicts`) up to `cas_retries` times, then gives up
+    /// (`st.dropped`): never half-applied, every write replaces a whole bucket.
+    fn update_bucket<S: Store, R>(
+        &self,
+        store: &S,
+        h: u64,
+        sc: &mut IndexBuffers,
+        st: &mut WriteStats,
+        mut change: impl FnMut(&mut Bucket) -> Option<R>,
+    ) -> Option<R> {
+        self.key_for(h, &mut sc.key);
         let mut enc = [0u8; BUCKET_BYTES];
         for _ in 0..self.cas_retries {
             let cas = store.get(&sc.key, &mut sc.buf).unwrap_or(0);
             let mut bucket = decode(&sc.buf);
-            let Some(e) = bucket.iter_mut().find(|e| e.tag == tag) else {
-                return;
-            };
-            let Some(slot) = e.holders.iter_mut().find(|x| **x == (worker, stamp)) else {
-                return;
-            };
-            *slot = if prior == 0 { (0, 0) } else { (worker, prior) };
-            let holders = e.holders;
+            let r = change(&mut bucket)?;
             encode(&bucket, &mut enc);
             match store.set(&sc.key, &enc, cas) {
-                Ok(()) => {
-                    st.retracted += 1;
-                    if self.cache_ttl > 0 {
-                        sc.cache.put(tag, stamp, holders);
-                    }
-                    return;
-                }
+                Ok(()) => return Some(r),
                 Err(_) => st.conflicts += 1,
             }
         }
         st.dropped += 1;
+        None
     }
 }
 
