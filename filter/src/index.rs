@@ -295,6 +295,14 @@ impl Plan {
     pub fn fresh(&self) -> usize {
         usize::from(self.fresh)
     }
+    /// The plan for another worker (a fallback host served the request): what was written ahead
+    /// was for the first one, so nothing counts as written and the answer writes every hash for
+    /// `worker`. Call it once [`Index::retract`] took back the first worker's early records.
+    pub fn move_to(&mut self, worker: u32) {
+        self.worker = worker;
+        self.ahead = 0;
+        self.ahead_ok = 0;
+    }
     /// The hashes written ahead ([`Index::write_ahead`]) and applied.
     pub fn written_ahead(&self) -> impl Iterator<Item = u64> + '_ {
         self.hashes()

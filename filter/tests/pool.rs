@@ -220,6 +220,34 @@ fn a_request_a_fallback_served_credits_the_fallback_with_its_load_and_records() 
     // Batched counters reach Envoy at the timer's next metrics flush.
     ticks(&h, &mut root, 200);
     assert_eq!(h.metric("prefix_router.served_by_fallback"), Some(1));
+    // A follow-up goes to the holder and writes its new records at the decision; the other
+    // host serves it: those records are taken back from the holder, and the answer records
+    // the follow-up for the host that served, where its repeat then goes.
+    let first = "fallback: a prompt long enough for a few blocks. ".repeat(40);
+    let follow_up = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{first}"}},{{"role":"assistant","content":"{}"}},{{"role":"user","content":"and then?"}}]}}"#,
+        "an answer of a few blocks. ".repeat(30)
+    );
+    let mut s = post(&h, &root, &follow_up);
+    assert_eq!(
+        request_header(&h, "x-prefix-router-cluster").as_deref(),
+        Some(["w0", "w1"][fi])
+    );
+    respond(&h, "200", Some(["10.0.0.1:30000", "10.0.0.2:30000"][ci]));
+    s.on_response_headers(&h);
+    s.on_done(&h);
+    ticks(&h, &mut root, 200);
+    assert!(h.metric("prefix_router.index.retracted").unwrap_or(0) >= 1);
+    h.state.borrow_mut().upstream_address = None;
+    let mut s = post(&h, &root, &follow_up);
+    assert_eq!(
+        request_header(&h, "x-prefix-router-cluster").as_deref(),
+        Some(["w0", "w1"][ci]),
+        "the follow-up's records name the host that served it"
+    );
+    respond(&h, "200", None);
+    s.on_response_headers(&h);
+    s.on_done(&h);
 }
 
 #[test]

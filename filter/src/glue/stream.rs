@@ -436,7 +436,10 @@ impl Stream {
             dec.worker = to;
         }
         if let Some(plan) = self.plan.as_mut() {
-            plan.worker = r.worker_id(mi, to);
+            // The records written at the decision name the chosen worker: take them back; the
+            // answer records the prompt for the one that served.
+            m.index_writes(&r.abandon(h, plan));
+            plan.move_to(r.worker_id(mi, to));
         }
     }
 

@@ -1500,6 +1500,40 @@ mod tests {
     }
 
     #[test]
+    fn a_follow_up_served_by_a_fallback_host_is_recorded_for_that_host_only() {
+        // The second turn's records are written ahead for the worker chosen, then a fallback
+        // host serves it: they are taken back, and the 2xx records the turn for the host that
+        // served.
+        let s = MemStore::new();
+        let mut r = Router::new(cfg(""), 1);
+        r.init_store(&s);
+        let body = |t: &str| format!(r#"{{"model":"llama","prompt":"{t}"}}"#).into_bytes();
+        let t1 = format!("{} user: first.", "A system prompt. ".repeat(40));
+        let t2 = format!("{t1} assistant: {} user: next?", "an answer ".repeat(60));
+        let d1 = routed(r.route(&s, Endpoint::Completions, &body(&t1), 10));
+        let plan = r.take_plan().unwrap();
+        r.commit(&s, &plan, 200, 10);
+        r.release(&s, &d1);
+        let d2 = routed(r.route(&s, Endpoint::Completions, &body(&t2), 50));
+        assert_eq!(d2.worker, d1.worker);
+        let ahead = r.take_ahead_stats();
+        assert!(ahead.writes > 0);
+        let mut plan = r.take_plan().unwrap();
+        let other = (d1.worker + 1) % 4;
+        assert_eq!(r.abandon(&s, &plan).retracted, ahead.writes);
+        plan.move_to(r.worker_id(0, other));
+        assert!(plan.written_ahead().next().is_none());
+        assert_eq!(plan.due_at_answer().len(), plan.hashes().len());
+        r.commit(&s, &plan, 200, 50);
+        r.release(&s, &d2);
+        // (Past the probe cache, `index.local_cache_ms`.)
+        let d = routed(r.route(&s, Endpoint::Completions, &body(&t2), 80));
+        assert_eq!((d.worker, d.reason), (other, Reason::PrefixHit));
+        assert!(d.matched_blocks > d2.matched_blocks, "{d:?}");
+        r.release(&s, &d);
+    }
+
+    #[test]
     fn salted_prompts_never_match_each_other_and_no_salt_hashes_as_before() {
         let s = MemStore::new();
         let mut r = Router::new(cfg(""), 13);
