@@ -639,8 +639,7 @@ impl<'a> Index<'a> {
         let refresh = self.needs_refresh(known, now);
         let m = checkpoints_upto(hashes.len());
         let top = top_sub_checkpoints(hashes.len());
-        let end = end
-            .filter(|&e| !is_checkpoint(e) && !top_sub_checkpoints(hashes.len()).any(|x| x == e));
+        let end = end.filter(|&e| !is_checkpoint(e) && !top.clone().any(|x| x == e));
         let points = (0..m).map(nth_checkpoint).chain(top).chain(end);
         for blocks in points.clone().filter(|&b| b as u32 > known.blocks) {
             if let Some(&h) = hashes.get(blocks.wrapping_sub(1)) {

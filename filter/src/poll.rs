@@ -751,11 +751,7 @@ impl Poller {
                     } else {
                         (per_second / e.rate).clamp(0.0, 1.0)
                     };
-                    e.util = if e.util > 0.0 || u > 0.0 {
-                        e.util + RATE_WEIGHT * (u - e.util)
-                    } else {
-                        0.0
-                    };
+                    e.util += RATE_WEIGHT * (u - e.util);
                 }
             }
         }
