@@ -14,6 +14,7 @@ from prkit.prom import delta
 from prkit.wait import wait_until
 
 from . import workload as wl
+from .test_queued_prefill import fresh_load
 
 MODEL = "llama"
 
@@ -104,6 +105,18 @@ def test_a_follow_up_sent_while_its_previous_turn_waits_matches_that_turn(env, c
     t3 = t2 + wl.text(r, 4 * block)
     a = client.post("/v1/completions", {"model": MODEL, "prompt": t1, "max_tokens": 8})
     assert a.status == 200, a.body
+    # The holder reports its capacity: under it, only the cost can move a follow-up (with none
+    # known the fleet-relative load bound decides, and a busy machine's timing with it).
+    holder = env.pool.workers[a.worker]
+    holder.capacity = 64
+    try:
+        fresh_load(env)
+        _follow_up_while_queued(env, a, t2, t3)
+    finally:
+        holder.capacity = 0
+
+
+def _follow_up_while_queued(env, a, t2: str, t3: str):
     results: dict = {}
 
     def send(name: str, prompt: str):
